@@ -1,0 +1,28 @@
+# zrun: `make demo` trains the tiny GPT; `make test` runs every check CI runs.
+SHELL := /bin/bash
+ENV := source scripts/env.sh &&
+CARGO_FLAGS := --release --workspace
+
+.PHONY: setup build demo test fmt clippy clean
+setup:
+	@scripts/setup.sh
+
+build: setup
+	$(ENV) cargo build --release -p zrun
+
+demo: build
+	$(ENV) ./target/release/zrun configs/tiny-cpu.toml
+
+fmt:
+	$(ENV) cargo fmt --all
+
+clippy: setup
+	$(ENV) cargo clippy $(CARGO_FLAGS) --all-targets -- -D warnings
+
+test: setup
+	$(ENV) cargo fmt --all -- --check
+	$(ENV) cargo clippy $(CARGO_FLAGS) --all-targets -- -D warnings
+	$(ENV) cargo test $(CARGO_FLAGS)
+
+clean:
+	cargo clean

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Idempotent setup: Debian packages (installed when root, otherwise the exact
+# apt-get line is printed), then the project-local .venv with torch==2.11.0.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+TORCH_VERSION=2.11.0
+
+missing=()
+need() { # need PACKAGE CHECK-COMMAND...
+    local pkg=$1; shift
+    if ! "$@" >/dev/null 2>&1; then missing+=("$pkg"); fi
+}
+need g++ command -v g++
+need make command -v make
+need pkg-config command -v pkg-config
+need python3 command -v python3
+need python3-venv python3 -c 'import venv, ensurepip'
+# MPI backend (cargo feature `mpi`): OpenMPI and libclang for bindgen.
+need libopenmpi-dev command -v mpicc
+need openmpi-bin command -v mpirun
+need libclang-dev bash -c 'ls /usr/lib/llvm-*/lib/libclang*.so* /usr/lib/x86_64-linux-gnu/libclang*.so* 2>/dev/null | grep -q .'
+
+if [ ${#missing[@]} -gt 0 ]; then
+    line="apt-get install -y --no-install-recommends ${missing[*]}"
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "setup: installing Debian packages: ${missing[*]}"
+        DEBIAN_FRONTEND=noninteractive apt-get update -q
+        DEBIAN_FRONTEND=noninteractive $line
+    else
+        echo "setup: missing Debian packages; run as root:" >&2
+        echo "    sudo $line" >&2
+        exit 1
+    fi
+fi
+
+if ! command -v cargo >/dev/null; then
+    echo "setup: cargo not found; install the Rust toolchain (https://rustup.rs) and retry" >&2
+    exit 1
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    echo "setup: creating .venv"
+    python3 -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch, numpy, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+    echo "setup: installing torch==$TORCH_VERSION into .venv (a few GB, once)"
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q "torch==$TORCH_VERSION" numpy
+fi
