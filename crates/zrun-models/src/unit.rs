@@ -1,0 +1,120 @@
+//! The `Unit` and `Model` traits, and helpers that materialise and run a whole model.
+
+use tch::{Device, Kind, Tensor};
+
+use crate::error::{Error, Result, TorchCtx};
+use crate::param::ParamSpec;
+
+/// A unit: the granularity of gathering, freeing, reducing and checkpointing.
+pub trait Unit: Send + Sync {
+    /// Unit name: `"embed"`, `"h.0"`, ..., `"head"`.
+    fn name(&self) -> &str;
+    /// The unit's parameters, in a fixed order.
+    fn params(&self) -> &[ParamSpec];
+    /// Pure forward. `params[i]` has shape `self.params()[i].shape` (any float dtype; compute
+    /// happens in the dtype of the params). The embedding unit takes token ids (B, T) int64
+    /// and returns (B, T, C); blocks map (B, T, C) -> (B, T, C); the head maps (B, T, C) to
+    /// logits (B, T, V).
+    fn forward(&self, params: &[Tensor], x: &Tensor) -> Result<Tensor>;
+    /// Forward FLOPs per token of this unit (matmul 2*m*n*k counting, plus attention).
+    fn flops_per_token(&self) -> f64;
+}
+
+/// A model is an ordered list of units.
+pub trait Model: Send + Sync {
+    /// The units, in forward order.
+    fn units(&self) -> &[Box<dyn Unit>];
+    /// Sum of all `ParamSpec` numels.
+    fn param_count(&self) -> i64;
+    /// Training FLOPs per token (forward + backward = 3x forward), for MFU.
+    fn flops_per_token(&self) -> f64;
+    /// Vocabulary size V (logits' last dimension).
+    fn vocab_size(&self) -> i64;
+    /// Longest sequence the model accepts.
+    fn seq_len(&self) -> i64;
+}
+
+/// Materialise one unit's parameters as fp32 CPU tensors via `ParamSpec::init_into`.
+///
+/// The values equal what any sharded build with the same `seed` produces, so this is the
+/// single-process reference for tests and small tools.
+pub fn init_unit_params(unit: &dyn Unit, seed: u64) -> Result<Vec<Tensor>> {
+    unit.params()
+        .iter()
+        .map(|p| {
+            let mut data = vec![0f32; usize::try_from(p.numel()).unwrap_or(0)];
+            p.init_into(seed, 0, &mut data);
+            Tensor::f_from_slice(&data)
+                .and_then(|t| t.f_reshape(&p.shape))
+                .ctx(&p.name, "from_slice/reshape")
+        })
+        .collect()
+}
+
+/// Materialise every unit's parameters (see [`init_unit_params`]), cast to `kind` and moved
+/// to `device`. Returns one `Vec<Tensor>` per unit, in unit order.
+pub fn init_model_params(
+    model: &dyn Model,
+    seed: u64,
+    kind: Kind,
+    device: Device,
+) -> Result<Vec<Vec<Tensor>>> {
+    model
+        .units()
+        .iter()
+        .map(|u| {
+            init_unit_params(u.as_ref(), seed)?
+                .into_iter()
+                .map(|t| t.f_to_device(device).and_then(|t| t.f_to_kind(kind)))
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .ctx(u.name(), "to_device/to_kind")
+        })
+        .collect()
+}
+
+/// Run the whole model unit by unit: token ids (B, T) int64 -> logits (B, T, V).
+///
+/// `params[u]` holds unit `u`'s tensors in `Unit::params()` order. This is the unsharded
+/// reference forward that sharded engines are checked against.
+pub fn forward_model(model: &dyn Model, params: &[Vec<Tensor>], idx: &Tensor) -> Result<Tensor> {
+    let units = model.units();
+    if params.len() != units.len() {
+        let names: Vec<&str> = units.iter().map(|u| u.name()).collect();
+        return Err(Error::ParamCount {
+            unit: "<model>".to_string(),
+            expected: units.len(),
+            got: params.len(),
+            names: format!("one Vec<Tensor> per unit: {}", names.join(", ")),
+        });
+    }
+    let mut x = idx.shallow_clone();
+    for (unit, p) in units.iter().zip(params) {
+        x = unit.forward(p, &x)?;
+    }
+    Ok(x)
+}
+
+/// Check that `params` matches `specs` in count and shapes; used by every unit's forward.
+pub(crate) fn check_params(unit: &str, specs: &[ParamSpec], params: &[Tensor]) -> Result<()> {
+    if params.len() != specs.len() {
+        let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
+        return Err(Error::ParamCount {
+            unit: unit.to_string(),
+            expected: specs.len(),
+            got: params.len(),
+            names: names.join(", "),
+        });
+    }
+    for (s, t) in specs.iter().zip(params) {
+        let got = t.size();
+        if got != s.shape {
+            return Err(Error::ParamShape {
+                unit: unit.to_string(),
+                param: s.name.clone(),
+                expected: s.shape.clone(),
+                got,
+            });
+        }
+    }
+    Ok(())
+}
