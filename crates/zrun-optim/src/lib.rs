@@ -1,0 +1,49 @@
+//! AdamW over flat fp32 shards, gradient clipping and learning-rate schedules.
+//!
+//! The ZeRO engine hands this crate one contiguous fp32 buffer per rank (the master
+//! parameters it owns) and the matching gradient buffer; the update is a handful of
+//! in-place kernels for the whole rank, with no per-tensor loop.
+
+mod adamw;
+mod clip;
+mod schedule;
+
+pub use adamw::{AdamW, AdamWConfig};
+pub use clip::clip_coefficient;
+pub use schedule::LrSchedule;
+
+/// Errors of the optimizer crate.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A libtorch call failed inside an optimizer operation.
+    #[error("optimizer: {op} failed: {source}")]
+    Torch {
+        /// The operation that failed.
+        op: &'static str,
+        /// The libtorch error.
+        #[source]
+        source: tch::TchError,
+    },
+    /// Buffers handed to the optimizer disagree in size.
+    #[error("optimizer: {what} has {got} elements, expected {expected} (the rank's shard size)")]
+    Size {
+        /// Which buffer.
+        what: &'static str,
+        /// Its element count.
+        got: i64,
+        /// The shard size the optimizer was built for.
+        expected: i64,
+    },
+}
+
+/// Result alias of this crate.
+pub type Result<T> = std::result::Result<T, Error>;
+
+pub(crate) fn torch<T>(op: &'static str, r: std::result::Result<T, tch::TchError>) -> Result<T> {
+    r.map_err(|source| Error::Torch { op, source })
+}
+
+/// Runs an in-place libtorch op, dropping the returned handle to the same tensor.
+pub(crate) fn inplace(op: &'static str, r: std::result::Result<tch::Tensor, tch::TchError>) -> Result<()> {
+    torch(op, r).map(drop)
+}
