@@ -1,0 +1,218 @@
+//! Flat units: each unit's parameters in one padded buffer, a view table naming them, and
+//! the contiguous slice of that buffer every rank owns.
+
+use zrun_models::Unit;
+
+/// One named parameter inside a unit's flat buffer.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct View {
+    /// Full parameter name, e.g. `h.3.attn.qkv.weight`; checkpoints use it.
+    pub name: String,
+    /// Shape of the parameter.
+    pub shape: Vec<i64>,
+    /// Element offset inside the unit's flat buffer.
+    pub offset: i64,
+    /// Element count (product of `shape`).
+    pub numel: i64,
+    /// Whether weight decay applies (matrices and embeddings).
+    pub decay: bool,
+}
+
+/// The view table of one unit, padded to a multiple of the world size.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct UnitLayout {
+    /// Unit name (`embed`, `h.0`, ..., `head`).
+    pub unit: String,
+    /// Views in the unit's parameter order (the order its `forward` takes them).
+    pub views: Vec<View>,
+    /// Elements actually used by parameters.
+    pub numel: i64,
+    /// `numel` rounded up to a multiple of `world_size`.
+    pub padded: i64,
+    /// World size the padding was computed for.
+    pub world_size: i64,
+}
+
+impl UnitLayout {
+    /// Lays out `unit`'s parameters for `world_size` ranks. In memory, parameters with weight
+    /// decay come first, so a shard's decay region is at most one range per unit; the view
+    /// table keeps the unit's own parameter order.
+    pub fn new(unit: &dyn Unit, world_size: i64) -> UnitLayout {
+        let specs = unit.params();
+        let mut offsets = vec![0i64; specs.len()];
+        let mut next = 0i64;
+        for decay in [true, false] {
+            for (i, s) in specs.iter().enumerate().filter(|(_, s)| s.decay == decay) {
+                offsets[i] = next;
+                next += s.numel();
+            }
+        }
+        let views = specs
+            .iter()
+            .zip(offsets)
+            .map(|(s, offset)| View {
+                name: s.name.clone(),
+                shape: s.shape.clone(),
+                offset,
+                numel: s.numel(),
+                decay: s.decay,
+            })
+            .collect();
+        let padded = (next + world_size - 1) / world_size * world_size;
+        UnitLayout { unit: unit.name().to_string(), views, numel: next, padded, world_size }
+    }
+
+    /// Elements each rank owns.
+    pub fn shard_len(&self) -> i64 {
+        self.padded / self.world_size
+    }
+
+    /// `(offset, len)` of rank `rank`'s slice of the flat buffer.
+    pub fn shard_range(&self, rank: i64) -> (i64, i64) {
+        (rank * self.shard_len(), self.shard_len())
+    }
+
+    /// The decay region `[0, d)` of the flat buffer intersected with `[start, start + len)`,
+    /// relative to `start`; `None` when they do not meet.
+    pub fn decay_range_in(&self, start: i64, len: i64) -> Option<(i64, i64)> {
+        let d: i64 = self.views.iter().filter(|v| v.decay).map(|v| v.numel).sum();
+        let end = d.min(start + len);
+        (end > start).then(|| (0, end - start))
+    }
+}
+
+/// Every unit's layout plus where this rank's slices sit in its contiguous shard buffer.
+#[derive(Clone, Debug)]
+pub struct ShardLayout {
+    /// Unit layouts in model order.
+    pub units: Vec<UnitLayout>,
+    /// This rank.
+    pub rank: i64,
+    /// Number of ranks.
+    pub world_size: i64,
+    /// Offset of each unit's owned slice in the rank's contiguous shard buffer.
+    pub shard_offsets: Vec<i64>,
+    /// Offset of each unit's full flat buffer in a buffer of all units (stages 0-2).
+    pub full_offsets: Vec<i64>,
+}
+
+impl ShardLayout {
+    /// Layout of `units` for `rank` of `world_size`.
+    pub fn new(units: &[Box<dyn Unit>], rank: i64, world_size: i64) -> ShardLayout {
+        let units: Vec<UnitLayout> =
+            units.iter().map(|u| UnitLayout::new(u.as_ref(), world_size)).collect();
+        let prefix = |f: &dyn Fn(&UnitLayout) -> i64| {
+            units
+                .iter()
+                .scan(0i64, |acc, u| {
+                    let at = *acc;
+                    *acc += f(u);
+                    Some(at)
+                })
+                .collect::<Vec<_>>()
+        };
+        let shard_offsets = prefix(&|u| u.shard_len());
+        let full_offsets = prefix(&|u| u.padded);
+        ShardLayout { units, rank, world_size, shard_offsets, full_offsets }
+    }
+
+    /// Elements of this rank's contiguous shard buffer (sum of owned slices).
+    pub fn shard_numel(&self) -> i64 {
+        self.units.iter().map(|u| u.shard_len()).sum()
+    }
+
+    /// Elements of all units' padded flat buffers together.
+    pub fn full_numel(&self) -> i64 {
+        self.units.iter().map(|u| u.padded).sum()
+    }
+
+    /// Parameters of the model (no padding).
+    pub fn param_count(&self) -> i64 {
+        self.units.iter().map(|u| u.numel).sum()
+    }
+
+    /// Decay ranges `(offset, len)` inside this rank's contiguous shard buffer, merged where
+    /// adjacent.
+    pub fn shard_decay_ranges(&self) -> Vec<(i64, i64)> {
+        let mut out: Vec<(i64, i64)> = Vec::new();
+        for (u, at) in self.units.iter().zip(&self.shard_offsets) {
+            let (start, len) = u.shard_range(self.rank);
+            if let Some((off, n)) = u.decay_range_in(start, len) {
+                match out.last_mut() {
+                    Some(last) if last.0 + last.1 == at + off => last.1 += n,
+                    _ => out.push((at + off, n)),
+                }
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use zrun_models::{Gpt, GptConfig, Model};
+
+    fn gpt() -> Gpt {
+        Gpt::new(GptConfig { vocab_size: 61, seq_len: 16, n_layer: 3, n_head: 2, d_model: 14, init_std: 0.02 })
+            .unwrap()
+    }
+
+    #[test]
+    fn views_tile_the_flat_buffer_with_decay_first() {
+        let g = gpt();
+        for w in 1..=5 {
+            let l = ShardLayout::new(g.units(), 0, w);
+            for u in &l.units {
+                let mut spans: Vec<(i64, i64, bool)> = u.views.iter().map(|v| (v.offset, v.numel, v.decay)).collect();
+                spans.sort();
+                let mut next = 0;
+                for (off, n, _) in &spans {
+                    assert_eq!(*off, next, "views of {} overlap or leave holes", u.unit);
+                    next += n;
+                }
+                assert_eq!(next, u.numel);
+                // Decay params come first in memory.
+                let first_plain = spans.iter().position(|s| !s.2).unwrap_or(spans.len());
+                assert!(spans[first_plain..].iter().all(|s| !s.2));
+                assert_eq!(u.padded % w, 0);
+                assert!(u.padded - u.numel < w);
+            }
+            assert_eq!(l.param_count(), g.param_count());
+        }
+    }
+
+    #[test]
+    fn shard_ranges_partition_each_unit_and_decay_ranges_match_views() {
+        let g = gpt();
+        let w = 3;
+        for u in 0..g.units().len() {
+            let mut covered = 0;
+            for r in 0..w {
+                let l = ShardLayout::new(g.units(), r, w);
+                let (start, len) = l.units[u].shard_range(r);
+                assert_eq!(start, covered);
+                covered += len;
+            }
+            assert_eq!(covered, ShardLayout::new(g.units(), 0, w).units[u].padded);
+        }
+        // Every element of a rank's shard is in a decay range iff it belongs to a decay view.
+        for r in 0..w {
+            let l = ShardLayout::new(g.units(), r, w);
+            let mut expected = vec![false; l.shard_numel() as usize];
+            for (u, at) in l.units.iter().zip(&l.shard_offsets) {
+                let (start, len) = u.shard_range(r);
+                for v in u.views.iter().filter(|v| v.decay) {
+                    for i in v.offset.max(start)..(v.offset + v.numel).min(start + len) {
+                        expected[(at + i - start) as usize] = true;
+                    }
+                }
+            }
+            let mut got = vec![false; expected.len()];
+            for (off, n) in l.shard_decay_ranges() {
+                got[off as usize..(off + n) as usize].iter_mut().for_each(|x| *x = true);
+            }
+            assert_eq!(got, expected, "rank {r}");
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! The unit engine against whole-model autograd on the same units.
+
+use std::sync::Arc;
+use tch::{Device, Kind, Tensor};
+use zrun_models::{forward_model, init_model_params, lm_loss, Gpt, GptConfig, Model};
+use zrun_optim::AdamWConfig;
+use zrun_shard::{Engine, EngineConfig, Precision, Stage};
+
+const SEED: u64 = 11;
+
+fn model() -> Arc<dyn Model> {
+    let cfg = GptConfig { vocab_size: 97, seq_len: 24, n_layer: 4, n_head: 4, d_model: 32, init_std: 0.02 };
+    Arc::new(Gpt::new(cfg).unwrap())
+}
+
+fn engine(m: Arc<dyn Model>) -> Engine {
+    let adamw = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
+    let cfg = EngineConfig { stage: Stage::Zero0, precision: Precision::Fp32, device: Device::Cpu, seed: SEED, adamw };
+    Engine::new(m, cfg).unwrap()
+}
+
+fn batch(seed: i64, b: i64, t: i64, v: i64) -> (Tensor, Tensor) {
+    tch::manual_seed(seed);
+    let all = Tensor::randint(v, [b, t + 1], (Kind::Int64, Device::Cpu));
+    (all.narrow(1, 0, t), all.narrow(1, 1, t))
+}
+
+fn max_rel_err(a: &Tensor, b: &Tensor) -> f64 {
+    let diff = (a - b).abs().max().double_value(&[]);
+    diff / b.abs().max().double_value(&[]).max(1e-30)
+}
+
+#[test]
+fn parameters_are_the_models_deterministic_init() {
+    let m = model();
+    let e = engine(m.clone());
+    let reference = init_model_params(m.as_ref(), SEED, Kind::Float, Device::Cpu).unwrap();
+    let names: Vec<String> = m.units().iter().flat_map(|u| u.params().iter().map(|p| p.name.clone())).collect();
+    let got = e.named_parameters().unwrap();
+    assert_eq!(got.len(), names.len());
+    for ((name, t), (want_name, want)) in got.iter().zip(names.iter().zip(reference.iter().flatten())) {
+        assert_eq!(name, want_name);
+        assert!(t.equal(want), "{name} differs from the model's init");
+    }
+}
+
+#[test]
+fn unit_by_unit_gradients_equal_whole_model_autograd() {
+    let m = model();
+    let mut e = engine(m.clone());
+    let (x, y) = batch(3, 3, 24, 97);
+    // Two micro-steps with weights that sum to 1: the engine accumulates.
+    let (x2, y2) = batch(4, 3, 24, 97);
+    let l1 = e.forward_backward(&x, &y, 0.25).unwrap();
+    let l2 = e.forward_backward(&x2, &y2, 0.75).unwrap();
+
+    // Independent baseline: the same parameters as ordinary leaves, one forward over the
+    // whole model, one backward of the weighted loss.
+    let leaves: Vec<Vec<Tensor>> = init_model_params(m.as_ref(), SEED, Kind::Float, Device::Cpu)
+        .unwrap()
+        .into_iter()
+        .map(|u| u.into_iter().map(|p| p.set_requires_grad(true)).collect())
+        .collect();
+    let loss1 = lm_loss(&forward_model(m.as_ref(), &leaves, &x).unwrap(), &y).unwrap();
+    let loss2 = lm_loss(&forward_model(m.as_ref(), &leaves, &x2).unwrap(), &y2).unwrap();
+    assert!((loss1.double_value(&[]) - l1).abs() < 1e-6 * l1.abs());
+    assert!((loss2.double_value(&[]) - l2).abs() < 1e-6 * l2.abs());
+    (loss1 * 0.25 + loss2 * 0.75).backward();
+
+    let grads = e.named_gradients().unwrap();
+    let mut checked = 0;
+    for ((name, g), want) in grads.iter().zip(leaves.iter().flatten()) {
+        let want = want.grad();
+        assert!(want.abs().max().double_value(&[]) > 0.0, "{name}: baseline gradient is zero");
+        let err = max_rel_err(g, &want);
+        assert!(err <= 1e-6, "{name}: max relative error {err:e}");
+        checked += 1;
+    }
+    assert_eq!(checked, m.units().iter().map(|u| u.params().len()).sum::<usize>());
+}
+
+#[test]
+fn padding_of_flat_gradients_stays_zero_and_step_clears_them() {
+    let m = model();
+    let mut e = engine(m);
+    let (x, y) = batch(5, 2, 24, 97);
+    e.forward_backward(&x, &y, 1.0).unwrap();
+    for (u, l) in e.layout().units.iter().enumerate() {
+        let g = e.unit_grad(u).unwrap();
+        let used = g.narrow(0, 0, l.numel).abs().sum(Kind::Double).double_value(&[]);
+        assert!(used > 0.0, "unit {} has no gradient", l.unit);
+    }
+    let before = e.named_parameters().unwrap()[0].1.copy();
+    let stats = e.step(1e-3, 1.0).unwrap();
+    assert!(stats.applied && stats.grad_norm > 0.0);
+    assert!(!e.named_parameters().unwrap()[0].1.equal(&before), "the step changed nothing");
+    for (_, g) in e.named_gradients().unwrap() {
+        assert_eq!(g.abs().sum(Kind::Double).double_value(&[]), 0.0);
+    }
+}
+
+#[test]
+fn clipping_scales_gradients_to_the_max_norm() {
+    let m = model();
+    let mut a = engine(m.clone());
+    let mut b = engine(m);
+    let (x, y) = batch(6, 2, 24, 97);
+    a.forward_backward(&x, &y, 1.0).unwrap();
+    b.forward_backward(&x, &y, 1.0).unwrap();
+    // A huge clip threshold leaves gradients alone; a tiny one scales them.
+    let sa = a.step(1e-3, 1e9).unwrap();
+    let sb = b.step(1e-3, 1e-3).unwrap();
+    assert_eq!(sa.clip_coef, 1.0);
+    assert!((sb.clip_coef - 1e-3 / (sb.grad_norm + 1e-6)).abs() < 1e-12);
+    assert!((sa.grad_norm - sb.grad_norm).abs() < 1e-9 * sa.grad_norm);
+}
+
+#[test]
+fn unsupported_stage_is_a_clear_error() {
+    let adamw = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0 };
+    let cfg = EngineConfig { stage: Stage::Zero3, precision: Precision::Fp32, device: Device::Cpu, seed: 0, adamw };
+    let err = Engine::new(model(), cfg).err().unwrap().to_string();
+    assert!(err.contains("zero.stage = 3"), "{err}");
+}
