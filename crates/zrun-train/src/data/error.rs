@@ -1,0 +1,181 @@
+//! The data module's error type: every message is one line naming the file or config key,
+//! the problem and the fix.
+
+use std::path::PathBuf;
+
+/// Errors from opening a data source or reading batches from it.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    /// `data.path` (or a file it implies, such as `train.bin`) does not exist.
+    #[error("data.path {}: not found; expected {expected}", path.display())]
+    NotFound {
+        /// The missing path.
+        path: PathBuf,
+        /// What should be there.
+        expected: &'static str,
+    },
+    /// A file or directory could not be read.
+    #[error("data.path {}: cannot {op}: {source}; check that it exists and is readable", path.display())]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// What was attempted ("open", "memory-map", "read", "list directory").
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A token file whose size is not a whole number of uint16 tokens.
+    #[error(
+        "data.path {}: size {bytes} bytes is odd, but a token file must hold uint16 \
+         little-endian tokens (2 bytes each); regenerate it, e.g. \
+         np.array(ids, dtype=np.uint16).tofile(path)",
+        path.display()
+    )]
+    OddSize {
+        /// The token file.
+        path: PathBuf,
+        /// Its size in bytes.
+        bytes: u64,
+    },
+    /// Too few tokens for one train window and one eval window.
+    #[error(
+        "data.path {}: {tokens} tokens are too few for {what} at seq_len {seq_len}; \
+         need at least {needed} tokens: use more data or lower seq_len",
+        path.display()
+    )]
+    TooFewTokens {
+        /// The file (or text directory) that is too short.
+        path: PathBuf,
+        /// Tokens it holds.
+        tokens: u64,
+        /// Tokens it needs.
+        needed: u64,
+        /// The sequence length the windows are cut at.
+        seq_len: usize,
+        /// What the tokens must cover ("one train and one eval window", ...).
+        what: &'static str,
+    },
+    /// A token id that the model's embedding cannot hold.
+    #[error(
+        "data.path {}: token {token} at offset {offset} >= model.vocab_size {vocab_size}; \
+         raise model.vocab_size to at least {}",
+        path.display(),
+        u64::from(*token) + 1
+    )]
+    TokenOutOfRange {
+        /// The token file.
+        path: PathBuf,
+        /// The largest token in the file.
+        token: u16,
+        /// Token offset (not byte offset) of its first occurrence.
+        offset: u64,
+        /// The configured vocabulary size.
+        vocab_size: usize,
+    },
+    /// A text file that is not valid UTF-8.
+    #[error(
+        "data.path {}: invalid UTF-8 at byte offset {offset}; the text source reads UTF-8: \
+         re-encode the file (e.g. iconv -t UTF-8) or tokenize it into a uint16 .bin token file",
+        path.display()
+    )]
+    InvalidUtf8 {
+        /// The text file.
+        path: PathBuf,
+        /// Byte offset of the first invalid sequence.
+        offset: u64,
+    },
+    /// A text directory without any `*.txt` file.
+    #[error(
+        "data.path {}: no *.txt files in this directory; add UTF-8 .txt files or point \
+         data.path at one text file",
+        path.display()
+    )]
+    NoTextFiles {
+        /// The directory.
+        path: PathBuf,
+    },
+    /// The text source needs 256 byte tokens.
+    #[error(
+        "model.vocab_size {vocab_size} is below 256, but the text source uses byte-level \
+         tokens 0..=255; set model.vocab_size to at least 256"
+    )]
+    TextVocab {
+        /// The configured vocabulary size.
+        vocab_size: usize,
+    },
+    /// The synthetic chain's branching factor is out of range.
+    #[error(
+        "data.branching {branching} is invalid for model.vocab_size {vocab_size}: it must be \
+         in 1..={vocab_size} and branching * vocab_size <= {max_transitions}; pick a smaller \
+         data.branching (e.g. 4..64)"
+    )]
+    Branching {
+        /// The configured branching factor.
+        branching: usize,
+        /// The configured vocabulary size.
+        vocab_size: usize,
+        /// The largest transition table the chain builds.
+        max_transitions: usize,
+    },
+    /// An option outside its valid range.
+    #[error("{key} = {value} is invalid: {requirement}")]
+    Invalid {
+        /// The config key (`model.vocab_size`, `data.eval_fraction`, ...).
+        key: &'static str,
+        /// The offending value as written.
+        value: String,
+        /// What it must be.
+        requirement: &'static str,
+    },
+    /// A token file with more windows than a shuffle index can address.
+    #[error(
+        "data.path {}: {windows} windows of seq_len {seq_len} exceed the 2^32 windows an epoch \
+         shuffle supports; raise seq_len or split the file",
+        path.display()
+    )]
+    TooManyWindows {
+        /// The token file.
+        path: PathBuf,
+        /// Its window count.
+        windows: u64,
+        /// The sequence length.
+        seq_len: usize,
+    },
+    /// Power iteration for the synthetic chain's stationary distribution did not converge.
+    #[error(
+        "synthetic chain (model.vocab_size {vocab_size}, data.branching {branching}): the \
+         stationary distribution did not converge in {iterations} iterations (residual \
+         {residual:e}); raise data.branching or change the seed"
+    )]
+    NotConverged {
+        /// The configured vocabulary size.
+        vocab_size: usize,
+        /// The configured branching factor.
+        branching: usize,
+        /// Iterations run.
+        iterations: usize,
+        /// L1 norm of piP - pi at the end.
+        residual: f64,
+    },
+    /// A loader built with an impossible batch schedule.
+    #[error(
+        "data loader: {what}; check the launcher's rank and world size and the micro-batch \
+         and gradient-accumulation settings"
+    )]
+    Schedule {
+        /// What is wrong.
+        what: String,
+    },
+    /// libtorch refused to build a batch tensor.
+    #[error(
+        "data: building a {shape:?} int64 batch tensor failed: {source}; check free host memory"
+    )]
+    Tensor {
+        /// The tensor's shape.
+        shape: Vec<i64>,
+        /// libtorch's error.
+        #[source]
+        source: tch::TchError,
+    },
+}
