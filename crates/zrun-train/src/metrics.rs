@@ -1,0 +1,159 @@
+//! `metrics.jsonl` (one JSON object per logged step) and `summary.json` in `log.dir`.
+
+use serde::Serialize;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+/// One logged step.
+#[derive(Clone, Debug, Serialize)]
+pub struct StepMetrics {
+    /// Optimizer step, 1-based.
+    pub step: u64,
+    /// Mean training loss over the step's micro-batches.
+    pub loss: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Tokens of the global batch per second of this step.
+    pub tokens_per_s: f64,
+    /// Wall time of the step.
+    pub step_time_s: f64,
+    /// Model-state bytes the engine holds on this rank (parameters, gradients, master, optimizer).
+    pub model_state_bytes: i64,
+    /// Every byte the engine allocated on this rank, buffers included.
+    pub engine_bytes: i64,
+    /// Resident set size of this process now.
+    pub rss_bytes: i64,
+    /// Peak resident set size of this process so far.
+    pub peak_rss_bytes: i64,
+    /// Evaluation loss, on the steps that evaluated.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f64>,
+}
+
+/// End-of-run figures.
+#[derive(Clone, Debug, Serialize)]
+pub struct Summary {
+    /// Steps trained.
+    pub steps: u64,
+    /// Mean training loss of the last step.
+    pub final_loss: f64,
+    /// Final evaluation loss.
+    pub eval_loss: f64,
+    /// The data's exact loss floor, when known.
+    pub loss_floor: Option<f64>,
+    /// Median tokens per second over the steps after the first.
+    pub tokens_per_s: f64,
+    /// Peak resident set size of each rank, bytes.
+    pub peak_rss_bytes: Vec<i64>,
+    /// Model-state bytes of each rank as the engine counted them.
+    pub model_state_bytes: Vec<i64>,
+    /// Model parameters.
+    pub params: i64,
+    /// World size.
+    pub world_size: usize,
+    /// Wall time of the run, seconds.
+    pub wall_time_s: f64,
+}
+
+/// Appends step metrics to `metrics.jsonl`, flushed line by line so a crash loses nothing.
+pub struct MetricsWriter {
+    out: BufWriter<File>,
+    dir: PathBuf,
+}
+
+impl MetricsWriter {
+    /// Creates `dir` and a fresh `dir/metrics.jsonl`.
+    pub fn create(dir: &Path) -> std::io::Result<MetricsWriter> {
+        std::fs::create_dir_all(dir)?;
+        let out = BufWriter::new(File::create(dir.join("metrics.jsonl"))?);
+        Ok(MetricsWriter { out, dir: dir.to_path_buf() })
+    }
+
+    /// Writes one line.
+    pub fn write(&mut self, m: &StepMetrics) -> std::io::Result<()> {
+        serde_json::to_writer(&mut self.out, m)?;
+        self.out.write_all(b"\n")?;
+        self.out.flush()
+    }
+
+    /// Writes `summary.json` (to a temporary name, then renamed).
+    pub fn summary(&self, s: &Summary) -> std::io::Result<PathBuf> {
+        let path = self.dir.join("summary.json");
+        let tmp = self.dir.join("summary.json.tmp");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(s)?)?;
+        std::fs::rename(&tmp, &path)?;
+        Ok(path)
+    }
+}
+
+/// (current, peak) resident set size of this process in bytes, from /proc/self/status;
+/// (0, 0) where that file does not exist.
+pub fn rss_bytes() -> (i64, i64) {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else {
+        return (0, 0);
+    };
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|r| r.trim().trim_end_matches("kB").trim().parse::<i64>().ok())
+            .map_or(0, |kb| kb * 1024)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// Median of a non-empty slice (0 when empty).
+pub fn median(xs: &[f64]) -> f64 {
+    if xs.is_empty() {
+        return 0.0;
+    }
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_odd_and_even() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(&[]), 0.0);
+    }
+
+    #[test]
+    fn rss_is_read_and_peak_is_at_least_current() {
+        let (now, peak) = rss_bytes();
+        assert!(now > 0 && peak >= now, "{now} {peak}");
+    }
+
+    #[test]
+    fn metrics_lines_and_summary_are_json() {
+        let dir = std::env::temp_dir().join(format!("zrun-metrics-{}", std::process::id()));
+        let mut w = MetricsWriter::create(&dir).unwrap();
+        let m = StepMetrics {
+            step: 1, loss: 2.5, lr: 1e-3, grad_norm: 0.5, tokens_per_s: 100.0, step_time_s: 0.1,
+            model_state_bytes: 16, engine_bytes: 20, rss_bytes: 1, peak_rss_bytes: 2, eval_loss: None,
+        };
+        w.write(&m).unwrap();
+        w.write(&StepMetrics { step: 2, eval_loss: Some(2.0), ..m }).unwrap();
+        let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+        let lines: Vec<serde_json::Value> =
+            text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(lines.len(), 2);
+        assert_eq!(lines[0]["step"], 1);
+        assert!(lines[0].get("eval_loss").is_none());
+        assert_eq!(lines[1]["eval_loss"], 2.0);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

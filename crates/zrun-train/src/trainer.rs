@@ -1,0 +1,234 @@
+//! The training loop of one rank: data, engine, schedule, eval, metrics.
+
+use crate::config::{Config, DataKind, DeviceChoice};
+use crate::data::{Cursor, DataOptions, DataSource, Dataset, Loader};
+use crate::metrics::{median, rss_bytes, MetricsWriter, StepMetrics, Summary};
+use crate::Error;
+use std::sync::Arc;
+use std::time::Instant;
+use tch::Device;
+use zrun_models::{Gpt, Model};
+use zrun_optim::{AdamWConfig, LrSchedule};
+use zrun_shard::{Engine, EngineConfig};
+
+/// Where this process sits in the job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankInfo {
+    /// Global rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// Ranks on this node.
+    pub local_world_size: usize,
+}
+
+impl RankInfo {
+    /// A job of one rank.
+    pub fn single() -> RankInfo {
+        RankInfo { rank: 0, world_size: 1, local_world_size: 1 }
+    }
+}
+
+/// Everything a run needs, built from the config before the first step.
+pub struct Run {
+    cfg: Config,
+    rank: RankInfo,
+    model: Arc<dyn Model>,
+    dataset: Arc<Dataset>,
+    engine: Engine,
+}
+
+impl Run {
+    /// Builds model, data and engine; the first place bad input is reported.
+    pub fn new(cfg: &Config, rank: RankInfo) -> Result<Run, Error> {
+        if rank.world_size != 1 {
+            return Err(Error::Unsupported(format!(
+                "world size {} needs the multi-rank engine, which this version does not have yet",
+                rank.world_size
+            )));
+        }
+        set_threads(cfg.train.threads, rank.local_world_size);
+        let gpt = cfg.gpt()?;
+        let dataset = Arc::new(Dataset::open(&data_options(cfg, gpt.seq_len, gpt.vocab_size))?);
+        let model: Arc<dyn Model> = Arc::new(Gpt::new(gpt)?);
+        let t = &cfg.train;
+        let engine = Engine::new(
+            model.clone(),
+            EngineConfig {
+                stage: cfg.zero.stage,
+                precision: cfg.zero.precision,
+                device: device(cfg.dist.device)?,
+                seed: t.seed,
+                adamw: AdamWConfig { beta1: t.beta1, beta2: t.beta2, eps: t.eps, weight_decay: t.weight_decay },
+            },
+        )?;
+        Ok(Run { cfg: cfg.clone(), rank, model, dataset, engine })
+    }
+
+    /// The engine (for inspection before training).
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// The exact loss floor of the data, when known.
+    pub fn loss_floor(&self) -> Option<f64> {
+        self.dataset.loss_floor()
+    }
+
+    /// Mean loss over `train.eval_batches` held-out micro-batches of this rank.
+    pub fn evaluate(&self, loader: &Loader) -> Result<f64, Error> {
+        let n = self.cfg.train.eval_batches;
+        let mut sum = 0.0;
+        for i in 0..n {
+            let (x, y) = loader.eval_batch(i)?;
+            sum += self.engine.eval_loss(&x, &y)?;
+        }
+        Ok(sum / n as f64)
+    }
+
+    /// Trains `train.steps` steps, writing metrics; returns the summary.
+    pub fn train(mut self) -> Result<Summary, Error> {
+        let start = Instant::now();
+        let t = self.cfg.train.clone();
+        let every = self.cfg.log.every;
+        let schedule = LrSchedule {
+            peak: t.lr,
+            min: self.cfg.min_lr(),
+            warmup_steps: t.warmup_steps,
+            total_steps: t.steps,
+        };
+        let r = self.rank;
+        let mut loader = Loader::new(
+            self.dataset.clone(),
+            r.rank,
+            r.world_size,
+            t.micro_batch,
+            t.grad_accum,
+            Cursor::default(),
+        );
+        let mut metrics = if r.rank == 0 {
+            let dir = &self.cfg.log.dir;
+            Some(MetricsWriter::create(dir).map_err(|e| Error::Io { path: dir.clone(), source: e })?)
+        } else {
+            None
+        };
+        let tokens_per_step = (t.grad_accum * r.world_size * t.micro_batch) as f64 * self.model.seq_len() as f64;
+        let mem = self.engine.memory();
+        tracing::info!(
+            params = self.model.param_count(),
+            model_state_mib = mem.model_states() >> 20,
+            loss_floor = ?self.loss_floor(),
+            "training {} steps of {} tokens",
+            t.steps,
+            tokens_per_step
+        );
+        let mut rates = Vec::new();
+        let mut last_loss = f64::NAN;
+        let mut eval_loss = None;
+        for step in 0..t.steps {
+            let t0 = Instant::now();
+            let mut loss = 0.0;
+            for _ in 0..t.grad_accum {
+                let (x, y) = loader.next_micro_batch()?;
+                loss += self.engine.forward_backward(&x, &y, 1.0 / t.grad_accum as f64)? / t.grad_accum as f64;
+            }
+            let lr = schedule.at(step);
+            let stats = self.engine.step(lr, t.grad_clip)?;
+            if !stats.applied || !loss.is_finite() {
+                return Err(Error::NonFinite { step: step + 1, loss, grad_norm: stats.grad_norm });
+            }
+            let dt = t0.elapsed().as_secs_f64();
+            if step > 0 || t.steps == 1 {
+                rates.push(tokens_per_step / dt);
+            }
+            last_loss = loss;
+            let done = step + 1;
+            let evaluate = t.eval_every > 0 && done % t.eval_every == 0 || done == t.steps;
+            eval_loss = if evaluate { Some(self.evaluate(&loader)?) } else { None };
+            if done % every == 0 || done == t.steps || eval_loss.is_some() {
+                let (rss, peak) = rss_bytes();
+                let m = StepMetrics {
+                    step: done,
+                    loss,
+                    lr,
+                    grad_norm: stats.grad_norm,
+                    tokens_per_s: tokens_per_step / dt,
+                    step_time_s: dt,
+                    model_state_bytes: mem.model_states(),
+                    engine_bytes: mem.total(),
+                    rss_bytes: rss,
+                    peak_rss_bytes: peak,
+                    eval_loss,
+                };
+                tracing::info!(
+                    "step {done}/{} loss {loss:.4}{} lr {lr:.3e} grad_norm {:.3} {:.0} tok/s {:.3}s rss {} MiB",
+                    t.steps,
+                    eval_loss.map(|e| format!(" eval {e:.4}")).unwrap_or_default(),
+                    stats.grad_norm,
+                    m.tokens_per_s,
+                    dt,
+                    rss >> 20
+                );
+                if let Some(w) = metrics.as_mut() {
+                    w.write(&m).map_err(|e| Error::Io { path: self.cfg.log.dir.join("metrics.jsonl"), source: e })?;
+                }
+            }
+        }
+        let summary = Summary {
+            steps: t.steps,
+            final_loss: last_loss,
+            eval_loss: eval_loss.unwrap_or(f64::NAN),
+            loss_floor: self.loss_floor(),
+            tokens_per_s: median(&rates),
+            peak_rss_bytes: vec![rss_bytes().1],
+            model_state_bytes: vec![mem.model_states()],
+            params: self.model.param_count(),
+            world_size: r.world_size,
+            wall_time_s: start.elapsed().as_secs_f64(),
+        };
+        if let Some(w) = &metrics {
+            w.summary(&summary).map_err(|e| Error::Io { path: self.cfg.log.dir.join("summary.json"), source: e })?;
+        }
+        Ok(summary)
+    }
+}
+
+fn data_options(cfg: &Config, seq_len: i64, vocab_size: i64) -> DataOptions {
+    let d = &cfg.data;
+    let path = d.path.clone().unwrap_or_default();
+    DataOptions {
+        source: match d.source {
+            DataKind::Synthetic => DataSource::Synthetic { branching: d.branching },
+            DataKind::Tokens => DataSource::Tokens { path },
+            DataKind::Text => DataSource::Text { path },
+        },
+        seq_len: seq_len as usize,
+        vocab_size: vocab_size as usize,
+        seed: d.seed,
+        eval_fraction: d.eval_fraction,
+    }
+}
+
+fn device(choice: DeviceChoice) -> Result<Device, Error> {
+    match choice {
+        DeviceChoice::Cpu => Ok(Device::Cpu),
+        DeviceChoice::Auto => Ok(Device::cuda_if_available()),
+        DeviceChoice::Cuda if tch::Cuda::is_available() => Ok(Device::Cuda(0)),
+        DeviceChoice::Cuda => Err(Error::Unsupported(
+            "dist.device = \"cuda\" but no CUDA device is visible; use \"cpu\" or \"auto\"".into(),
+        )),
+    }
+}
+
+/// libtorch intra-op threads: `train.threads`, else OMP_NUM_THREADS, else this rank's
+/// share of the node's cores.
+fn set_threads(configured: usize, local_world_size: usize) {
+    let from_env = std::env::var("OMP_NUM_THREADS").ok().and_then(|v| v.parse::<usize>().ok());
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let n = match (configured, from_env) {
+        (0, Some(n)) if n > 0 => n,
+        (0, _) => (cores / local_world_size.max(1)).max(1),
+        (n, _) => n,
+    };
+    tch::set_num_threads(n as i32);
+}
