@@ -9,11 +9,18 @@ fn rejects(args: &[&str], needles: &[&str]) {
     let out = zrun(args);
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(2), "args {args:?}: stderr {err}");
-    assert!(!err.contains("panicked") && !err.contains("backtrace"), "{err}");
+    assert!(
+        !err.contains("panicked") && !err.contains("backtrace"),
+        "{err}"
+    );
     let lines: Vec<&str> = err.lines().filter(|l| l.contains("zrun: error:")).collect();
     assert_eq!(lines.len(), 1, "expected one error line: {err}");
     for n in needles {
-        assert!(lines[0].contains(n), "error line {:?} lacks {n:?}", lines[0]);
+        assert!(
+            lines[0].contains(n),
+            "error line {:?} lacks {n:?}",
+            lines[0]
+        );
     }
 }
 
@@ -23,24 +30,40 @@ fn tokens(values: &[u16]) -> Vec<u8> {
 
 #[test]
 fn missing_config_file() {
-    rejects(&["/nonexistent/dir/train.toml"], &["/nonexistent/dir/train.toml", "cannot read"]);
+    rejects(
+        &["/nonexistent/dir/train.toml"],
+        &["/nonexistent/dir/train.toml", "cannot read"],
+    );
 }
 
 #[test]
 fn unknown_key_and_wrong_type() {
     let d = scratch("keys");
     let unknown = write(&d, "unknown.toml", b"[train]\nstep = 3\n");
-    rejects(&[&unknown], &["unknown.toml", "train", "step", "unknown field"]);
+    rejects(
+        &[&unknown],
+        &["unknown.toml", "train", "step", "unknown field"],
+    );
     let wrong = write(&d, "wrong.toml", b"[train]\nsteps = 2.5\n");
-    rejects(&[&wrong], &["wrong.toml", "train.steps = 2.5", "invalid type"]);
+    rejects(
+        &[&wrong],
+        &["wrong.toml", "train.steps = 2.5", "invalid type"],
+    );
     let ok = write(&d, "ok.toml", b"");
-    rejects(&[&ok, "--set", "zero.stage=7"], &["--set zero.stage", "7", "0, 1, 2 or 3"]);
+    rejects(
+        &[&ok, "--set", "zero.stage=7"],
+        &["--set zero.stage", "7", "0, 1, 2 or 3"],
+    );
 }
 
 #[test]
 fn data_path_that_does_not_exist() {
     let d = scratch("nopath");
-    let cfg = write(&d, "c.toml", b"[data]\nsource = \"tokens\"\npath = \"/nonexistent/tokens.bin\"\n");
+    let cfg = write(
+        &d,
+        "c.toml",
+        b"[data]\nsource = \"tokens\"\npath = \"/nonexistent/tokens.bin\"\n",
+    );
     rejects(&[&cfg], &["/nonexistent/tokens.bin"]);
 }
 
@@ -50,7 +73,11 @@ fn token_file_with_odd_size() {
     let mut bytes = tokens(&(0..500).map(|i| (i % 200) as u16).collect::<Vec<_>>());
     bytes.push(7);
     let bin = write(&d, "odd.bin", &bytes);
-    let cfg = write(&d, "c.toml", format!("[data]\nsource = \"tokens\"\npath = \"{bin}\"\n").as_bytes());
+    let cfg = write(
+        &d,
+        "c.toml",
+        format!("[data]\nsource = \"tokens\"\npath = \"{bin}\"\n").as_bytes(),
+    );
     rejects(&[&cfg], &["odd.bin", "1001", "uint16"]);
 }
 
@@ -60,20 +87,35 @@ fn vocabulary_smaller_than_the_largest_token() {
     let mut values: Vec<u16> = (0..2000).map(|i| (i % 200) as u16).collect();
     values[777] = 50256;
     let bin = write(&d, "big.bin", &tokens(&values));
-    let cfg = write(&d, "c.toml", format!("[data]\nsource = \"tokens\"\npath = \"{bin}\"\n").as_bytes());
+    let cfg = write(
+        &d,
+        "c.toml",
+        format!("[data]\nsource = \"tokens\"\npath = \"{bin}\"\n").as_bytes(),
+    );
     rejects(&[&cfg], &["big.bin", "50256", "model.vocab_size", "50257"]);
 }
 
 #[test]
 fn dry_run_prints_the_layout_without_training() {
     let d = scratch("dry");
-    let out = zrun(&["--dry-run", "configs/tiny-cpu.toml", "--set", &format!("log.dir=\"{}\"", d.display())]);
+    let out = zrun(&[
+        "--dry-run",
+        "configs/tiny-cpu.toml",
+        "--set",
+        &format!("log.dir=\"{}\"", d.display()),
+    ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     // tiny preset: V=256, T=64, C=64, L=2: embeddings + blocks + final norm + head.
     let (v, t, c, l) = (256i64, 64i64, 64i64, 2i64);
     let params = v * c + t * c + l * (12 * c * c + 13 * c) + 2 * c + v * c;
     assert!(text.contains(&format!("parameters: {params}")), "{text}");
-    assert!(text.contains("unit h.1") && text.contains("model states"), "{text}");
-    assert!(!d.join("metrics.jsonl").exists(), "a dry run must not train");
+    assert!(
+        text.contains("unit h.1") && text.contains("model states"),
+        "{text}"
+    );
+    assert!(
+        !d.join("metrics.jsonl").exists(),
+        "a dry run must not train"
+    );
 }

@@ -13,7 +13,11 @@ use std::process::ExitCode;
 
 /// Command line of `zrun`.
 #[derive(Parser, Debug)]
-#[command(name = "zrun", version, about = "Sharded data-parallel training (ZeRO stages 0-3) on CPUs and GPUs")]
+#[command(
+    name = "zrun",
+    version,
+    about = "Sharded data-parallel training (ZeRO stages 0-3) on CPUs and GPUs"
+)]
 struct Cli {
     /// The training config (TOML); see docs/config.md.
     config: PathBuf,

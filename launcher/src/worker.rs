@@ -35,7 +35,12 @@ fn describe(run: &Run) {
     let e = run.engine();
     let l = e.layout();
     println!("parameters: {}", l.param_count());
-    println!("world size: {}  stage: {}  precision: {}", l.world_size, e.config().stage, e.config().precision);
+    println!(
+        "world size: {}  stage: {}  precision: {}",
+        l.world_size,
+        e.config().stage,
+        e.config().precision
+    );
     for (u, at) in l.units.iter().zip(&l.shard_offsets) {
         let (start, len) = u.shard_range(l.rank);
         println!(
@@ -63,6 +68,8 @@ fn describe(run: &Run) {
 
 /// True for errors in what the user gave: exit code 2.
 pub fn is_bad_input(e: &anyhow::Error) -> bool {
-    e.downcast_ref::<zrun_train::Error>().is_some_and(|e| e.is_bad_input())
-        || e.downcast_ref::<zrun_train::config::ConfigError>().is_some()
+    e.downcast_ref::<zrun_train::Error>()
+        .is_some_and(|e| e.is_bad_input())
+        || e.downcast_ref::<zrun_train::config::ConfigError>()
+            .is_some()
 }

@@ -92,7 +92,11 @@ impl AdamW {
     fn check(&self, what: &'static str, t: &Tensor) -> Result<()> {
         let got = t.numel() as i64;
         if got != self.numel {
-            return Err(Error::Size { what, got, expected: self.numel });
+            return Err(Error::Size {
+                what,
+                got,
+                expected: self.numel,
+            });
         }
         Ok(())
     }
@@ -141,7 +145,10 @@ impl AdamW {
 
 impl From<tch::TchError> for Error {
     fn from(source: tch::TchError) -> Self {
-        Error::Torch { op: "tensor view", source }
+        Error::Torch {
+            op: "tensor view",
+            source,
+        }
     }
 }
 
@@ -162,20 +169,22 @@ mod tests {
             self.t += 1;
             let bc1 = 1.0 - c.beta1.powi(self.t);
             let bc2 = 1.0 - c.beta2.powi(self.t);
-            for i in 0..self.p.len() {
+            for (i, &g) in g.iter().enumerate() {
+                let (p, m, v) = (&mut self.p[i], &mut self.m[i], &mut self.v[i]);
                 if decay(i) {
-                    self.p[i] *= 1.0 - lr * c.weight_decay;
+                    *p *= 1.0 - lr * c.weight_decay;
                 }
-                self.m[i] = c.beta1 * self.m[i] + (1.0 - c.beta1) * g[i];
-                self.v[i] = c.beta2 * self.v[i] + (1.0 - c.beta2) * g[i] * g[i];
-                let denom = (self.v[i] / bc2).sqrt() + c.eps;
-                self.p[i] -= lr * (self.m[i] / bc1) / denom;
+                *m = c.beta1 * *m + (1.0 - c.beta1) * g;
+                *v = c.beta2 * *v + (1.0 - c.beta2) * g * g;
+                *p -= lr * (*m / bc1) / ((*v / bc2).sqrt() + c.eps);
             }
         }
     }
 
     fn lcg(state: &mut u64) -> f64 {
-        *state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((*state >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
     }
 
@@ -184,13 +193,25 @@ mod tests {
         // Longer than one chunk so the chunk loop and its tail are exercised.
         let n = (CHUNK + 1000) as usize;
         let ranges = vec![(10i64, 500i64), (CHUNK - 7, 300)];
-        let in_ranges =
-            |i: usize| ranges.iter().any(|&(o, l)| (i as i64) >= o && (i as i64) < o + l);
-        let cfg = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
+        let in_ranges = |i: usize| {
+            ranges
+                .iter()
+                .any(|&(o, l)| (i as i64) >= o && (i as i64) < o + l)
+        };
+        let cfg = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
         let mut seed = 7u64;
         let p0: Vec<f64> = (0..n).map(|_| lcg(&mut seed)).collect();
-        let mut reference =
-            Reference { p: p0.clone(), m: vec![0.0; n], v: vec![0.0; n], t: 0 };
+        let mut reference = Reference {
+            p: p0.clone(),
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+            t: 0,
+        };
         let p32: Vec<f32> = p0.iter().map(|&x| x as f32).collect();
         let param = Tensor::from_slice(&p32);
         let mut opt = AdamW::new(n as i64, Device::Cpu, cfg, ranges.clone()).unwrap();
@@ -220,12 +241,24 @@ mod tests {
 
     #[test]
     fn rejects_a_mis_sized_gradient() {
-        let cfg = AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
+        let cfg = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
         let mut opt = AdamW::new(8, Device::Cpu, cfg, vec![]).unwrap();
-        let err = opt.step(&Tensor::zeros([8], (Kind::Float, Device::Cpu)),
-                           &Tensor::zeros([7], (Kind::Float, Device::Cpu)), 1e-3)
+        let err = opt
+            .step(
+                &Tensor::zeros([8], (Kind::Float, Device::Cpu)),
+                &Tensor::zeros([7], (Kind::Float, Device::Cpu)),
+                1e-3,
+            )
             .unwrap_err()
             .to_string();
-        assert!(err.contains("gradient shard has 7 elements, expected 8"), "{err}");
+        assert!(
+            err.contains("gradient shard has 7 elements, expected 8"),
+            "{err}"
+        );
     }
 }

@@ -44,6 +44,9 @@ pub(crate) fn torch<T>(op: &'static str, r: std::result::Result<T, tch::TchError
 }
 
 /// Runs an in-place libtorch op, dropping the returned handle to the same tensor.
-pub(crate) fn inplace(op: &'static str, r: std::result::Result<tch::Tensor, tch::TchError>) -> Result<()> {
+pub(crate) fn inplace(
+    op: &'static str,
+    r: std::result::Result<tch::Tensor, tch::TchError>,
+) -> Result<()> {
     torch(op, r).map(drop)
 }

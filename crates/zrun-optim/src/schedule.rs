@@ -36,12 +36,17 @@ mod tests {
 
     #[test]
     fn warmup_peak_and_cosine_values() {
-        let s = LrSchedule { peak: 1e-3, min: 1e-4, warmup_steps: 10, total_steps: 110 };
+        let s = LrSchedule {
+            peak: 1e-3,
+            min: 1e-4,
+            warmup_steps: 10,
+            total_steps: 110,
+        };
         assert!((s.at(0) - 1e-4).abs() < 1e-15); // 1/10 of peak
         assert!((s.at(4) - 5e-4).abs() < 1e-15);
         assert!((s.at(9) - 1e-3).abs() < 1e-15); // warmup ends at the peak
         assert!((s.at(10) - 1e-3).abs() < 1e-15); // cosine starts at the peak
-        // Halfway through the decay the cosine term is zero: the midpoint of peak and min.
+                                                  // Halfway through the decay the cosine term is zero: the midpoint of peak and min.
         assert!((s.at(60) - 5.5e-4).abs() < 1e-12);
         // A quarter of the way: min + (peak-min) * (1 + cos(pi/4)) / 2.
         let q = 1e-4 + 9e-4 * (1.0 + (0.25f64 * std::f64::consts::PI).cos()) / 2.0;
@@ -52,7 +57,12 @@ mod tests {
 
     #[test]
     fn decay_is_monotone_and_no_warmup_starts_at_peak() {
-        let s = LrSchedule { peak: 3e-3, min: 3e-4, warmup_steps: 0, total_steps: 50 };
+        let s = LrSchedule {
+            peak: 3e-3,
+            min: 3e-4,
+            warmup_steps: 0,
+            total_steps: 50,
+        };
         assert_eq!(s.at(0), 3e-3);
         for k in 1..60 {
             assert!(s.at(k) <= s.at(k - 1));

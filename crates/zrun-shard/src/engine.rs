@@ -83,7 +83,8 @@ impl Engine {
         let master = init_master(model.as_ref(), &layout, cfg.seed)?
             .f_to_device(cfg.device)
             .ctx("move parameters to the device", "-")?;
-        let grads = Tensor::f_zeros([n], (Kind::Float, cfg.device)).ctx("allocate gradients", "-")?;
+        let grads =
+            Tensor::f_zeros([n], (Kind::Float, cfg.device)).ctx("allocate gradients", "-")?;
         let optimizer = AdamW::new(n, cfg.device, cfg.adamw, layout.shard_decay_ranges())?;
         let ledger = MemoryLedger {
             params: 4 * n,
@@ -92,7 +93,15 @@ impl Engine {
             optimizer: optimizer.state_bytes(),
             buffers: optimizer.scratch_bytes(),
         };
-        Ok(Engine { model, layout, cfg, master, grads, optimizer, ledger })
+        Ok(Engine {
+            model,
+            layout,
+            cfg,
+            master,
+            grads,
+            optimizer,
+            ledger,
+        })
     }
 
     /// The layout (view tables) of every unit.
@@ -112,7 +121,8 @@ impl Engine {
 
     fn unit_slice(&self, buf: &Tensor, u: usize) -> Result<Tensor> {
         let l = &self.layout.units[u];
-        buf.f_narrow(0, self.layout.full_offsets[u], l.padded).ctx("slice flat buffer", &l.unit)
+        buf.f_narrow(0, self.layout.full_offsets[u], l.padded)
+            .ctx("slice flat buffer", &l.unit)
     }
 
     /// Unit `u`'s flat fp32 gradient buffer (padded).
@@ -143,15 +153,27 @@ impl Engine {
     /// One micro-step: forward unit by unit, then backward unit by unit in reverse, adding
     /// `loss_weight` times each unit's gradient into the gradient buffer. Returns the
     /// micro-batch's mean loss. `inputs` and `targets` are (B, T) int64.
-    pub fn forward_backward(&mut self, inputs: &Tensor, targets: &Tensor, weight: f64) -> Result<f64> {
+    pub fn forward_backward(
+        &mut self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        weight: f64,
+    ) -> Result<f64> {
         let units = self.model.units();
         let dev = self.cfg.device;
-        let mut x = inputs.f_to_device(dev).ctx("move inputs to the device", "-")?;
-        let targets = targets.f_to_device(dev).ctx("move targets to the device", "-")?;
+        let mut x = inputs
+            .f_to_device(dev)
+            .ctx("move inputs to the device", "-")?;
+        let targets = targets
+            .f_to_device(dev)
+            .ctx("move targets to the device", "-")?;
         let mut saved: Vec<Saved> = Vec::with_capacity(units.len());
         for (u, unit) in units.iter().enumerate() {
             let name = unit.name();
-            let flat = self.unit_slice(&self.master, u)?.f_detach().ctx("detach", name)?;
+            let flat = self
+                .unit_slice(&self.master, u)?
+                .f_detach()
+                .ctx("detach", name)?;
             let flat = flat.set_requires_grad(true);
             let input = if u == 0 {
                 None
@@ -161,7 +183,11 @@ impl Engine {
             let params = views(&self.layout.units[u], &flat)?;
             let output = unit.forward(&params, input.as_ref().unwrap_or(&x))?;
             x = output.shallow_clone();
-            saved.push(Saved { input, flat, output });
+            saved.push(Saved {
+                input,
+                flat,
+                output,
+            });
         }
         let loss = lm_loss(&x, &targets)?;
         let loss_value = loss.f_double_value(&[]).ctx("read loss", "head")?;
@@ -173,11 +199,16 @@ impl Engine {
             // unit, otherwise <output, upstream gradient> (its gradient wrt output is upstream).
             let root = match &upstream {
                 None => loss.f_mul_scalar(weight).ctx("scale loss", name)?,
-                Some(g) => s.output.f_mul(g).and_then(|t| t.f_sum(Kind::Float)).ctx("backward root", name)?,
+                Some(g) => s
+                    .output
+                    .f_mul(g)
+                    .and_then(|t| t.f_sum(Kind::Float))
+                    .ctx("backward root", name)?,
             };
             let mut wrt = vec![&s.flat];
             wrt.extend(s.input.as_ref());
-            let mut g = Tensor::f_run_backward(&[&root], &wrt, false, false).ctx("backward", name)?;
+            let mut g =
+                Tensor::f_run_backward(&[&root], &wrt, false, false).ctx("backward", name)?;
             let mut grad = self.unit_slice(&self.grads, u)?;
             grad.f_add_(&g[0]).done("accumulate gradient", name)?;
             upstream = if s.input.is_some() { g.pop() } else { None };
@@ -189,30 +220,46 @@ impl Engine {
     pub fn eval_loss(&self, inputs: &Tensor, targets: &Tensor) -> Result<f64> {
         let _guard = tch::no_grad_guard();
         let dev = self.cfg.device;
-        let mut x = inputs.f_to_device(dev).ctx("move inputs to the device", "-")?;
+        let mut x = inputs
+            .f_to_device(dev)
+            .ctx("move inputs to the device", "-")?;
         for (u, unit) in self.model.units().iter().enumerate() {
             let flat = self.unit_slice(&self.master, u)?;
             x = unit.forward(&views(&self.layout.units[u], &flat)?, &x)?;
         }
-        let targets = targets.f_to_device(dev).ctx("move targets to the device", "-")?;
-        lm_loss(&x, &targets)?.f_double_value(&[]).ctx("read loss", "head")
+        let targets = targets
+            .f_to_device(dev)
+            .ctx("move targets to the device", "-")?;
+        lm_loss(&x, &targets)?
+            .f_double_value(&[])
+            .ctx("read loss", "head")
     }
 
     /// Clips the accumulated gradients to `max_norm` (<= 0: off), applies AdamW with `lr`
     /// and clears the gradients. A step whose gradients are not finite is not applied.
     pub fn step(&mut self, lr: f64, max_norm: f64) -> Result<StepStats> {
         let _guard = tch::no_grad_guard();
-        let grad_norm = self.grads.f_norm().and_then(|t| t.f_double_value(&[])).ctx("gradient norm", "-")?;
+        let grad_norm = self
+            .grads
+            .f_norm()
+            .and_then(|t| t.f_double_value(&[]))
+            .ctx("gradient norm", "-")?;
         let applied = grad_norm.is_finite();
         let clip_coef = clip_coefficient(grad_norm, max_norm);
         if applied {
             if clip_coef < 1.0 {
-                self.grads.f_mul_scalar_(clip_coef).done("clip gradients", "-")?;
+                self.grads
+                    .f_mul_scalar_(clip_coef)
+                    .done("clip gradients", "-")?;
             }
             self.optimizer.step(&self.master, &self.grads, lr)?;
         }
         self.grads.f_zero_().done("zero gradients", "-")?;
-        Ok(StepStats { grad_norm, clip_coef, applied })
+        Ok(StepStats {
+            grad_norm,
+            clip_coef,
+            applied,
+        })
     }
 }
 
@@ -221,7 +268,10 @@ fn views(layout: &UnitLayout, flat: &Tensor) -> Result<Vec<Tensor>> {
     layout
         .views
         .iter()
-        .map(|v| flat.f_narrow(0, v.offset, v.numel).and_then(|t| t.f_view(v.shape.as_slice())))
+        .map(|v| {
+            flat.f_narrow(0, v.offset, v.numel)
+                .and_then(|t| t.f_view(v.shape.as_slice()))
+        })
         .collect::<std::result::Result<_, _>>()
         .ctx("view parameters", &layout.unit)
 }
@@ -230,11 +280,17 @@ fn views(layout: &UnitLayout, flat: &Tensor) -> Result<Vec<Tensor>> {
 /// init, so no rank ever materialises more than its own shard.
 fn init_master(model: &dyn Model, layout: &ShardLayout, seed: u64) -> Result<Tensor> {
     let n = layout.shard_numel();
-    let master = Tensor::f_zeros([n], (Kind::Float, Device::Cpu)).ctx("allocate parameters", "-")?;
+    let master =
+        Tensor::f_zeros([n], (Kind::Float, Device::Cpu)).ctx("allocate parameters", "-")?;
     // SAFETY: `master` is a freshly allocated, contiguous fp32 CPU tensor of `n` elements that
     // nothing else references until this function returns; the slice does not outlive it.
     let data = unsafe { std::slice::from_raw_parts_mut(master.data_ptr() as *mut f32, n as usize) };
-    for ((unit, l), at) in model.units().iter().zip(&layout.units).zip(&layout.shard_offsets) {
+    for ((unit, l), at) in model
+        .units()
+        .iter()
+        .zip(&layout.units)
+        .zip(&layout.shard_offsets)
+    {
         let (start, len) = l.shard_range(layout.rank);
         let shard = &mut data[*at as usize..(*at + len) as usize];
         for (spec, v) in unit.params().iter().zip(&l.views) {

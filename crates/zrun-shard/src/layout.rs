@@ -59,7 +59,13 @@ impl UnitLayout {
             })
             .collect();
         let padded = (next + world_size - 1) / world_size * world_size;
-        UnitLayout { unit: unit.name().to_string(), views, numel: next, padded, world_size }
+        UnitLayout {
+            unit: unit.name().to_string(),
+            views,
+            numel: next,
+            padded,
+            world_size,
+        }
     }
 
     /// Elements each rank owns.
@@ -99,8 +105,10 @@ pub struct ShardLayout {
 impl ShardLayout {
     /// Layout of `units` for `rank` of `world_size`.
     pub fn new(units: &[Box<dyn Unit>], rank: i64, world_size: i64) -> ShardLayout {
-        let units: Vec<UnitLayout> =
-            units.iter().map(|u| UnitLayout::new(u.as_ref(), world_size)).collect();
+        let units: Vec<UnitLayout> = units
+            .iter()
+            .map(|u| UnitLayout::new(u.as_ref(), world_size))
+            .collect();
         let prefix = |f: &dyn Fn(&UnitLayout) -> i64| {
             units
                 .iter()
@@ -113,7 +121,13 @@ impl ShardLayout {
         };
         let shard_offsets = prefix(&|u| u.shard_len());
         let full_offsets = prefix(&|u| u.padded);
-        ShardLayout { units, rank, world_size, shard_offsets, full_offsets }
+        ShardLayout {
+            units,
+            rank,
+            world_size,
+            shard_offsets,
+            full_offsets,
+        }
     }
 
     /// Elements of this rank's contiguous shard buffer (sum of owned slices).
@@ -154,8 +168,15 @@ mod tests {
     use zrun_models::{Gpt, GptConfig, Model};
 
     fn gpt() -> Gpt {
-        Gpt::new(GptConfig { vocab_size: 61, seq_len: 16, n_layer: 3, n_head: 2, d_model: 14, init_std: 0.02 })
-            .unwrap()
+        Gpt::new(GptConfig {
+            vocab_size: 61,
+            seq_len: 16,
+            n_layer: 3,
+            n_head: 2,
+            d_model: 14,
+            init_std: 0.02,
+        })
+        .unwrap()
     }
 
     #[test]
@@ -164,7 +185,11 @@ mod tests {
         for w in 1..=5 {
             let l = ShardLayout::new(g.units(), 0, w);
             for u in &l.units {
-                let mut spans: Vec<(i64, i64, bool)> = u.views.iter().map(|v| (v.offset, v.numel, v.decay)).collect();
+                let mut spans: Vec<(i64, i64, bool)> = u
+                    .views
+                    .iter()
+                    .map(|v| (v.offset, v.numel, v.decay))
+                    .collect();
                 spans.sort();
                 let mut next = 0;
                 for (off, n, _) in &spans {
@@ -210,7 +235,9 @@ mod tests {
             }
             let mut got = vec![false; expected.len()];
             for (off, n) in l.shard_decay_ranges() {
-                got[off as usize..(off + n) as usize].iter_mut().for_each(|x| *x = true);
+                got[off as usize..(off + n) as usize]
+                    .iter_mut()
+                    .for_each(|x| *x = true);
             }
             assert_eq!(got, expected, "rank {r}");
         }

@@ -57,6 +57,10 @@ pub(crate) trait Context<T> {
 
 impl<T> Context<T> for std::result::Result<T, tch::TchError> {
     fn ctx(self, op: &'static str, unit: &str) -> Result<T> {
-        self.map_err(|source| Error::Torch { op, unit: unit.to_string(), source })
+        self.map_err(|source| Error::Torch {
+            op,
+            unit: unit.to_string(),
+            source,
+        })
     }
 }

@@ -25,7 +25,9 @@ impl Stage {
 
     /// The stage for a number, or `None` outside 0-3.
     pub fn from_number(n: i64) -> Option<Stage> {
-        [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3].get(usize::try_from(n).ok()?).copied()
+        [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3]
+            .get(usize::try_from(n).ok()?)
+            .copied()
     }
 }
 
@@ -44,8 +46,9 @@ impl Serialize for Stage {
 impl<'de> Deserialize<'de> for Stage {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Stage, D::Error> {
         let n = i64::deserialize(d)?;
-        Stage::from_number(n)
-            .ok_or_else(|| serde::de::Error::custom(format!("{n} is not a ZeRO stage; allowed: 0, 1, 2 or 3")))
+        Stage::from_number(n).ok_or_else(|| {
+            serde::de::Error::custom(format!("{n} is not a ZeRO stage; allowed: 0, 1, 2 or 3"))
+        })
     }
 }
 

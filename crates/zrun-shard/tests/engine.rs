@@ -9,13 +9,31 @@ use zrun_shard::{Engine, EngineConfig, Precision, Stage};
 const SEED: u64 = 11;
 
 fn model() -> Arc<dyn Model> {
-    let cfg = GptConfig { vocab_size: 97, seq_len: 24, n_layer: 4, n_head: 4, d_model: 32, init_std: 0.02 };
+    let cfg = GptConfig {
+        vocab_size: 97,
+        seq_len: 24,
+        n_layer: 4,
+        n_head: 4,
+        d_model: 32,
+        init_std: 0.02,
+    };
     Arc::new(Gpt::new(cfg).unwrap())
 }
 
 fn engine(m: Arc<dyn Model>) -> Engine {
-    let adamw = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
-    let cfg = EngineConfig { stage: Stage::Zero0, precision: Precision::Fp32, device: Device::Cpu, seed: SEED, adamw };
+    let adamw = AdamWConfig {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    let cfg = EngineConfig {
+        stage: Stage::Zero0,
+        precision: Precision::Fp32,
+        device: Device::Cpu,
+        seed: SEED,
+        adamw,
+    };
     Engine::new(m, cfg).unwrap()
 }
 
@@ -35,10 +53,16 @@ fn parameters_are_the_models_deterministic_init() {
     let m = model();
     let e = engine(m.clone());
     let reference = init_model_params(m.as_ref(), SEED, Kind::Float, Device::Cpu).unwrap();
-    let names: Vec<String> = m.units().iter().flat_map(|u| u.params().iter().map(|p| p.name.clone())).collect();
+    let names: Vec<String> = m
+        .units()
+        .iter()
+        .flat_map(|u| u.params().iter().map(|p| p.name.clone()))
+        .collect();
     let got = e.named_parameters().unwrap();
     assert_eq!(got.len(), names.len());
-    for ((name, t), (want_name, want)) in got.iter().zip(names.iter().zip(reference.iter().flatten())) {
+    for ((name, t), (want_name, want)) in
+        got.iter().zip(names.iter().zip(reference.iter().flatten()))
+    {
         assert_eq!(name, want_name);
         assert!(t.equal(want), "{name} differs from the model's init");
     }
@@ -71,12 +95,18 @@ fn unit_by_unit_gradients_equal_whole_model_autograd() {
     let mut checked = 0;
     for ((name, g), want) in grads.iter().zip(leaves.iter().flatten()) {
         let want = want.grad();
-        assert!(want.abs().max().double_value(&[]) > 0.0, "{name}: baseline gradient is zero");
+        assert!(
+            want.abs().max().double_value(&[]) > 0.0,
+            "{name}: baseline gradient is zero"
+        );
         let err = max_rel_err(g, &want);
         assert!(err <= 1e-6, "{name}: max relative error {err:e}");
         checked += 1;
     }
-    assert_eq!(checked, m.units().iter().map(|u| u.params().len()).sum::<usize>());
+    assert_eq!(
+        checked,
+        m.units().iter().map(|u| u.params().len()).sum::<usize>()
+    );
 }
 
 #[test]
@@ -87,13 +117,20 @@ fn padding_of_flat_gradients_stays_zero_and_step_clears_them() {
     e.forward_backward(&x, &y, 1.0).unwrap();
     for (u, l) in e.layout().units.iter().enumerate() {
         let g = e.unit_grad(u).unwrap();
-        let used = g.narrow(0, 0, l.numel).abs().sum(Kind::Double).double_value(&[]);
+        let used = g
+            .narrow(0, 0, l.numel)
+            .abs()
+            .sum(Kind::Double)
+            .double_value(&[]);
         assert!(used > 0.0, "unit {} has no gradient", l.unit);
     }
     let before = e.named_parameters().unwrap()[0].1.copy();
     let stats = e.step(1e-3, 1.0).unwrap();
     assert!(stats.applied && stats.grad_norm > 0.0);
-    assert!(!e.named_parameters().unwrap()[0].1.equal(&before), "the step changed nothing");
+    assert!(
+        !e.named_parameters().unwrap()[0].1.equal(&before),
+        "the step changed nothing"
+    );
     for (_, g) in e.named_gradients().unwrap() {
         assert_eq!(g.abs().sum(Kind::Double).double_value(&[]), 0.0);
     }
@@ -117,8 +154,19 @@ fn clipping_scales_gradients_to_the_max_norm() {
 
 #[test]
 fn unsupported_stage_is_a_clear_error() {
-    let adamw = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0 };
-    let cfg = EngineConfig { stage: Stage::Zero3, precision: Precision::Fp32, device: Device::Cpu, seed: 0, adamw };
+    let adamw = AdamWConfig {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.0,
+    };
+    let cfg = EngineConfig {
+        stage: Stage::Zero3,
+        precision: Precision::Fp32,
+        device: Device::Cpu,
+        seed: 0,
+        adamw,
+    };
     let err = Engine::new(model(), cfg).err().unwrap().to_string();
     assert!(err.contains("zero.stage = 3"), "{err}");
 }

@@ -113,7 +113,13 @@ pub struct DataConfig {
 
 impl Default for DataConfig {
     fn default() -> Self {
-        DataConfig { source: DataKind::Synthetic, path: None, branching: 4, eval_fraction: 0.05, seed: 0 }
+        DataConfig {
+            source: DataKind::Synthetic,
+            path: None,
+            branching: 4,
+            eval_fraction: 0.05,
+            seed: 0,
+        }
     }
 }
 
@@ -227,7 +233,11 @@ pub struct DistConfig {
 
 impl Default for DistConfig {
     fn default() -> Self {
-        DistConfig { backend: BackendChoice::Auto, device: DeviceChoice::Auto, timeout_s: 600 }
+        DistConfig {
+            backend: BackendChoice::Auto,
+            device: DeviceChoice::Auto,
+            timeout_s: 600,
+        }
     }
 }
 
@@ -253,7 +263,10 @@ pub struct LogConfig {
 
 impl Default for LogConfig {
     fn default() -> Self {
-        LogConfig { dir: PathBuf::from("runs/default"), every: 10 }
+        LogConfig {
+            dir: PathBuf::from("runs/default"),
+            every: 10,
+        }
     }
 }
 
@@ -266,8 +279,14 @@ impl Config {
             ConfigError(format!("config {file}: cannot read it ({e}); pass the path of a train.toml, e.g. configs/tiny-cpu.toml"))
         })?;
         let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
-            let at = e.span().map(|s| line_col(&text, s.start)).unwrap_or_default();
-            ConfigError(format!("config {file}{at}: invalid TOML: {}", e.message().trim()))
+            let at = e
+                .span()
+                .map(|s| line_col(&text, s.start))
+                .unwrap_or_default();
+            ConfigError(format!(
+                "config {file}{at}: invalid TOML: {}",
+                e.message().trim()
+            ))
         })?;
         let mut set_keys = Vec::new();
         for o in overrides {
@@ -277,8 +296,13 @@ impl Config {
         let cfg: Config = serde_path_to_error::deserialize(value).map_err(|e| {
             let key = e.path().to_string();
             let source = source_of(&key, &file, &set_keys);
-            let shown = lookup(&table, &key).map(|v| format!(" = {v}")).unwrap_or_default();
-            ConfigError(format!("{source}: {key}{shown}: {}", e.inner().message().trim()))
+            let shown = lookup(&table, &key)
+                .map(|v| format!(" = {v}"))
+                .unwrap_or_default();
+            ConfigError(format!(
+                "{source}: {key}{shown}: {}",
+                e.inner().message().trim()
+            ))
         })?;
         cfg.validate().map_err(|(key, value, allowed)| {
             let source = source_of(key, &file, &set_keys);
@@ -298,7 +322,8 @@ impl Config {
         g.n_head = m.n_head.unwrap_or(g.n_head);
         g.d_model = m.d_model.unwrap_or(g.d_model);
         g.init_std = m.init_std.unwrap_or(g.init_std);
-        g.validate().map_err(|e| ConfigError(format!("[model]: {e}")))?;
+        g.validate()
+            .map_err(|e| ConfigError(format!("[model]: {e}")))?;
         Ok(g)
     }
 
@@ -311,7 +336,11 @@ impl Config {
     fn validate(&self) -> Result<(), (&'static str, String, String)> {
         let t = &self.train;
         let d = &self.data;
-        fn bad<T: Display>(key: &'static str, v: T, allowed: &str) -> Result<(), (&'static str, String, String)> {
+        fn bad<T: Display>(
+            key: &'static str,
+            v: T,
+            allowed: &str,
+        ) -> Result<(), (&'static str, String, String)> {
             Err((key, v.to_string(), allowed.to_string()))
         }
         let finite_pos = |x: f64| x.is_finite() && x > 0.0;
@@ -334,9 +363,14 @@ impl Config {
         if let Some(s) = m.init_std.filter(|&s| !finite_pos(s)) {
             return bad("model.init_std", s, "must be a finite number > 0");
         }
-        let g = self.gpt().map_err(|e| ("model", "(preset with overrides)".to_string(), e.0))?;
+        let g = self
+            .gpt()
+            .map_err(|e| ("model", "(preset with overrides)".to_string(), e.0))?;
         if g.d_model % g.n_head != 0 {
-            let allowed = format!("model.d_model ({}) must be a multiple of model.n_head", g.d_model);
+            let allowed = format!(
+                "model.d_model ({}) must be a multiple of model.n_head",
+                g.d_model
+            );
             return bad("model.n_head", g.n_head, &allowed);
         }
         if t.steps == 0 {
@@ -357,7 +391,11 @@ impl Config {
             }
         }
         if t.warmup_steps > t.steps {
-            return bad("train.warmup_steps", t.warmup_steps, "must be at most train.steps");
+            return bad(
+                "train.warmup_steps",
+                t.warmup_steps,
+                "must be at most train.steps",
+            );
         }
         if !(t.weight_decay.is_finite() && t.weight_decay >= 0.0) {
             return bad("train.weight_decay", t.weight_decay, "must be >= 0");
@@ -371,22 +409,38 @@ impl Config {
             return bad("train.eps", t.eps, "must be a finite number > 0");
         }
         if !(t.grad_clip.is_finite() && t.grad_clip >= 0.0) {
-            return bad("train.grad_clip", t.grad_clip, "must be >= 0 (0 turns clipping off)");
+            return bad(
+                "train.grad_clip",
+                t.grad_clip,
+                "must be >= 0 (0 turns clipping off)",
+            );
         }
         if t.eval_batches == 0 {
             return bad("train.eval_batches", t.eval_batches, "must be at least 1");
         }
         match (d.source, &d.path) {
             (DataKind::Tokens | DataKind::Text, None) => {
-                return bad("data.path", "(missing)", "required when data.source is \"tokens\" or \"text\"");
+                return bad(
+                    "data.path",
+                    "(missing)",
+                    "required when data.source is \"tokens\" or \"text\"",
+                );
             }
             (DataKind::Synthetic, Some(p)) => {
-                return bad("data.path", p.display(), "not used by data.source = \"synthetic\"; remove it");
+                return bad(
+                    "data.path",
+                    p.display(),
+                    "not used by data.source = \"synthetic\"; remove it",
+                );
             }
             _ => {}
         }
         if d.branching == 0 || d.branching as i64 >= g.vocab_size {
-            return bad("data.branching", d.branching, "must be at least 1 and below model.vocab_size");
+            return bad(
+                "data.branching",
+                d.branching,
+                "must be at least 1 and below model.vocab_size",
+            );
         }
         if !(d.eval_fraction > 0.0 && d.eval_fraction <= 0.5) {
             return bad("data.eval_fraction", d.eval_fraction, "must be in (0, 0.5]");
@@ -413,7 +467,11 @@ fn apply_override(table: &mut toml::Table, o: &str) -> Result<String, ConfigErro
     let (key, raw) = o
         .split_once('=')
         .filter(|(k, _)| !k.trim().is_empty())
-        .ok_or_else(|| ConfigError(format!("--set {o}: expected key=value, e.g. --set train.steps=50")))?;
+        .ok_or_else(|| {
+            ConfigError(format!(
+                "--set {o}: expected key=value, e.g. --set train.steps=50"
+            ))
+        })?;
     let key = key.trim().to_string();
     let raw = raw.trim();
     // A TOML value if it parses as one (50, 1e-3, true, "x", [1, 2]), else a bare string.
@@ -425,9 +483,14 @@ fn apply_override(table: &mut toml::Table, o: &str) -> Result<String, ConfigErro
     let parts: Vec<&str> = key.split('.').collect();
     let mut at = table;
     for (i, part) in parts[..parts.len() - 1].iter().enumerate() {
-        let entry = at.entry(part.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        let entry = at
+            .entry(part.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
         at = entry.as_table_mut().ok_or_else(|| {
-            ConfigError(format!("--set {o}: `{}` is a value, not a section", parts[..=i].join(".")))
+            ConfigError(format!(
+                "--set {o}: `{}` is a value, not a section",
+                parts[..=i].join(".")
+            ))
         })?;
     }
     at.insert(parts[parts.len() - 1].to_string(), value);
@@ -436,7 +499,11 @@ fn apply_override(table: &mut toml::Table, o: &str) -> Result<String, ConfigErro
 
 /// "--set k=..." when the key (or a parent) came from an override, else the file.
 fn source_of(key: &str, file: &str, set_keys: &[String]) -> String {
-    match set_keys.iter().rev().find(|k| key == k.as_str() || key.starts_with(&format!("{k}."))) {
+    match set_keys
+        .iter()
+        .rev()
+        .find(|k| key == k.as_str() || key.starts_with(&format!("{k}.")))
+    {
         Some(k) => format!("--set {k}"),
         None => format!("config {file}"),
     }

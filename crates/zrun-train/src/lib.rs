@@ -57,7 +57,10 @@ impl Error {
     pub fn is_bad_input(&self) -> bool {
         matches!(
             self,
-            Error::Config(_) | Error::Data(_) | Error::Unsupported(_) | Error::Engine(zrun_shard::Error::Unsupported(_))
+            Error::Config(_)
+                | Error::Data(_)
+                | Error::Unsupported(_)
+                | Error::Engine(zrun_shard::Error::Unsupported(_))
         )
     }
 }

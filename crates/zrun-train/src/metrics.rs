@@ -69,7 +69,10 @@ impl MetricsWriter {
     pub fn create(dir: &Path) -> std::io::Result<MetricsWriter> {
         std::fs::create_dir_all(dir)?;
         let out = BufWriter::new(File::create(dir.join("metrics.jsonl"))?);
-        Ok(MetricsWriter { out, dir: dir.to_path_buf() })
+        Ok(MetricsWriter {
+            out,
+            dir: dir.to_path_buf(),
+        })
     }
 
     /// Writes one line.
@@ -142,14 +145,30 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("zrun-metrics-{}", std::process::id()));
         let mut w = MetricsWriter::create(&dir).unwrap();
         let m = StepMetrics {
-            step: 1, loss: 2.5, lr: 1e-3, grad_norm: 0.5, tokens_per_s: 100.0, step_time_s: 0.1,
-            model_state_bytes: 16, engine_bytes: 20, rss_bytes: 1, peak_rss_bytes: 2, eval_loss: None,
+            step: 1,
+            loss: 2.5,
+            lr: 1e-3,
+            grad_norm: 0.5,
+            tokens_per_s: 100.0,
+            step_time_s: 0.1,
+            model_state_bytes: 16,
+            engine_bytes: 20,
+            rss_bytes: 1,
+            peak_rss_bytes: 2,
+            eval_loss: None,
         };
         w.write(&m).unwrap();
-        w.write(&StepMetrics { step: 2, eval_loss: Some(2.0), ..m }).unwrap();
+        w.write(&StepMetrics {
+            step: 2,
+            eval_loss: Some(2.0),
+            ..m
+        })
+        .unwrap();
         let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
-        let lines: Vec<serde_json::Value> =
-            text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
         assert_eq!(lines.len(), 2);
         assert_eq!(lines[0]["step"], 1);
         assert!(lines[0].get("eval_loss").is_none());

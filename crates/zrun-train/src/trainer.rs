@@ -25,7 +25,11 @@ pub struct RankInfo {
 impl RankInfo {
     /// A job of one rank.
     pub fn single() -> RankInfo {
-        RankInfo { rank: 0, world_size: 1, local_world_size: 1 }
+        RankInfo {
+            rank: 0,
+            world_size: 1,
+            local_world_size: 1,
+        }
     }
 }
 
@@ -49,7 +53,11 @@ impl Run {
         }
         set_threads(cfg.train.threads, rank.local_world_size);
         let gpt = cfg.gpt()?;
-        let dataset = Arc::new(Dataset::open(&data_options(cfg, gpt.seq_len, gpt.vocab_size))?);
+        let dataset = Arc::new(Dataset::open(&data_options(
+            cfg,
+            gpt.seq_len,
+            gpt.vocab_size,
+        ))?);
         let model: Arc<dyn Model> = Arc::new(Gpt::new(gpt)?);
         let t = &cfg.train;
         let engine = Engine::new(
@@ -59,10 +67,21 @@ impl Run {
                 precision: cfg.zero.precision,
                 device: device(cfg.dist.device)?,
                 seed: t.seed,
-                adamw: AdamWConfig { beta1: t.beta1, beta2: t.beta2, eps: t.eps, weight_decay: t.weight_decay },
+                adamw: AdamWConfig {
+                    beta1: t.beta1,
+                    beta2: t.beta2,
+                    eps: t.eps,
+                    weight_decay: t.weight_decay,
+                },
             },
         )?;
-        Ok(Run { cfg: cfg.clone(), rank, model, dataset, engine })
+        Ok(Run {
+            cfg: cfg.clone(),
+            rank,
+            model,
+            dataset,
+            engine,
+        })
     }
 
     /// The engine (for inspection before training).
@@ -108,11 +127,15 @@ impl Run {
         );
         let mut metrics = if r.rank == 0 {
             let dir = &self.cfg.log.dir;
-            Some(MetricsWriter::create(dir).map_err(|e| Error::Io { path: dir.clone(), source: e })?)
+            Some(MetricsWriter::create(dir).map_err(|e| Error::Io {
+                path: dir.clone(),
+                source: e,
+            })?)
         } else {
             None
         };
-        let tokens_per_step = (t.grad_accum * r.world_size * t.micro_batch) as f64 * self.model.seq_len() as f64;
+        let tokens_per_step =
+            (t.grad_accum * r.world_size * t.micro_batch) as f64 * self.model.seq_len() as f64;
         let mem = self.engine.memory();
         tracing::info!(
             params = self.model.param_count(),
@@ -130,12 +153,19 @@ impl Run {
             let mut loss = 0.0;
             for _ in 0..t.grad_accum {
                 let (x, y) = loader.next_micro_batch()?;
-                loss += self.engine.forward_backward(&x, &y, 1.0 / t.grad_accum as f64)? / t.grad_accum as f64;
+                loss += self
+                    .engine
+                    .forward_backward(&x, &y, 1.0 / t.grad_accum as f64)?
+                    / t.grad_accum as f64;
             }
             let lr = schedule.at(step);
             let stats = self.engine.step(lr, t.grad_clip)?;
             if !stats.applied || !loss.is_finite() {
-                return Err(Error::NonFinite { step: step + 1, loss, grad_norm: stats.grad_norm });
+                return Err(Error::NonFinite {
+                    step: step + 1,
+                    loss,
+                    grad_norm: stats.grad_norm,
+                });
             }
             let dt = t0.elapsed().as_secs_f64();
             if step > 0 || t.steps == 1 {
@@ -144,7 +174,11 @@ impl Run {
             last_loss = loss;
             let done = step + 1;
             let evaluate = t.eval_every > 0 && done % t.eval_every == 0 || done == t.steps;
-            eval_loss = if evaluate { Some(self.evaluate(&loader)?) } else { None };
+            eval_loss = if evaluate {
+                Some(self.evaluate(&loader)?)
+            } else {
+                None
+            };
             if done % every == 0 || done == t.steps || eval_loss.is_some() {
                 let (rss, peak) = rss_bytes();
                 let m = StepMetrics {
@@ -170,7 +204,10 @@ impl Run {
                     rss >> 20
                 );
                 if let Some(w) = metrics.as_mut() {
-                    w.write(&m).map_err(|e| Error::Io { path: self.cfg.log.dir.join("metrics.jsonl"), source: e })?;
+                    w.write(&m).map_err(|e| Error::Io {
+                        path: self.cfg.log.dir.join("metrics.jsonl"),
+                        source: e,
+                    })?;
                 }
             }
         }
@@ -187,7 +224,10 @@ impl Run {
             wall_time_s: start.elapsed().as_secs_f64(),
         };
         if let Some(w) = &metrics {
-            w.summary(&summary).map_err(|e| Error::Io { path: self.cfg.log.dir.join("summary.json"), source: e })?;
+            w.summary(&summary).map_err(|e| Error::Io {
+                path: self.cfg.log.dir.join("summary.json"),
+                source: e,
+            })?;
         }
         Ok(summary)
     }
@@ -198,7 +238,9 @@ fn data_options(cfg: &Config, seq_len: i64, vocab_size: i64) -> DataOptions {
     let path = d.path.clone().unwrap_or_default();
     DataOptions {
         source: match d.source {
-            DataKind::Synthetic => DataSource::Synthetic { branching: d.branching },
+            DataKind::Synthetic => DataSource::Synthetic {
+                branching: d.branching,
+            },
             DataKind::Tokens => DataSource::Tokens { path },
             DataKind::Text => DataSource::Text { path },
         },
@@ -223,7 +265,9 @@ fn device(choice: DeviceChoice) -> Result<Device, Error> {
 /// libtorch intra-op threads: `train.threads`, else OMP_NUM_THREADS, else this rank's
 /// share of the node's cores.
 fn set_threads(configured: usize, local_world_size: usize) {
-    let from_env = std::env::var("OMP_NUM_THREADS").ok().and_then(|v| v.parse::<usize>().ok());
+    let from_env = std::env::var("OMP_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok());
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let n = match (configured, from_env) {
         (0, Some(n)) if n > 0 => n,

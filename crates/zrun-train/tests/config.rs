@@ -15,7 +15,9 @@ fn write(name: &str, text: &str) -> PathBuf {
 fn error_of(name: &str, text: &str, overrides: &[&str]) -> String {
     let path = write(name, text);
     let sets: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
-    let err = Config::load(&path, &sets).expect_err("config should be rejected").to_string();
+    let err = Config::load(&path, &sets)
+        .expect_err("config should be rejected")
+        .to_string();
     assert!(!err.contains('\n'), "error is not one line: {err:?}");
     err
 }
@@ -24,32 +26,168 @@ fn error_of(name: &str, text: &str, overrides: &[&str]) -> String {
 fn malformed_configs_each_get_their_own_message() {
     // (file name, contents, overrides, substrings the message must contain)
     let cases: &[(&str, &str, &[&str], &[&str])] = &[
-        ("unknown-section.toml", "[modle]\npreset = \"tiny\"\n", &[], &["unknown-section.toml", "modle", "unknown field", "`model`"]),
-        ("unknown-key.toml", "[train]\nstepz = 5\n", &[], &["unknown-key.toml", "train", "stepz", "`steps`"]),
-        ("wrong-type.toml", "[train]\nsteps = \"ten\"\n", &[], &["wrong-type.toml", "train.steps", "\"ten\"", "invalid type", "u64"]),
-        ("negative-steps.toml", "[train]\nsteps = -5\n", &[], &["train.steps", "-5"]),
-        ("zero-steps.toml", "[train]\nsteps = 0\n", &[], &["train.steps = 0", "at least 1"]),
-        ("bad-stage.toml", "[zero]\nstage = 5\n", &[], &["zero.stage = 5", "allowed: 0, 1, 2 or 3"]),
-        ("bad-precision.toml", "[zero]\nprecision = \"fp8\"\n", &[], &["zero.precision", "fp8", "`fp32`, `bf16`, `fp16`"]),
-        ("bad-preset.toml", "[model]\npreset = \"gpt5\"\n", &[], &["model.preset", "gpt5", "tiny, gpt2-small"]),
-        ("bad-heads.toml", "[model]\nd_model = 65\nn_head = 4\n", &[], &["model.n_head = 4", "multiple of model.n_head"]),
-        ("zero-layers.toml", "[model]\nn_layer = 0\n", &[], &["model.n_layer = 0", "at least 1"]),
-        ("bad-lr.toml", "[train]\nlr = -0.1\n", &[], &["train.lr = -0.1", "> 0"]),
-        ("bad-beta.toml", "[train]\nbeta2 = 1.5\n", &[], &["train.beta2 = 1.5", "[0, 1)"]),
-        ("bad-minlr.toml", "[train]\nlr = 1e-3\nmin_lr = 1e-2\n", &[], &["train.min_lr = 0.01", "between 0 and train.lr"]),
-        ("bad-warmup.toml", "[train]\nsteps = 10\nwarmup_steps = 20\n", &[], &["train.warmup_steps = 20", "at most train.steps"]),
-        ("bad-source.toml", "[data]\nsource = \"csv\"\n", &[], &["data.source", "csv", "`synthetic`, `tokens`, `text`"]),
-        ("missing-path.toml", "[data]\nsource = \"tokens\"\n", &[], &["data.path", "required when data.source"]),
-        ("bad-fraction.toml", "[data]\neval_fraction = 0.9\n", &[], &["data.eval_fraction = 0.9", "(0, 0.5]"]),
-        ("bad-backend.toml", "[dist]\nbackend = \"gloo\"\n", &[], &["dist.backend", "gloo", "`tcp`"]),
-        ("bad-timeout.toml", "[dist]\ntimeout_s = 0\n", &[], &["dist.timeout_s = 0", "at least 1"]),
-        ("bad-log-every.toml", "[log]\nevery = 0\n", &[], &["log.every = 0", "at least 1"]),
-        ("syntax.toml", "[train]\nsteps = = 3\n", &[], &["syntax.toml:2:", "invalid TOML"]),
-        ("ok-file-bad-set.toml", "[train]\nsteps = 3\n", &["train.steps=abc"], &["--set train.steps", "train.steps = \"abc\"", "invalid type"]),
-        ("ok-file-unknown-set.toml", "", &["model.n_layr=6"], &["--set model.n_layr", "n_layr", "unknown field"]),
-        ("ok-file-bad-set-syntax.toml", "", &["train.steps"], &["--set train.steps", "expected key=value"]),
-        ("section-is-value.toml", "", &["train=3", "train.steps=4"], &["--set train.steps=4", "`train` is a value, not a section"]),
-        ("bad-branching.toml", "[data]\nbranching = 0\n", &[], &["data.branching = 0", "below model.vocab_size"]),
+        (
+            "unknown-section.toml",
+            "[modle]\npreset = \"tiny\"\n",
+            &[],
+            &["unknown-section.toml", "modle", "unknown field", "`model`"],
+        ),
+        (
+            "unknown-key.toml",
+            "[train]\nstepz = 5\n",
+            &[],
+            &["unknown-key.toml", "train", "stepz", "`steps`"],
+        ),
+        (
+            "wrong-type.toml",
+            "[train]\nsteps = \"ten\"\n",
+            &[],
+            &[
+                "wrong-type.toml",
+                "train.steps",
+                "\"ten\"",
+                "invalid type",
+                "u64",
+            ],
+        ),
+        (
+            "negative-steps.toml",
+            "[train]\nsteps = -5\n",
+            &[],
+            &["train.steps", "-5"],
+        ),
+        (
+            "zero-steps.toml",
+            "[train]\nsteps = 0\n",
+            &[],
+            &["train.steps = 0", "at least 1"],
+        ),
+        (
+            "bad-stage.toml",
+            "[zero]\nstage = 5\n",
+            &[],
+            &["zero.stage = 5", "allowed: 0, 1, 2 or 3"],
+        ),
+        (
+            "bad-precision.toml",
+            "[zero]\nprecision = \"fp8\"\n",
+            &[],
+            &["zero.precision", "fp8", "`fp32`, `bf16`, `fp16`"],
+        ),
+        (
+            "bad-preset.toml",
+            "[model]\npreset = \"gpt5\"\n",
+            &[],
+            &["model.preset", "gpt5", "tiny, gpt2-small"],
+        ),
+        (
+            "bad-heads.toml",
+            "[model]\nd_model = 65\nn_head = 4\n",
+            &[],
+            &["model.n_head = 4", "multiple of model.n_head"],
+        ),
+        (
+            "zero-layers.toml",
+            "[model]\nn_layer = 0\n",
+            &[],
+            &["model.n_layer = 0", "at least 1"],
+        ),
+        (
+            "bad-lr.toml",
+            "[train]\nlr = -0.1\n",
+            &[],
+            &["train.lr = -0.1", "> 0"],
+        ),
+        (
+            "bad-beta.toml",
+            "[train]\nbeta2 = 1.5\n",
+            &[],
+            &["train.beta2 = 1.5", "[0, 1)"],
+        ),
+        (
+            "bad-minlr.toml",
+            "[train]\nlr = 1e-3\nmin_lr = 1e-2\n",
+            &[],
+            &["train.min_lr = 0.01", "between 0 and train.lr"],
+        ),
+        (
+            "bad-warmup.toml",
+            "[train]\nsteps = 10\nwarmup_steps = 20\n",
+            &[],
+            &["train.warmup_steps = 20", "at most train.steps"],
+        ),
+        (
+            "bad-source.toml",
+            "[data]\nsource = \"csv\"\n",
+            &[],
+            &["data.source", "csv", "`synthetic`, `tokens`, `text`"],
+        ),
+        (
+            "missing-path.toml",
+            "[data]\nsource = \"tokens\"\n",
+            &[],
+            &["data.path", "required when data.source"],
+        ),
+        (
+            "bad-fraction.toml",
+            "[data]\neval_fraction = 0.9\n",
+            &[],
+            &["data.eval_fraction = 0.9", "(0, 0.5]"],
+        ),
+        (
+            "bad-backend.toml",
+            "[dist]\nbackend = \"gloo\"\n",
+            &[],
+            &["dist.backend", "gloo", "`tcp`"],
+        ),
+        (
+            "bad-timeout.toml",
+            "[dist]\ntimeout_s = 0\n",
+            &[],
+            &["dist.timeout_s = 0", "at least 1"],
+        ),
+        (
+            "bad-log-every.toml",
+            "[log]\nevery = 0\n",
+            &[],
+            &["log.every = 0", "at least 1"],
+        ),
+        (
+            "syntax.toml",
+            "[train]\nsteps = = 3\n",
+            &[],
+            &["syntax.toml:2:", "invalid TOML"],
+        ),
+        (
+            "ok-file-bad-set.toml",
+            "[train]\nsteps = 3\n",
+            &["train.steps=abc"],
+            &["--set train.steps", "train.steps = \"abc\"", "invalid type"],
+        ),
+        (
+            "ok-file-unknown-set.toml",
+            "",
+            &["model.n_layr=6"],
+            &["--set model.n_layr", "n_layr", "unknown field"],
+        ),
+        (
+            "ok-file-bad-set-syntax.toml",
+            "",
+            &["train.steps"],
+            &["--set train.steps", "expected key=value"],
+        ),
+        (
+            "section-is-value.toml",
+            "",
+            &["train=3", "train.steps=4"],
+            &["--set train.steps=4", "`train` is a value, not a section"],
+        ),
+        (
+            "bad-branching.toml",
+            "[data]\nbranching = 0\n",
+            &[],
+            &["data.branching = 0", "below model.vocab_size"],
+        ),
     ];
     assert!(cases.len() >= 15);
     for (name, text, sets, needles) in cases {
@@ -62,14 +200,26 @@ fn malformed_configs_each_get_their_own_message() {
 
 #[test]
 fn missing_file_names_the_file_and_the_fix() {
-    let err = Config::load(std::path::Path::new("/nonexistent/train.toml"), &[]).unwrap_err().to_string();
-    assert!(err.contains("/nonexistent/train.toml") && err.contains("configs/tiny-cpu.toml"), "{err}");
+    let err = Config::load(std::path::Path::new("/nonexistent/train.toml"), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("/nonexistent/train.toml") && err.contains("configs/tiny-cpu.toml"),
+        "{err}"
+    );
 }
 
 #[test]
 fn defaults_overrides_and_presets_resolve() {
-    let path = write("good.toml", "[model]\npreset = \"gpt2-small\"\n[train]\nsteps = 7\n");
-    let sets = vec!["train.steps=50".to_string(), "model.n_layer=6".to_string(), "log.dir=/tmp/x".to_string()];
+    let path = write(
+        "good.toml",
+        "[model]\npreset = \"gpt2-small\"\n[train]\nsteps = 7\n",
+    );
+    let sets = vec![
+        "train.steps=50".to_string(),
+        "model.n_layer=6".to_string(),
+        "log.dir=/tmp/x".to_string(),
+    ];
     let cfg = Config::load(&path, &sets).unwrap();
     assert_eq!(cfg.train.steps, 50);
     assert_eq!(cfg.log.dir, PathBuf::from("/tmp/x"));

@@ -40,8 +40,8 @@ pub enum DataError {
     },
     /// Too few tokens for one train window and one eval window.
     #[error(
-        "data.path {}: {tokens} tokens are too few for {what} at seq_len {seq_len}; \
-         need at least {needed} tokens: use more data or lower seq_len",
+        "data.path {}: {tokens} tokens are too few for {what} at model.seq_len \
+         {seq_len}; need at least {needed} tokens: use more data or lower model.seq_len",
         path.display()
     )]
     TooFewTokens {
@@ -130,8 +130,8 @@ pub enum DataError {
     },
     /// A token file with more windows than a shuffle index can address.
     #[error(
-        "data.path {}: {windows} windows of seq_len {seq_len} exceed the 2^32 windows an epoch \
-         shuffle supports; raise seq_len or split the file",
+        "data.path {}: {windows} windows of model.seq_len {seq_len} exceed the 2^32 windows an \
+         epoch shuffle supports; raise model.seq_len or split the file",
         path.display()
     )]
     TooManyWindows {
@@ -146,7 +146,7 @@ pub enum DataError {
     #[error(
         "synthetic chain (model.vocab_size {vocab_size}, data.branching {branching}): the \
          stationary distribution did not converge in {iterations} iterations (residual \
-         {residual:e}); raise data.branching or change the seed"
+         {residual:e}); raise data.branching or change data.seed"
     )]
     NotConverged {
         /// The configured vocabulary size.

@@ -104,7 +104,7 @@ impl Dataset {
     pub fn open(opts: &DataOptions) -> Result<Dataset, DataError> {
         if opts.seq_len == 0 {
             return Err(DataError::Invalid {
-                key: "seq_len",
+                key: "model.seq_len",
                 value: "0".into(),
                 requirement: "the sequence length must be at least 1",
             });
@@ -271,7 +271,10 @@ mod tests {
             eval_fraction: 0.1,
         };
         let e = Dataset::open(&opts).unwrap_err().to_string();
-        assert!(e.contains("seq_len") && e.contains("at least 1"), "{e}");
+        assert!(
+            e.contains("model.seq_len = 0") && e.contains("at least 1"),
+            "{e}"
+        );
         opts.seq_len = 8;
         opts.eval_fraction = 1.0;
         let e = Dataset::open(&opts).unwrap_err().to_string();

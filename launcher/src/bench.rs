@@ -1,0 +1,327 @@
+//! `zrun bench comm`: collective bandwidth in the style of nccl-tests, checked in the same run.
+//!
+//!     zrun bench comm --nproc 2                          # tcp, 1M,16M,64M fp32 elements
+//!     zrun bench comm --nproc 2 --backend mpi --json     # starts mpirun itself
+//!
+//! Without rank variables it starts `--nproc` ranks of itself on this host (hosting the
+//! rendezvous store on loopback), or `mpirun` for `--backend mpi`; under mpirun/srun/zrun it
+//! runs as one rank. Rank 0 prints one row per collective and size: the full tensor's bytes,
+//! the mean time, algbw = bytes / time, busbw = algbw x (n-1)/n (all-gather, reduce-scatter)
+//! or 2(n-1)/n (all-reduce), and #wrong, the elements that differ from the expected result.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use tch::{Device, Kind, Tensor};
+use zrun_comm::{chunk_offset, chunk_sizes, Backend, Communicator, ReduceOp, StoreServer, Topology};
+
+/// Set in the ranks that `zrun bench comm` starts itself.
+const WORKER_ENV: &str = "ZRUN_BENCH_WORKER";
+
+/// Flags of `zrun bench comm`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct CommArgs {
+    /// Ranks to start on this host (ignored under mpirun/srun/zrun, which set the ranks).
+    #[arg(long, default_value_t = 2)]
+    pub nproc: usize,
+    /// Communication backend: tcp, mpi or nccl.
+    #[arg(long, default_value = "tcp", value_parser = parse_backend)]
+    pub backend: Backend,
+    /// Full-tensor sizes in elements, comma-separated; K, M, G are powers of 2.
+    #[arg(long, default_value = "1M,16M,64M")]
+    pub sizes: String,
+    /// Element type: fp32, bf16 or fp16.
+    #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16", "fp16"])]
+    pub dtype: String,
+    /// Timed iterations per row.
+    #[arg(long, default_value_t = 5)]
+    pub iters: usize,
+    /// Untimed iterations before the timed ones.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
+    /// Print one JSON object per row instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Deadline of every collective, in seconds (dist.timeout_s).
+    #[arg(long, default_value_t = 600)]
+    pub timeout_s: u64,
+}
+
+fn parse_backend(s: &str) -> Result<Backend, String> {
+    s.parse()
+}
+
+/// Parses `1M,16M,64M` into element counts.
+fn parse_sizes(s: &str) -> anyhow::Result<Vec<usize>> {
+    s.split(',')
+        .map(|p| {
+            let p = p.trim().to_ascii_uppercase();
+            let (num, mult) = match p.chars().last() {
+                Some('K') => (&p[..p.len() - 1], 1usize << 10),
+                Some('M') => (&p[..p.len() - 1], 1 << 20),
+                Some('G') => (&p[..p.len() - 1], 1 << 30),
+                _ => (&p[..], 1),
+            };
+            let n: usize = num
+                .parse()
+                .with_context(|| format!("--sizes: `{p}` is not a count like 64M"))?;
+            Ok(n * mult)
+        })
+        .collect()
+}
+
+/// Runs `zrun bench comm`.
+pub fn run_comm(args: &CommArgs) -> anyhow::Result<()> {
+    let sizes = parse_sizes(&args.sizes)?;
+    let topo = Topology::from_env().context("reading the rank variables")?;
+    let is_rank = std::env::var(WORKER_ENV).is_ok() || topo.world_size > 1;
+    if is_rank || args.nproc <= 1 {
+        return bench_rank(args, &topo, &sizes);
+    }
+    if args.backend == Backend::Mpi {
+        return launch_mpirun(args);
+    }
+    launch_local(args)
+}
+
+/// The arguments this process was started with, minus the program name.
+fn own_args() -> Vec<String> {
+    std::env::args().skip(1).collect()
+}
+
+fn launch_mpirun(args: &CommArgs) -> anyhow::Result<()> {
+    let exe = std::env::current_exe()?;
+    let status = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", &args.nproc.to_string()])
+        .arg(exe)
+        .args(own_args())
+        .env(WORKER_ENV, "1")
+        .status()
+        .context("starting mpirun (install openmpi-bin)")?;
+    if !status.success() {
+        bail!("mpirun exited with {status}");
+    }
+    Ok(())
+}
+
+fn launch_local(args: &CommArgs) -> anyhow::Result<()> {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let token = format!("bench-{}-{nanos}", std::process::id());
+    let server = StoreServer::start("127.0.0.1:0", &token)?;
+    let exe = std::env::current_exe()?;
+    let threads = (std::thread::available_parallelism().map_or(1, |n| n.get()) / args.nproc).max(1);
+    let mut children = Vec::new();
+    for r in 0..args.nproc {
+        let child = Command::new(&exe)
+            .args(own_args())
+            .env(WORKER_ENV, "1")
+            .env("RANK", r.to_string())
+            .env("LOCAL_RANK", r.to_string())
+            .env("WORLD_SIZE", args.nproc.to_string())
+            .env("LOCAL_WORLD_SIZE", args.nproc.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", server.port().to_string())
+            .env(zrun_comm::TOKEN_ENV, &token)
+            .env(zrun_comm::STORE_EXTERNAL_ENV, "1")
+            .env("OMP_NUM_THREADS", threads.to_string())
+            .stdout(if r == 0 { Stdio::inherit() } else { Stdio::null() })
+            .spawn()
+            .with_context(|| format!("starting rank {r}"))?;
+        children.push(child);
+    }
+    let mut failed = None;
+    let mut done = vec![false; children.len()];
+    while done.iter().any(|d| !d) {
+        for (r, c) in children.iter_mut().enumerate() {
+            if done[r] {
+                continue;
+            }
+            if let Some(st) = c.try_wait()? {
+                done[r] = true;
+                if !st.success() && failed.is_none() {
+                    failed = Some((r, st));
+                }
+            }
+        }
+        if failed.is_some() {
+            for (r, c) in children.iter_mut().enumerate() {
+                if !done[r] {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    done[r] = true;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if let Some((r, st)) = failed {
+        bail!("bench rank {r} failed ({st}); its error is above");
+    }
+    Ok(())
+}
+
+/// One measured row.
+struct Row {
+    op: &'static str,
+    bytes: usize,
+    time_s: f64,
+    factor: f64,
+    wrong: u64,
+}
+
+fn kind_of(dtype: &str) -> Kind {
+    match dtype {
+        "bf16" => Kind::BFloat16,
+        "fp16" => Kind::Half,
+        _ => Kind::Float,
+    }
+}
+
+/// Rank r's input: small integers (exact in every dtype when summed over a few ranks).
+fn input(r: usize, n: usize, kind: Kind, dev: Device) -> Tensor {
+    (Tensor::arange(n as i64, (Kind::Int64, dev)).remainder(7) + r as i64 + 1).to_kind(kind)
+}
+
+fn sync(dev: Device) {
+    if let Device::Cuda(i) = dev {
+        tch::Cuda::synchronize(i as i64);
+    }
+}
+
+fn timed(
+    c: &dyn Communicator,
+    dev: Device,
+    args: &CommArgs,
+    mut op: impl FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<f64> {
+    for _ in 0..args.warmup {
+        op()?;
+    }
+    sync(dev);
+    c.barrier()?.wait()?;
+    let t = Instant::now();
+    for _ in 0..args.iters {
+        op()?;
+    }
+    sync(dev);
+    c.barrier()?.wait()?;
+    Ok(t.elapsed().as_secs_f64() / args.iters.max(1) as f64)
+}
+
+fn count_wrong(got: &Tensor, want: &Tensor) -> anyhow::Result<u64> {
+    let n = got.f_ne_tensor(want)?.f_sum(Kind::Int64)?.int64_value(&[]);
+    Ok(n as u64)
+}
+
+fn bench_rank(args: &CommArgs, topo: &Topology, sizes: &[usize]) -> anyhow::Result<()> {
+    let timeout = Duration::from_secs(args.timeout_s);
+    let c = zrun_comm::init(topo, args.backend, timeout)?;
+    let (r, w) = (c.rank(), c.world_size());
+    let dev = if args.backend == Backend::Nccl {
+        Device::Cuda(topo.local_rank)
+    } else {
+        Device::Cpu
+    };
+    let kind = kind_of(&args.dtype);
+    let esz = kind.elt_size_in_bytes();
+    let mut rows = Vec::new();
+    let per_rank = |n: usize| (0..w).map(|q| input(q, n, kind, dev)).collect::<Vec<_>>();
+    for &n in sizes {
+        let (off, len) = (chunk_offset(n, w, r) as i64, chunk_sizes(n, w)[r] as i64);
+        let mine = input(r, n, kind, dev);
+        // all-gather: rank q's shard is chunk q of its own input
+        let shard = mine.f_narrow(0, off, len)?.f_contiguous()?;
+        let mut full = Tensor::f_zeros([n as i64], (kind, dev))?;
+        let t = timed(c.as_ref(), dev, args, || Ok(c.all_gather(&shard, &full)?.wait()?))?;
+        let all = per_rank(n);
+        let want = Tensor::f_cat(
+            &(0..w)
+                .map(|q| {
+                    all[q].narrow(0, chunk_offset(n, w, q) as i64, chunk_sizes(n, w)[q] as i64)
+                })
+                .collect::<Vec<_>>(),
+            0,
+        )?;
+        let _ = full.f_zero_()?;
+        c.all_gather(&shard, &full)?.wait()?;
+        rows.push(Row { op: "all_gather", bytes: n * esz, time_s: t, factor: (w as f64 - 1.0) / w as f64, wrong: count_wrong(&full, &want)? });
+        drop((full, want));
+        // reduce-scatter (sum)
+        let mut out = Tensor::f_zeros([len], (kind, dev))?;
+        let t = timed(c.as_ref(), dev, args, || Ok(c.reduce_scatter(&mine, &out, ReduceOp::Sum)?.wait()?))?;
+        let sum = all.iter().skip(1).fold(all[0].to_kind(Kind::Float), |a, b| a + b.to_kind(Kind::Float)).to_kind(kind);
+        let _ = out.f_zero_()?;
+        c.reduce_scatter(&mine, &out, ReduceOp::Sum)?.wait()?;
+        rows.push(Row { op: "reduce_scatter", bytes: n * esz, time_s: t, factor: (w as f64 - 1.0) / w as f64, wrong: count_wrong(&out, &sum.narrow(0, off, len))? });
+        drop((out, all));
+        // all-reduce (sum), in place; checked on a fresh copy of the input
+        let mut buf = mine.f_zeros_like()?;
+        buf.f_copy_(&mine)?;
+        let t = timed(c.as_ref(), dev, args, || Ok(c.all_reduce(&buf, ReduceOp::Sum)?.wait()?))?;
+        buf.f_copy_(&mine)?;
+        c.all_reduce(&buf, ReduceOp::Sum)?.wait()?;
+        rows.push(Row { op: "all_reduce", bytes: n * esz, time_s: t, factor: 2.0 * (w as f64 - 1.0) / w as f64, wrong: count_wrong(&buf, &sum)? });
+    }
+    // Total the wrong counts over ranks (fp32 holds counts up to 2^24 exactly).
+    let wrong = Tensor::from_slice(&rows.iter().map(|r| r.wrong as f32).collect::<Vec<_>>()).to_device(dev);
+    c.all_reduce(&wrong, ReduceOp::Sum)?.wait()?;
+    let wrong: Vec<f32> = Vec::<f32>::try_from(&wrong.to_device(Device::Cpu))?;
+    if r == 0 {
+        print_rows(args, w, &rows, &wrong);
+    }
+    c.barrier()?.wait()?;
+    Ok(())
+}
+
+fn print_rows(args: &CommArgs, world: usize, rows: &[Row], wrong: &[f32]) {
+    let backend = args.backend.name();
+    if !args.json {
+        println!(
+            "# zrun bench comm  backend {backend}  nproc {world}  dtype {}  iters {}",
+            args.dtype, args.iters
+        );
+        println!(
+            "{:>15} {:>12} {:>10} {:>12} {:>12} {:>7}",
+            "op", "size(B)", "time(ms)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"
+        );
+    }
+    for (row, &wr) in rows.iter().zip(wrong) {
+        let algbw = row.bytes as f64 / row.time_s / 1e9;
+        let busbw = algbw * row.factor;
+        if args.json {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "op": row.op, "backend": backend, "dtype": args.dtype, "bytes": row.bytes,
+                    "time_s": row.time_s, "algbw_gbps": algbw, "busbw_gbps": busbw, "wrong": wr as u64,
+                })
+            );
+        } else {
+            println!(
+                "{:>15} {:>12} {:>10.2} {:>12.3} {:>12.3} {:>7}",
+                row.op,
+                row.bytes,
+                row.time_s * 1e3,
+                algbw,
+                busbw,
+                wr as u64
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_suffixes_and_reject_junk() {
+        assert_eq!(parse_sizes("1M,16M,3").unwrap(), vec![1 << 20, 16 << 20, 3]);
+        assert_eq!(parse_sizes("2k").unwrap(), vec![2048]);
+        assert!(parse_sizes("lots").is_err());
+    }
+}
