@@ -1,5 +1,6 @@
 //! AdamW (decoupled weight decay) over one flat fp32 buffer, as `torch.optim.AdamW`.
 
+use crate::segments::Segments;
 use crate::{inplace, torch, Error, Result};
 use tch::{Device, Kind, Tensor};
 
@@ -101,18 +102,30 @@ impl AdamW {
         Ok(())
     }
 
-    /// One AdamW step on `param` (fp32, updated in place) with gradient `grad`.
+    /// One AdamW step on `param` (fp32, updated in place) with gradient `grad`, both
+    /// contiguous shards.
     pub fn step(&mut self, param: &Tensor, grad: &Tensor, lr: f64) -> Result<()> {
-        self.check("parameter shard", param)?;
-        self.check("gradient shard", grad)?;
+        self.step_segments(std::slice::from_ref(param), std::slice::from_ref(grad), lr)
+    }
+
+    /// One AdamW step where the shard's parameters and gradients are each given as 1-D views
+    /// laid end to end (the rank's owned slice of every unit); both lists must total the
+    /// shard size. Parameters are updated in place.
+    pub fn step_segments(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) -> Result<()> {
+        let (p, g) = (Segments::new(params), Segments::new(grads));
+        if p.len() != self.numel {
+            return Err(Error::Size { what: "parameter shard", got: p.len(), expected: self.numel });
+        }
+        if g.len() != self.numel {
+            return Err(Error::Size { what: "gradient shard", got: g.len(), expected: self.numel });
+        }
         let _guard = tch::no_grad_guard();
         self.step += 1;
         let c = self.cfg;
         if c.weight_decay != 0.0 {
             let keep = 1.0 - lr * c.weight_decay;
             for &(off, len) in &self.decay_ranges {
-                let mut p = param.f_narrow(0, off, len)?;
-                inplace("weight decay", p.f_mul_scalar_(keep))?;
+                Segments::pieces(&[&p], off, len, |o, l| inplace("weight decay", p.view(o, l)?.f_mul_scalar_(keep)))?;
             }
         }
         let bc1 = 1.0 - c.beta1.powi(self.step as i32);
@@ -121,22 +134,23 @@ impl AdamW {
         let mut off = 0;
         while off < self.numel {
             let len = CHUNK.min(self.numel - off);
-            let g = grad.f_narrow(0, off, len)?;
-            let mut p = param.f_narrow(0, off, len)?;
-            let mut m = self.m.f_narrow(0, off, len)?;
-            let mut v = self.v.f_narrow(0, off, len)?;
-            let mut d = self.scratch.f_narrow(0, 0, len)?;
-            // m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2 (as lerps, no temporaries)
-            inplace("AdamW m", m.f_lerp_(&g, 1.0 - c.beta1))?;
-            inplace("AdamW g^2", g.f_mul_out(&d, &g))?;
-            inplace("AdamW v", v.f_lerp_(&d, 1.0 - c.beta2))?;
-            // d = m / (sqrt(v) / sqrt(bc2) + eps);  p -= lr / bc1 * d
-            inplace("AdamW denom", v.f_sqrt_out(&d))?;
-            inplace("AdamW denom", d.f_div_scalar_(bc2_sqrt))?;
-            inplace("AdamW denom", d.f_add_scalar_(c.eps))?;
-            inplace("AdamW ratio", m.f_div_out(&d, &d))?;
-            inplace("AdamW ratio", d.f_mul_scalar_(-step_size))?;
-            inplace("AdamW update", p.f_add_(&d))?;
+            Segments::pieces(&[&p, &g], off, len, |o, l| {
+                let (mut pv, gv) = (p.view(o, l)?, g.view(o, l)?);
+                let mut m = self.m.f_narrow(0, o, l)?;
+                let mut v = self.v.f_narrow(0, o, l)?;
+                let mut d = self.scratch.f_narrow(0, 0, l)?;
+                // m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2 (as lerps, no temporaries)
+                inplace("AdamW m", m.f_lerp_(&gv, 1.0 - c.beta1))?;
+                inplace("AdamW g^2", gv.f_mul_out(&d, &gv))?;
+                inplace("AdamW v", v.f_lerp_(&d, 1.0 - c.beta2))?;
+                // d = m / (sqrt(v) / sqrt(bc2) + eps);  p -= lr / bc1 * d
+                inplace("AdamW denom", v.f_sqrt_out(&d))?;
+                inplace("AdamW denom", d.f_div_scalar_(bc2_sqrt))?;
+                inplace("AdamW denom", d.f_add_scalar_(c.eps))?;
+                inplace("AdamW ratio", m.f_div_out(&d, &d))?;
+                inplace("AdamW ratio", d.f_mul_scalar_(-step_size))?;
+                inplace("AdamW update", pv.f_add_(&d))
+            })?;
             off += len;
         }
         Ok(())
@@ -237,6 +251,29 @@ mod tests {
         assert!(worst_rel < 1e-6, "max relative error {worst_rel}");
         assert!(worst_abs < 1e-7, "max absolute error {worst_abs}");
         assert_eq!(opt.steps(), 20);
+    }
+
+    #[test]
+    fn segmented_shards_update_exactly_like_a_contiguous_one() {
+        let n = (CHUNK + 77) as i64;
+        let cfg = AdamWConfig { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.05 };
+        let ranges = vec![(5i64, 1000i64), (CHUNK - 3, 50)];
+        tch::manual_seed(1);
+        let p0 = Tensor::randn([n], (Kind::Float, Device::Cpu));
+        let whole = p0.copy();
+        // The same values split differently for parameters and gradients.
+        let split = p0.copy();
+        let parts = vec![split.narrow(0, 0, 100), split.narrow(0, 100, CHUNK - 200), split.narrow(0, CHUNK - 100, n - CHUNK + 100)];
+        let mut a = AdamW::new(n, Device::Cpu, cfg, ranges.clone()).unwrap();
+        let mut b = AdamW::new(n, Device::Cpu, cfg, ranges).unwrap();
+        for _ in 0..3 {
+            let g = Tensor::randn([n], (Kind::Float, Device::Cpu));
+            let gparts = vec![g.narrow(0, 0, 999), g.narrow(0, 999, n - 999)];
+            a.step(&whole, &g, 1e-2).unwrap();
+            b.step_segments(&parts, &gparts, 1e-2).unwrap();
+        }
+        assert!(whole.equal(&split), "segmented update differs");
+        assert!(!whole.equal(&p0));
     }
 
     #[test]

@@ -7,10 +7,12 @@
 mod adamw;
 mod clip;
 mod schedule;
+mod segments;
 
 pub use adamw::{AdamW, AdamWConfig};
 pub use clip::clip_coefficient;
 pub use schedule::LrSchedule;
+pub use segments::Segments;
 
 /// Errors of the optimizer crate.
 #[derive(Debug, thiserror::Error)]

@@ -145,6 +145,15 @@ impl ShardLayout {
         self.units.iter().map(|u| u.numel).sum()
     }
 
+    /// Decay ranges `(offset, len)` inside a full buffer of all units (stage 0's optimizer).
+    pub fn full_decay_ranges(&self) -> Vec<(i64, i64)> {
+        self.units
+            .iter()
+            .zip(&self.full_offsets)
+            .filter_map(|(u, at)| u.decay_range_in(0, u.padded).map(|(off, n)| (at + off, n)))
+            .collect()
+    }
+
     /// Decay ranges `(offset, len)` inside this rank's contiguous shard buffer, merged where
     /// adjacent.
     pub fn shard_decay_ranges(&self) -> Vec<(i64, i64)> {

@@ -6,9 +6,11 @@
 //! when each unit's parameters are gathered, freed and its gradients reduced.
 
 mod engine;
+mod init;
 pub mod layout;
 mod memory;
 mod policy;
+mod state;
 
 pub use engine::{Engine, EngineConfig, StepStats};
 pub use layout::{ShardLayout, UnitLayout, View};
@@ -35,6 +37,9 @@ pub enum Error {
     /// The optimizer failed.
     #[error(transparent)]
     Optim(#[from] zrun_optim::Error),
+    /// A collective failed (a peer died, timed out or disagreed).
+    #[error(transparent)]
+    Comm(zrun_comm::Error),
     /// The configuration asks for something this engine cannot do.
     #[error("engine: {0}")]
     Unsupported(String),

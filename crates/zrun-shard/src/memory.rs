@@ -28,3 +28,20 @@ impl MemoryLedger {
         self.model_states() + self.buffers
     }
 }
+
+impl MemoryLedger {
+    /// The model-state bytes the engine allocates for `layout`'s rank at `stage` in fp32
+    /// (what `Engine::memory` then counts), computed without allocating; `buffers` is left 0
+    /// because in-flight buffers depend on the run.
+    pub fn plan(layout: &crate::ShardLayout, stage: crate::Stage) -> MemoryLedger {
+        use crate::Stage::*;
+        let (full, shard) = (layout.full_numel(), layout.shard_numel());
+        MemoryLedger {
+            params: 4 * if stage == Zero3 { shard } else { full },
+            grads: 4 * if matches!(stage, Zero0 | Zero1) { full } else { shard },
+            master: 0,
+            optimizer: 8 * if stage == Zero0 { full } else { shard },
+            buffers: 0,
+        }
+    }
+}

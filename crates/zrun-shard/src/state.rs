@@ -1,0 +1,157 @@
+//! Where a rank's parameters and gradients live at each stage, and the collectives that
+//! move them: gathers of parameters, reductions of gradients.
+
+use crate::layout::ShardLayout;
+use crate::{Context, Error, Result};
+use std::sync::Arc;
+use tch::{Kind, Tensor};
+use zrun_comm::{Communicator, ReduceOp, Work};
+
+/// A collective in flight with the buffers it uses (kept alive until it completes).
+pub(crate) struct Pending {
+    work: Work,
+    unit: usize,
+    /// Source of the collective.
+    input: Tensor,
+    /// Destination of the collective.
+    output: Tensor,
+}
+
+impl Pending {
+    fn wait(self) -> Result<(usize, Tensor, Tensor)> {
+        self.work.wait().map_err(Error::Comm)?;
+        Ok((self.unit, self.input, self.output))
+    }
+}
+
+/// Communication of one rank, with byte accounting of buffers in flight.
+pub(crate) struct Mover {
+    pub(crate) comm: Arc<dyn Communicator>,
+    pub(crate) layout: ShardLayout,
+    in_flight: i64,
+    /// The most bytes of temporary communication buffers alive at once.
+    pub(crate) peak_in_flight: i64,
+}
+
+impl Mover {
+    pub(crate) fn new(comm: Arc<dyn Communicator>, layout: ShardLayout) -> Mover {
+        Mover { comm, layout, in_flight: 0, peak_in_flight: 0 }
+    }
+
+    fn alloc(&mut self, numel: i64, kind: Kind, device: tch::Device, unit: usize) -> Result<Tensor> {
+        let t = Tensor::f_empty([numel], (kind, device)).ctx("allocate communication buffer", &self.layout.units[unit].unit)?;
+        self.in_flight += numel * kind.elt_size_in_bytes() as i64;
+        self.peak_in_flight = self.peak_in_flight.max(self.in_flight);
+        Ok(t)
+    }
+
+    fn release(&mut self, t: &Tensor) {
+        self.in_flight -= t.numel() as i64 * t.kind().elt_size_in_bytes() as i64;
+    }
+
+    /// Starts gathering unit `u` from this rank's `shard` slice into a new full buffer.
+    pub(crate) fn start_gather(&mut self, shard: &Tensor, u: usize) -> Result<Pending> {
+        let numel = self.layout.units[u].padded;
+        let full = self.alloc(numel, shard.kind(), shard.device(), u)?;
+        let input = self.shard_of(shard, u)?;
+        let work = self.comm.all_gather(&input, &full).map_err(Error::Comm)?;
+        Ok(Pending { work, unit: u, input, output: full })
+    }
+
+    /// Waits for a gather and returns the full unit buffer (still counted until `done_with`).
+    pub(crate) fn finish_gather(&mut self, p: Pending) -> Result<Tensor> {
+        Ok(p.wait()?.2)
+    }
+
+    /// Stops counting a gathered buffer (its storage is released when the last view goes).
+    pub(crate) fn done_with(&mut self, full: &Tensor) {
+        self.release(full);
+    }
+
+    /// Starts averaging unit `u`'s full gradient `grad` over the ranks into a new shard buffer.
+    pub(crate) fn start_reduce_scatter(&mut self, grad: Tensor, u: usize) -> Result<Pending> {
+        let len = self.layout.units[u].shard_len();
+        let shard = self.alloc(len, grad.kind(), grad.device(), u)?;
+        let work = self.comm.reduce_scatter(&grad, &shard, ReduceOp::Avg).map_err(Error::Comm)?;
+        Ok(Pending { work, unit: u, input: grad, output: shard })
+    }
+
+    /// Waits for a reduce-scatter; returns the unit and its reduced shard (count released).
+    pub(crate) fn finish_reduce_scatter(&mut self, p: Pending) -> Result<(usize, Tensor)> {
+        let (u, _grad, shard) = p.wait()?;
+        self.release(&shard);
+        Ok((u, shard))
+    }
+
+    /// Averages every unit of the full buffer `grads` over the ranks, in place (stage 0).
+    pub(crate) fn all_reduce_units(&mut self, grads: &Tensor) -> Result<()> {
+        let mut pending = Vec::new();
+        for (u, l) in self.layout.units.iter().enumerate() {
+            let g = grads.f_narrow(0, self.layout.full_offsets[u], l.padded).ctx("slice gradients", &l.unit)?;
+            pending.push(self.comm.all_reduce(&g, ReduceOp::Avg).map_err(Error::Comm)?);
+        }
+        pending.into_iter().try_for_each(|w| w.wait().map_err(Error::Comm))
+    }
+
+    /// Averages every unit of the full buffer `grads` over the ranks and writes the owned
+    /// slice of each unit back in place (stage 1); the rest of the buffer is left stale.
+    pub(crate) fn reduce_scatter_units(&mut self, grads: &Tensor) -> Result<()> {
+        let mut pending = Vec::new();
+        for u in 0..self.layout.units.len() {
+            let g = self.unit_full(grads, u)?;
+            pending.push(self.start_reduce_scatter(g, u)?);
+        }
+        // Every reduction has read its input before any owned slice is overwritten.
+        let done: Vec<(usize, Tensor)> =
+            pending.into_iter().map(|p| self.finish_reduce_scatter(p)).collect::<Result<_>>()?;
+        for (u, shard) in done {
+            let mut own = self.owned(grads, u)?;
+            own.f_copy_(&shard).ctx("store reduced gradient", &self.layout.units[u].unit)?;
+        }
+        Ok(())
+    }
+
+    /// Refreshes every unit of the full buffer `params` from the ranks' owned slices
+    /// (stages 1-2, after the optimizer step).
+    pub(crate) fn all_gather_units(&mut self, params: &Tensor) -> Result<()> {
+        let mut pending = Vec::new();
+        for u in 0..self.layout.units.len() {
+            // A private copy of the owned slice: the output overlaps it.
+            let own = self.owned(params, u)?;
+            let mine = own.f_detach_copy().ctx("copy owned slice", &self.layout.units[u].unit)?;
+            let full = self.unit_full(params, u)?;
+            let work = self.comm.all_gather(&mine, &full).map_err(Error::Comm)?;
+            pending.push(Pending { work, unit: u, input: mine, output: full });
+        }
+        pending.into_iter().try_for_each(|p| p.wait().map(drop))
+    }
+
+    /// Unit `u`'s padded region of a full buffer of all units.
+    pub(crate) fn unit_full(&self, buf: &Tensor, u: usize) -> Result<Tensor> {
+        let l = &self.layout.units[u];
+        buf.f_narrow(0, self.layout.full_offsets[u], l.padded).ctx("slice flat buffer", &l.unit)
+    }
+
+    /// This rank's slice of unit `u` inside a full buffer of all units.
+    pub(crate) fn owned(&self, buf: &Tensor, u: usize) -> Result<Tensor> {
+        let l = &self.layout.units[u];
+        let (start, len) = l.shard_range(self.layout.rank);
+        buf.f_narrow(0, self.layout.full_offsets[u] + start, len).ctx("slice owned range", &l.unit)
+    }
+
+    /// Unit `u`'s slice of a contiguous shard buffer.
+    pub(crate) fn shard_of(&self, buf: &Tensor, u: usize) -> Result<Tensor> {
+        let l = &self.layout.units[u];
+        buf.f_narrow(0, self.layout.shard_offsets[u], l.shard_len()).ctx("slice shard", &l.unit)
+    }
+
+    /// Sum over the ranks of a local sum of squares.
+    pub(crate) fn sum_over_ranks(&self, local: f64) -> Result<f64> {
+        if self.comm.world_size() == 1 {
+            return Ok(local);
+        }
+        let t = Tensor::from_slice(&[local as f32]);
+        self.comm.all_reduce(&t, ReduceOp::Sum).map_err(Error::Comm)?.wait().map_err(Error::Comm)?;
+        t.f_double_value(&[0]).ctx("read reduced value", "-")
+    }
+}
