@@ -1,0 +1,201 @@
+//! Communicator trait with tcp, mpi and nccl backends, the rendezvous store and topology discovery.
+//!
+//! A rank finds its place from the environment ([`Topology::from_env`]), meets the others through
+//! a token-authenticated key-value store ([`StoreServer`], [`StoreClient`]) and gets a
+//! [`Communicator`] from [`init`]. Every collective is asynchronous and returns a [`Work`] handle
+//! that must be waited on; every wait has a deadline.
+
+mod buf;
+mod error;
+mod kernels;
+#[cfg_attr(not(feature = "mpi"), path = "mpi_stub.rs")]
+mod mpi;
+#[cfg_attr(not(feature = "cuda"), path = "nccl_stub.rs")]
+mod nccl;
+mod single;
+mod store;
+mod tcp;
+mod topology;
+mod work;
+
+use std::time::Duration;
+
+pub use error::Error;
+pub use store::{StoreClient, StoreServer};
+pub use topology::{Topology, TopologySource};
+pub use work::Work;
+
+use tch::Tensor;
+
+/// Environment variable holding the job's secret token, shared by the store and every rank.
+pub const TOKEN_ENV: &str = "ZRUN_JOB_TOKEN";
+/// Environment variable that, when `1`, says the launcher hosts the store (rank 0 must not).
+pub const STORE_EXTERNAL_ENV: &str = "ZRUN_STORE_EXTERNAL";
+/// Environment variable that, when `0`, turns off the same-host cross-memory path of `tcp`.
+pub const CMA_ENV: &str = "ZRUN_COMM_CMA";
+
+/// How a reduction combines the ranks' values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise mean over the ranks (the sum divided by the world size).
+    Avg,
+}
+
+/// A communication backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// Built-in sockets (and cross-memory copies between ranks of one host); CPU tensors.
+    Tcp,
+    /// MPI (cargo feature `mpi`), started by `mpirun`; CPU tensors.
+    Mpi,
+    /// NCCL (cargo feature `cuda`); CUDA tensors.
+    Nccl,
+}
+
+impl Backend {
+    /// The lowercase name used in configs and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Tcp => "tcp",
+            Backend::Mpi => "mpi",
+            Backend::Nccl => "nccl",
+        }
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "tcp" => Ok(Backend::Tcp),
+            "mpi" => Ok(Backend::Mpi),
+            "nccl" => Ok(Backend::Nccl),
+            other => Err(format!(
+                "unknown backend `{other}`; allowed: tcp, mpi, nccl"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Collective communication between the ranks of one job.
+///
+/// Every call is asynchronous: it validates its arguments, queues the operation and returns a
+/// [`Work`]. The tensors must not be read or written by the caller until the work is waited on.
+/// All ranks must issue the same collectives in the same order.
+pub trait Communicator: Send + Sync {
+    /// This process's rank, `0..world_size`.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+    /// The backend behind this communicator.
+    fn backend(&self) -> Backend;
+    /// `full` has `chunk_sizes(full.numel(), W)` layout: rank r's shard is the r-th chunk
+    /// (first n % W ranks one element longer when n is not divisible). `shard` must have
+    /// this rank's chunk numel. Both contiguous, same dtype and device.
+    fn all_gather(&self, shard: &Tensor, full: &Tensor) -> Result<Work, Error>;
+    /// Reduces `full` over the ranks and writes this rank's chunk of the result into `shard`
+    /// (layout as in [`Communicator::all_gather`]); `full` is left unchanged.
+    fn reduce_scatter(&self, full: &Tensor, shard: &Tensor, op: ReduceOp) -> Result<Work, Error>;
+    /// Reduces `t` over the ranks, in place.
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Work, Error>;
+    /// Copies `t` of rank `root` into `t` of every rank.
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Work, Error>;
+    /// Completes once every rank has issued this barrier.
+    fn barrier(&self) -> Result<Work, Error>;
+}
+
+/// Element counts of the `world` chunks of an `n`-element buffer: `n / world` each, the first
+/// `n % world` chunks one element longer.
+pub fn chunk_sizes(n: usize, world: usize) -> Vec<usize> {
+    let world = world.max(1);
+    let (base, rem) = (n / world, n % world);
+    (0..world).map(|r| base + usize::from(r < rem)).collect()
+}
+
+/// Element offset of chunk `r` in the [`chunk_sizes`] layout.
+pub fn chunk_offset(n: usize, world: usize, r: usize) -> usize {
+    let world = world.max(1);
+    let (base, rem) = (n / world, n % world);
+    r * base + r.min(rem)
+}
+
+/// Connects this rank: store (token from env `ZRUN_JOB_TOKEN`), peers, backend.
+///
+/// World size 1 needs no store and no sockets: its collectives are copies or no-ops. With the
+/// `tcp` backend rank 0 hosts the store on `MASTER_ADDR:MASTER_PORT` unless
+/// `ZRUN_STORE_EXTERNAL=1` says the launcher does. `timeout` bounds every wait.
+pub fn init(
+    topo: &Topology,
+    backend: Backend,
+    timeout: Duration,
+) -> Result<Box<dyn Communicator>, Error> {
+    if backend == Backend::Mpi {
+        return mpi::init(topo, timeout);
+    }
+    if topo.world_size == 1 && backend == Backend::Tcp {
+        return Ok(Box::new(single::SingleComm::new(Backend::Tcp)));
+    }
+    let token = std::env::var(TOKEN_ENV).unwrap_or_default();
+    if token.is_empty() && topo.world_size > 1 {
+        tracing::warn!("{TOKEN_ENV} is not set: the rendezvous store accepts any client of this job's port");
+    }
+    let external = std::env::var(STORE_EXTERNAL_ENV).is_ok_and(|v| v == "1");
+    let server = if topo.rank == 0 && !external && topo.world_size > 1 {
+        let bind = store::bind_addr_for(&topo.master_addr, topo.master_port);
+        Some(StoreServer::start(&bind, &token)?)
+    } else {
+        None
+    };
+    let addr = format!("{}:{}", topo.master_addr, topo.master_port);
+    let store = StoreClient::connect(&addr, &token, timeout)?;
+    match backend {
+        Backend::Tcp => Ok(Box::new(tcp::TcpComm::new(
+            topo, store, server, &token, timeout,
+        )?)),
+        Backend::Nccl => nccl::init(topo, store, server, timeout),
+        Backend::Mpi => unreachable!("handled above"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_and_differ_by_at_most_one() {
+        for n in [0usize, 1, 5, 7, 64, 1001] {
+            for w in 1..6 {
+                let c = chunk_sizes(n, w);
+                assert_eq!(c.len(), w);
+                assert_eq!(c.iter().sum::<usize>(), n);
+                let (mx, mn) = (*c.iter().max().unwrap(), *c.iter().min().unwrap());
+                assert!(mx - mn <= 1, "n {n} w {w}: {c:?}");
+                // longer chunks first
+                assert!(c.windows(2).all(|p| p[0] >= p[1]));
+                let mut off = 0;
+                for (r, len) in c.iter().enumerate() {
+                    assert_eq!(chunk_offset(n, w, r), off);
+                    off += len;
+                }
+            }
+        }
+        assert_eq!(chunk_sizes(7, 3), vec![3, 2, 2]);
+    }
+
+    #[test]
+    fn backend_parses_names_and_rejects_others() {
+        assert_eq!("tcp".parse::<Backend>(), Ok(Backend::Tcp));
+        assert_eq!("nccl".parse::<Backend>(), Ok(Backend::Nccl));
+        let e = "gloo".parse::<Backend>().unwrap_err();
+        assert!(e.contains("tcp, mpi, nccl"), "{e}");
+    }
+}

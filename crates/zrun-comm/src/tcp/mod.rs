@@ -1,0 +1,370 @@
+//! The built-in `tcp` backend: ring algorithms over sockets between every pair of ranks, and
+//! direct cross-memory copies (`process_vm_readv`, one kernel copy) when all ranks share a host.
+
+mod cma;
+mod mesh;
+mod ring;
+
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::time::Duration;
+
+use tch::Tensor;
+
+use crate::buf::{self, DType, Placement, RawBuf};
+use crate::work::Executor;
+use crate::{Backend, Communicator, Error, ReduceOp, StoreClient, StoreServer, Topology, Work};
+use mesh::Ctx;
+
+/// Bytes per socket transfer piece in the ring (the receive scratch of reductions).
+pub(crate) const SEG: usize = 1 << 20;
+
+/// Which collective a message belongs to; checked between ranks before any data moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Header {
+    pub(crate) code: u8,
+    pub(crate) dtype: u8,
+    pub(crate) seq: u64,
+    pub(crate) numel: u64,
+    pub(crate) aux: u64,
+}
+
+const MSG: usize = 40;
+const MSG_MAGIC: &[u8; 4] = b"ZRop";
+
+impl Header {
+    fn encode(&self, addr: u64) -> [u8; MSG] {
+        let mut m = [0u8; MSG];
+        m[..4].copy_from_slice(MSG_MAGIC);
+        m[4] = self.code;
+        m[5] = self.dtype;
+        m[8..16].copy_from_slice(&self.seq.to_le_bytes());
+        m[16..24].copy_from_slice(&self.numel.to_le_bytes());
+        m[24..32].copy_from_slice(&self.aux.to_le_bytes());
+        m[32..40].copy_from_slice(&addr.to_le_bytes());
+        m
+    }
+
+    fn decode(m: &[u8; MSG]) -> Option<(Header, u64)> {
+        let u = |r: std::ops::Range<usize>| u64::from_le_bytes(m[r].try_into().unwrap_or([0; 8]));
+        (&m[..4] == MSG_MAGIC).then(|| {
+            (
+                Header {
+                    code: m[4],
+                    dtype: m[5],
+                    seq: u(8..16),
+                    numel: u(16..24),
+                    aux: u(24..32),
+                },
+                u(32..40),
+            )
+        })
+    }
+
+    fn describe(&self) -> String {
+        let op = match self.code {
+            1 => "all_gather",
+            2 => "reduce_scatter(sum)",
+            3 => "reduce_scatter(avg)",
+            4 => "all_reduce(sum)",
+            5 => "all_reduce(avg)",
+            6 => "broadcast",
+            7 => "barrier",
+            _ => "an unknown message",
+        };
+        format!(
+            "{op} #{} of {} elements (dtype code {}, arg {})",
+            self.seq, self.numel, self.dtype, self.aux
+        )
+    }
+}
+
+/// State owned by the communication thread.
+pub(crate) struct State {
+    pub(crate) rank: usize,
+    pub(crate) world: usize,
+    pub(crate) timeout: Duration,
+    pub(crate) peers: Vec<Option<TcpStream>>,
+    /// Process ids of all ranks when cross-memory copies work between all of them.
+    pub(crate) pids: Option<Vec<i32>>,
+    pub(crate) seq: u64,
+    pub(crate) scratch: Vec<u64>,
+    pub(crate) acc: Vec<f32>,
+    pub(crate) ring_bufs: [Vec<u64>; 2],
+}
+
+impl State {
+    pub(crate) fn peer(&self, ctx: &Ctx, q: usize) -> Result<&TcpStream, Error> {
+        self.peers[q].as_ref().ok_or_else(|| Error::PeerLost {
+            rank: ctx.rank,
+            op: ctx.op,
+            bytes: ctx.bytes,
+            peer: q,
+            detail: "no connection".into(),
+        })
+    }
+
+    /// Sends `hdr` (with `addr`) to `to` and checks the headers received from `from`;
+    /// returns the address each sender sent, indexed by rank.
+    pub(crate) fn exchange(
+        &self,
+        ctx: &Ctx,
+        hdr: &Header,
+        addr: u64,
+        to: &[usize],
+        from: &[usize],
+    ) -> Result<Vec<u64>, Error> {
+        let msg = hdr.encode(addr);
+        for &q in to {
+            ctx.send(self.peer(ctx, q)?, q, &msg)?;
+        }
+        let mut addrs = vec![0u64; self.world];
+        for &q in from {
+            let mut m = [0u8; MSG];
+            ctx.recv(self.peer(ctx, q)?, q, &mut m)?;
+            let theirs = Header::decode(&m);
+            match theirs {
+                Some((h, a)) if h == *hdr => addrs[q] = a,
+                other => {
+                    return Err(Error::Mismatch {
+                        rank: ctx.rank,
+                        op: ctx.op,
+                        seq: hdr.seq,
+                        peer: q,
+                        theirs: other.map_or("garbage".into(), |(h, _)| h.describe()),
+                    })
+                }
+            }
+        }
+        Ok(addrs)
+    }
+
+    pub(crate) fn others(&self) -> Vec<usize> {
+        (0..self.world).filter(|&q| q != self.rank).collect()
+    }
+
+    fn abort(&mut self) {
+        for s in self.peers.iter().flatten() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// Sub-slice of a raw buffer in bytes.
+///
+/// # Safety
+/// `base..base+off+len` must lie in memory the caller may write, and no other live slice may
+/// overlap the returned one.
+pub(crate) unsafe fn sub<'a>(base: usize, off: usize, len: usize) -> &'a mut [u8] {
+    if len == 0 {
+        return &mut [];
+    }
+    // SAFETY: guaranteed by the caller.
+    unsafe { std::slice::from_raw_parts_mut((base + off) as *mut u8, len) }
+}
+
+/// The `tcp` communicator.
+pub(crate) struct TcpComm {
+    rank: usize,
+    world: usize,
+    exec: Executor<State>,
+    _store: StoreClient,
+    _server: Option<StoreServer>,
+}
+
+impl TcpComm {
+    pub(crate) fn new(
+        topo: &Topology,
+        store: StoreClient,
+        server: Option<StoreServer>,
+        token: &str,
+        timeout: Duration,
+    ) -> Result<TcpComm, Error> {
+        let (rank, world) = (topo.rank, topo.world_size);
+        let cerr = |detail: String| Error::Connect { rank, detail };
+        // Keys of the n-th communicator of this job: every rank creates them in one order.
+        let gen = store.add(&format!("zrun/comm/gen/{rank}"), 1)?;
+        let key = |what: &str, r: usize| format!("zrun/comm/{gen}/{what}/{r}");
+        let ip = store
+            .local_ip()
+            .ok_or_else(|| cerr("cannot tell which interface reaches the store".into()))?;
+        let listener = mesh::listen_on(ip, rank)?;
+        let me = listener
+            .local_addr()
+            .map_err(|e| cerr(format!("listener address: {e}")))?;
+        let probe = cma::Probe::new();
+        let info = format!("{me}|{}|{}", probe.describe(), cma::host_id());
+        store.set(&key("peer", rank), info.as_bytes())?;
+        let keys: Vec<String> = (0..world).map(|r| key("peer", r)).collect();
+        store.wait(&keys.iter().map(|s| s.as_str()).collect::<Vec<_>>(), timeout)?;
+        let mut addrs: Vec<SocketAddr> = Vec::with_capacity(world);
+        let mut infos: Vec<String> = Vec::with_capacity(world);
+        for (r, k) in keys.iter().enumerate() {
+            let v = String::from_utf8_lossy(&store.get(k)?).into_owned();
+            let a = v.split('|').next().unwrap_or("");
+            addrs.push(a.parse().map_err(|_| {
+                cerr(format!("rank {r} published an unreadable address {v:?}"))
+            })?);
+            infos.push(v);
+        }
+        let peers = mesh::connect_mesh(rank, listener, &addrs, token, timeout)?;
+        // Cross-memory copies only when every rank can read every other one.
+        let mine_ok = cma::enabled() && probe.check_all(rank, &infos);
+        store.set(&key("cma", rank), &[u8::from(mine_ok)])?;
+        let ckeys: Vec<String> = (0..world).map(|r| key("cma", r)).collect();
+        store.wait(&ckeys.iter().map(|s| s.as_str()).collect::<Vec<_>>(), timeout)?;
+        let mut all_ok = true;
+        for k in &ckeys {
+            all_ok &= store.get(k)? == [1];
+        }
+        let pids = all_ok.then(|| infos.iter().map(|i| cma::pid_of(i)).collect());
+        tracing::debug!(rank, world, cma = all_ok, "tcp communicator connected");
+        let exec = Executor::spawn(
+            rank,
+            timeout,
+            move || {
+                Ok(State {
+                    rank,
+                    world,
+                    timeout,
+                    peers,
+                    pids,
+                    seq: 0,
+                    scratch: vec![0u64; SEG / 8],
+                    acc: vec![0f32; crate::kernels::BLOCK],
+                    ring_bufs: [Vec::new(), Vec::new()],
+                })
+            },
+            State::abort,
+        )?;
+        let comm = TcpComm {
+            rank,
+            world,
+            exec,
+            _store: store,
+            _server: server,
+        };
+        comm.barrier()?.wait()?;
+        Ok(comm)
+    }
+
+    fn raw(&self, t: &Tensor, op: &'static str, what: &str) -> Result<RawBuf, Error> {
+        buf::raw(t, self.rank, op, what, Placement::Cpu)
+    }
+}
+
+fn header(code: u8, dtype: DType, numel: usize, aux: u64) -> impl FnOnce(&mut State) -> Header {
+    move |st: &mut State| {
+        st.seq += 1;
+        Header {
+            code,
+            dtype: dtype.code(),
+            seq: st.seq,
+            numel: numel as u64,
+            aux,
+        }
+    }
+}
+
+fn ctx(st: &State, op: &'static str, bytes: usize) -> Ctx {
+    Ctx {
+        rank: st.rank,
+        op,
+        bytes,
+        timeout: st.timeout,
+    }
+}
+
+impl Communicator for TcpComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world
+    }
+    fn backend(&self) -> Backend {
+        Backend::Tcp
+    }
+
+    fn all_gather(&self, shard: &Tensor, full: &Tensor) -> Result<Work, Error> {
+        const OP: &str = "all_gather";
+        let (s, f) = (self.raw(shard, OP, "shard")?, self.raw(full, OP, "full")?);
+        buf::check_shard(&f, &s, self.rank, self.world, OP)?;
+        let bytes = f.bytes();
+        self.exec.submit(OP, bytes, move |st| {
+            let h = header(1, f.dtype, f.numel, 0)(st);
+            let c = ctx(st, OP, bytes);
+            if st.pids.is_some() {
+                cma::all_gather(st, &c, &h, &s, &f)
+            } else {
+                ring::all_gather(st, &c, &h, &s, &f)
+            }
+        })
+    }
+
+    fn reduce_scatter(&self, full: &Tensor, shard: &Tensor, op: ReduceOp) -> Result<Work, Error> {
+        const OP: &str = "reduce_scatter";
+        let (f, s) = (self.raw(full, OP, "full")?, self.raw(shard, OP, "shard")?);
+        buf::check_shard(&f, &s, self.rank, self.world, OP)?;
+        let bytes = f.bytes();
+        let code = if op == ReduceOp::Sum { 2 } else { 3 };
+        self.exec.submit(OP, bytes, move |st| {
+            let h = header(code, f.dtype, f.numel, 0)(st);
+            let c = ctx(st, OP, bytes);
+            let div = if op == ReduceOp::Avg { st.world as f32 } else { 1.0 };
+            if st.pids.is_some() {
+                cma::reduce_scatter(st, &c, &h, &f, &s, div)
+            } else {
+                ring::reduce_scatter(st, &c, &h, &f, &s, div)
+            }
+        })
+    }
+
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Work, Error> {
+        const OP: &str = "all_reduce";
+        let b = self.raw(t, OP, "tensor")?;
+        let bytes = b.bytes();
+        let code = if op == ReduceOp::Sum { 4 } else { 5 };
+        self.exec.submit(OP, bytes, move |st| {
+            let h = header(code, b.dtype, b.numel, 0)(st);
+            let c = ctx(st, OP, bytes);
+            let div = if op == ReduceOp::Avg { st.world as f32 } else { 1.0 };
+            if st.pids.is_some() {
+                cma::all_reduce(st, &c, &h, &b, div)
+            } else {
+                ring::all_reduce(st, &c, &h, &b, div)
+            }
+        })
+    }
+
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Work, Error> {
+        const OP: &str = "broadcast";
+        if root >= self.world {
+            return Err(Error::InvalidArgument {
+                rank: self.rank,
+                op: OP,
+                detail: format!("root {root} is not below the world size {}", self.world),
+            });
+        }
+        let b = self.raw(t, OP, "tensor")?;
+        let bytes = b.bytes();
+        self.exec.submit(OP, bytes, move |st| {
+            let h = header(6, b.dtype, b.numel, root as u64)(st);
+            let c = ctx(st, OP, bytes);
+            if st.pids.is_some() {
+                cma::broadcast(st, &c, &h, &b, root)
+            } else {
+                ring::broadcast(st, &c, &h, &b, root)
+            }
+        })
+    }
+
+    fn barrier(&self) -> Result<Work, Error> {
+        const OP: &str = "barrier";
+        self.exec.submit(OP, 0, move |st| {
+            let h = header(7, DType::F32, 0, 0)(st);
+            let c = ctx(st, OP, 0);
+            let others = st.others();
+            st.exchange(&c, &h, 0, &others, &others).map(|_| ())
+        })
+    }
+}

@@ -1,0 +1,248 @@
+//! Pending collectives ([`Work`]) and the per-communicator thread that runs them in issue order.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::Error;
+
+/// A pending collective. It must be waited on; the tensors it uses belong to it until then.
+#[must_use = "a collective must be waited on"]
+pub struct Work {
+    inner: Option<Pending>,
+}
+
+struct Pending {
+    rx: Receiver<Result<(), Error>>,
+    rank: usize,
+    op: &'static str,
+    bytes: usize,
+    deadline: Instant,
+    timeout: Duration,
+}
+
+impl Work {
+    /// A work that is already complete (used where a collective has nothing to do).
+    pub fn ready() -> Work {
+        Work { inner: None }
+    }
+
+    /// Blocks until the collective is complete, or fails: with the collective's own error
+    /// (naming this rank, the op, the bytes and the peer), or with [`Error::Timeout`] once the
+    /// deadline (`dist.timeout_s` per queued collective) has passed.
+    pub fn wait(self) -> Result<(), Error> {
+        let Some(p) = self.inner else { return Ok(()) };
+        let left = p.deadline.saturating_duration_since(Instant::now());
+        match p.rx.recv_timeout(left) {
+            Ok(r) => r,
+            Err(RecvTimeoutError::Timeout) => Err(Error::Timeout {
+                rank: p.rank,
+                op: p.op,
+                bytes: p.bytes,
+                peer: "unknown (the communication thread is blocked)".into(),
+                timeout: p.timeout,
+            }),
+            Err(RecvTimeoutError::Disconnected) => Err(Error::Poisoned {
+                rank: p.rank,
+                op: p.op,
+                first: "the communication thread stopped".into(),
+            }),
+        }
+    }
+}
+
+type Job<S> = Box<dyn FnOnce(&mut S) -> Result<(), Error> + Send>;
+
+struct Queued<S> {
+    job: Job<S>,
+    op: &'static str,
+    done: Sender<Result<(), Error>>,
+}
+
+/// Runs jobs on one background thread that owns the backend state `S`, in issue order.
+/// After the first failure every later job is refused with [`Error::Poisoned`].
+pub(crate) struct Executor<S> {
+    tx: Mutex<Option<Sender<Queued<S>>>>,
+    thread: Option<JoinHandle<()>>,
+    pending: Arc<AtomicUsize>,
+    rank: usize,
+    timeout: Duration,
+}
+
+impl<S: 'static> Executor<S> {
+    /// Starts the thread; `make` builds the state on it (so `S` need not be `Send`), `on_error`
+    /// runs once on the state after the first failure (to abort connections).
+    pub(crate) fn spawn(
+        rank: usize,
+        timeout: Duration,
+        make: impl FnOnce() -> Result<S, Error> + Send + 'static,
+        on_error: fn(&mut S),
+    ) -> Result<Executor<S>, Error> {
+        let (tx, rx) = mpsc::channel::<Queued<S>>();
+        let (ready_tx, ready_rx) = mpsc::channel::<Result<(), Error>>();
+        let pending = Arc::new(AtomicUsize::new(0));
+        let pend = pending.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("zrun-comm-{rank}"))
+            .spawn(move || {
+                let mut state = match make() {
+                    Ok(s) => {
+                        let _ = ready_tx.send(Ok(()));
+                        s
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let mut first: Option<String> = None;
+                while let Ok(q) = rx.recv() {
+                    let r = match &first {
+                        Some(f) => Err(Error::Poisoned {
+                            rank,
+                            op: q.op,
+                            first: f.clone(),
+                        }),
+                        None => {
+                            let r = (q.job)(&mut state);
+                            if let Err(e) = &r {
+                                first = Some(e.to_string());
+                                on_error(&mut state);
+                            }
+                            r
+                        }
+                    };
+                    pend.fetch_sub(1, Ordering::SeqCst);
+                    let _ = q.done.send(r);
+                }
+            })
+            .map_err(|e| Error::Backend {
+                rank,
+                backend: "comm",
+                op: "start communication thread",
+                detail: e.to_string(),
+            })?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                return Err(e);
+            }
+            Err(_) => {
+                let _ = thread.join();
+                return Err(Error::Backend {
+                    rank,
+                    backend: "comm",
+                    op: "start communication thread",
+                    detail: "the thread panicked while connecting".into(),
+                });
+            }
+        }
+        Ok(Executor {
+            tx: Mutex::new(Some(tx)),
+            thread: Some(thread),
+            pending,
+            rank,
+            timeout,
+        })
+    }
+
+    /// Queues `job`; the returned work's deadline allows `timeout` for it and for each job
+    /// queued before it.
+    pub(crate) fn submit(
+        &self,
+        op: &'static str,
+        bytes: usize,
+        job: impl FnOnce(&mut S) -> Result<(), Error> + Send + 'static,
+    ) -> Result<Work, Error> {
+        let (done, rx) = mpsc::channel();
+        let ahead = self.pending.fetch_add(1, Ordering::SeqCst);
+        let budget = self.timeout.saturating_mul(ahead as u32 + 1) + Duration::from_secs(1);
+        let guard = self.tx.lock().map_err(|_| Error::Poisoned {
+            rank: self.rank,
+            op,
+            first: "a thread panicked while issuing a collective".into(),
+        })?;
+        let sent = guard.as_ref().map(|tx| {
+            tx.send(Queued {
+                job: Box::new(job),
+                op,
+                done,
+            })
+        });
+        if !matches!(sent, Some(Ok(()))) {
+            self.pending.fetch_sub(1, Ordering::SeqCst);
+            return Err(Error::Poisoned {
+                rank: self.rank,
+                op,
+                first: "the communication thread stopped".into(),
+            });
+        }
+        Ok(Work {
+            inner: Some(Pending {
+                rx,
+                rank: self.rank,
+                op,
+                bytes,
+                deadline: Instant::now() + budget,
+                timeout: self.timeout,
+            }),
+        })
+    }
+}
+
+impl<S> Drop for Executor<S> {
+    fn drop(&mut self) {
+        if let Ok(mut g) = self.tx.lock() {
+            g.take();
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jobs_run_in_order_and_failure_poisons_later_jobs() {
+        let ex = Executor::spawn(3, Duration::from_secs(5), || Ok(Vec::<u32>::new()), |_| {})
+            .unwrap();
+        let w1 = ex.submit("a", 0, |s: &mut Vec<u32>| {
+            s.push(1);
+            Ok(())
+        });
+        let w2 = ex.submit("b", 0, |s: &mut Vec<u32>| {
+            assert_eq!(s, &[1]);
+            Err(Error::Connect {
+                rank: 3,
+                detail: "boom".into(),
+            })
+        });
+        let w3 = ex.submit("c", 0, |_s: &mut Vec<u32>| Ok(()));
+        w1.unwrap().wait().unwrap();
+        assert!(w2.unwrap().wait().unwrap_err().to_string().contains("boom"));
+        let e = w3.unwrap().wait().unwrap_err().to_string();
+        assert!(e.contains("rank 3, c") && e.contains("boom"), "{e}");
+    }
+
+    #[test]
+    fn wait_times_out_when_the_thread_is_stuck() {
+        let ex =
+            Executor::spawn(0, Duration::from_millis(100), || Ok(()), |_| {}).unwrap();
+        let w = ex
+            .submit("all_gather", 64, |_| {
+                std::thread::sleep(Duration::from_millis(1500));
+                Ok(())
+            })
+            .unwrap();
+        let t = Instant::now();
+        let e = w.wait().unwrap_err().to_string();
+        assert!(t.elapsed() < Duration::from_millis(1400));
+        assert!(e.contains("rank 0, all_gather of 64 bytes"), "{e}");
+    }
+}

@@ -1,0 +1,150 @@
+//! The `tcp` backend in real processes: both transports (cross-memory on one host, and the
+//! socket ring), world sizes 2-4, dead and stuck peers, wrong tokens.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use common::{assert_all_ok, is_worker, spawn_ranks, worker};
+use tch::{Device, Kind, Tensor};
+use zrun_comm::{init, Backend, ReduceOp, Topology, CMA_ENV};
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+fn collectives() {
+    worker(|| {
+        let topo = Topology::from_env()?;
+        let c = init(&topo, Backend::Tcp, Duration::from_secs(30))?;
+        common::check_collectives(c.as_ref())
+    });
+}
+
+macro_rules! collective_test {
+    ($name:ident, $world:expr, $cma:expr) => {
+        #[test]
+        fn $name() {
+            if is_worker(stringify!($name)) {
+                return collectives();
+            }
+            let outs = spawn_ranks(stringify!($name), $world, &[(CMA_ENV, $cma)], LIMIT);
+            assert_all_ok(stringify!($name), &outs);
+        }
+    };
+}
+
+collective_test!(ring_world2_every_collective_and_dtype, 2, "0");
+collective_test!(ring_world3_every_collective_and_dtype, 3, "0");
+collective_test!(ring_world4_every_collective_and_dtype, 4, "0");
+collective_test!(cma_world2_every_collective_and_dtype, 2, "1");
+collective_test!(cma_world3_every_collective_and_dtype, 3, "1");
+collective_test!(cma_world4_every_collective_and_dtype, 4, "1");
+
+/// Ranks 0 and 1 loop over all-reduces; rank 2 dies (`victim` = kill) or stops answering
+/// (`victim` = hang) after 300 ms. The survivors must fail within the deadline, naming
+/// themselves, the op and the bytes.
+fn lost_peer(victim: &'static str) {
+    worker(|| {
+        let topo = Topology::from_env()?;
+        let timeout = Duration::from_secs(2);
+        let c = init(&topo, Backend::Tcp, timeout)?;
+        let n = 4 << 20;
+        let t = Tensor::ones([n], (Kind::Float, Device::Cpu));
+        if topo.rank == 2 {
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                if victim == "kill" {
+                    // SAFETY: sends SIGKILL to this very process.
+                    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+                } else {
+                    std::process::exit(0);
+                }
+            });
+            if victim == "hang" {
+                std::thread::sleep(Duration::from_secs(30));
+            }
+        }
+        let start = Instant::now();
+        let mut last_ok = start;
+        for _ in 0..10_000 {
+            let w = c.all_reduce(&t, ReduceOp::Sum)?;
+            match w.wait() {
+                Ok(()) => last_ok = Instant::now(),
+                Err(e) => {
+                    let waited = last_ok.elapsed();
+                    let msg = e.to_string();
+                    let bytes = format!("all_reduce of {} bytes", n * 4);
+                    let me = format!("rank {}", topo.rank);
+                    if !(msg.contains(&me) && msg.contains(&bytes) && msg.contains("peer rank")) {
+                        bail!("error does not name rank, op, bytes and peer: {msg}");
+                    }
+                    if waited > timeout + Duration::from_secs(3) {
+                        bail!("failed only after {waited:?} (deadline {timeout:?}): {msg}");
+                    }
+                    // A later collective is refused at once.
+                    let again = c.barrier()?.wait().err().context("barrier after failure")?;
+                    if !again.to_string().contains("unusable") {
+                        bail!("second failure is not a poisoned error: {again}");
+                    }
+                    println!("rank {} failed as expected after {waited:?}: {msg}", topo.rank);
+                    return Ok(());
+                }
+            }
+            if start.elapsed() > Duration::from_secs(20) {
+                bail!("no failure 20 s after the peer was lost");
+            }
+        }
+        bail!("all collectives succeeded although rank 2 was lost")
+    });
+}
+
+fn check_survivors(name: &str, outs: &[common::Outcome]) {
+    for (r, o) in outs.iter().enumerate().take(2) {
+        assert_eq!(o.code, Some(0), "{name}: rank {r} output:\n{}", o.output);
+        assert!(o.output.contains("failed as expected"), "{}", o.output);
+    }
+}
+
+macro_rules! lost_peer_test {
+    ($name:ident, $victim:expr, $cma:expr) => {
+        #[test]
+        fn $name() {
+            if is_worker(stringify!($name)) {
+                return lost_peer($victim);
+            }
+            let outs = spawn_ranks(stringify!($name), 3, &[(CMA_ENV, $cma)], LIMIT);
+            check_survivors(stringify!($name), &outs);
+        }
+    };
+}
+
+lost_peer_test!(ring_killed_peer_fails_the_others_within_the_deadline, "kill", "0");
+lost_peer_test!(cma_killed_peer_fails_the_others_within_the_deadline, "kill", "1");
+lost_peer_test!(ring_silent_peer_times_out_naming_it, "hang", "0");
+
+#[test]
+fn rank_with_a_wrong_token_is_refused() {
+    const NAME: &str = "rank_with_a_wrong_token_is_refused";
+    if is_worker(NAME) {
+        return worker(|| {
+            let topo = Topology::from_env()?;
+            match init(&topo, Backend::Tcp, Duration::from_secs(5)) {
+                Ok(_) => bail!("connected with a wrong token"),
+                Err(e) if e.to_string().contains("wrong job token") => Ok(()),
+                Err(e) => bail!("unexpected error: {e}"),
+            }
+        });
+    }
+    let outs = spawn_ranks(NAME, 2, &[("ZRUN_JOB_TOKEN", "not-the-token")], LIMIT);
+    assert_all_ok(NAME, &outs);
+}
+
+#[test]
+fn single_rank_needs_no_store() {
+    let c = init(&Topology::single(), Backend::Tcp, Duration::from_secs(1)).unwrap();
+    assert_eq!((c.rank(), c.world_size()), (0, 1));
+    let shard = Tensor::arange(3, (Kind::Float, Device::Cpu));
+    let full = Tensor::zeros([3], (Kind::Float, Device::Cpu));
+    c.all_gather(&shard, &full).unwrap().wait().unwrap();
+    assert_eq!(Vec::<f32>::try_from(&full).unwrap(), vec![0., 1., 2.]);
+}
