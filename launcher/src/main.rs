@@ -1,44 +1,178 @@
-//! `zrun`: trains a model described by a `train.toml`.
+//! `zrun`: trains a model described by a `train.toml` on one or several ranks.
 //!
-//!     zrun configs/tiny-cpu.toml --set train.steps=50
-//!     zrun --dry-run configs/tiny-cpu.toml
+//!     zrun configs/tiny-cpu.toml --set train.steps=50          # --nproc: GPUs, or 1
+//!     zrun --nproc 4 configs/tiny-cpu.toml                     # 4 ranks on this node
+//!     zrun --nnodes 2 --node-rank 0 --master-addr h0 --nproc 8 train.toml   # node 0 of 2
+//!     mpirun -np 2 zrun train.toml                             # under mpirun/srun: one rank
+//!     zrun --dry-run --nproc 8 train.toml                      # layout and bytes per rank
+//!     zrun exec --nproc 2 -- sh -c 'echo $RANK'                # any program as the ranks
+//!     zrun bench comm --nproc 2                                # collective bandwidth
 //!
-//! Exit codes: 0 success, 1 failure during training, 2 bad input (flags, config, data).
+//! Launcher or rank: a process whose environment holds rank variables (zrun's and torchrun's
+//! `RANK`/`WORLD_SIZE`, OpenMPI's, PMI's or Slurm's) trains as that one rank; without them it
+//! is the launcher and starts the ranks. Layout flags (`--nproc`, `--nnodes`, ...) together
+//! with rank variables other than Slurm's are refused as ambiguous; with Slurm's only (an
+//! `sbatch` script) the layout flags win and zrun launches.
+//!
+//! Exit codes: 0 success, 1 failure during training, 2 bad input (flags, config, data);
+//! 128+N when the launcher was stopped by signal N.
 
+mod bench;
+mod launch;
 mod worker;
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
+use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
+
+use launch::{BadInput, LaunchFlags, Program};
+use zrun_comm::{Topology, TopologySource};
 
 /// Command line of `zrun`.
 #[derive(Parser, Debug)]
 #[command(
     name = "zrun",
     version,
-    about = "Sharded data-parallel training (ZeRO stages 0-3) on CPUs and GPUs"
+    about = "Sharded data-parallel training (ZeRO stages 0-3) on CPUs and GPUs",
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
 )]
 struct Cli {
+    #[command(subcommand)]
+    command: Option<Cmd>,
+    #[command(flatten)]
+    launch: LaunchFlags,
     /// The training config (TOML); see docs/config.md.
-    config: PathBuf,
+    #[arg(required = true)]
+    config: Option<PathBuf>,
     /// Override a config key, e.g. --set train.steps=50 --set model.n_layer=6.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
-    /// Validate the config and print the model and memory layout without training.
+    /// Validate the config and the world layout, print the parameter count and every rank's
+    /// shards and model-state bytes, and exit without training.
     #[arg(long)]
     dry_run: bool,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Run any program as the ranks, with zrun's environment and supervision (like
+    /// torchrun --no-python). MASTER_ADDR:MASTER_PORT is zrun's rendezvous store.
+    Exec(ExecArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+}
+
+#[derive(clap::Args, Debug)]
+struct ExecArgs {
+    #[command(flatten)]
+    launch: LaunchFlags,
+    /// The program and its arguments (after `--`).
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    program: Vec<OsString>,
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCmd {
+    /// Collective bandwidth and correctness, nccl-tests style.
+    Comm(bench::CommArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging();
-    match worker::run(&cli.config, &cli.set, cli.dry_run) {
-        Ok(()) => ExitCode::SUCCESS,
+    let result = match cli.command {
+        Some(Cmd::Bench(BenchCmd::Comm(ref args))) => bench::run_comm(args).map(|()| 0),
+        Some(Cmd::Exec(ref e)) => exec(e),
+        None => train(&cli),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("zrun: error: {e:#}");
-            ExitCode::from(if worker::is_bad_input(&e) { 2 } else { 1 })
+            ExitCode::from(if is_bad_input(&e) { 2 } else { 1 })
         }
     }
+}
+
+fn is_bad_input(e: &anyhow::Error) -> bool {
+    worker::is_bad_input(e) || e.downcast_ref::<BadInput>().is_some()
+}
+
+/// Reads the rank variables; malformed ones are bad input.
+fn topology() -> anyhow::Result<Topology> {
+    Topology::from_env().map_err(|e| BadInput(e.to_string()).into())
+}
+
+/// True when this process is one rank of a job started by someone else (zrun, torchrun,
+/// mpirun, srun); refuses layout flags that would start a second layer of ranks.
+fn is_rank(topo: &Topology, flags: &LaunchFlags) -> anyhow::Result<bool> {
+    match (topo.source, flags.any_layout_flag()) {
+        (TopologySource::Single, _) => Ok(false),
+        (_, false) => Ok(true),
+        (TopologySource::Slurm, true) => Ok(false),
+        (source, true) => Err(BadInput(format!(
+            "this process already is rank {} of {} ({source:?} variables such as RANK or OMPI_COMM_WORLD_RANK are set), so --nproc/--nnodes/--node-rank/--master-addr/--master-port do not apply; drop those flags, or unset the variables to launch a new job",
+            topo.rank, topo.world_size
+        ))
+        .into()),
+    }
+}
+
+fn train(cli: &Cli) -> anyhow::Result<u8> {
+    let Some(config) = cli.config.as_ref() else {
+        return Err(BadInput("give a training config: zrun train.toml".into()).into());
+    };
+    let topo = topology()?;
+    if is_rank(&topo, &cli.launch)? {
+        if cli.dry_run {
+            worker::dry_run(config, &cli.set, topo.world_size)?;
+        } else {
+            worker::run(config, &cli.set)?;
+        }
+        return Ok(0);
+    }
+    if cli.dry_run {
+        let world = cli.launch.world_size()?;
+        worker::dry_run(config, &cli.set, world)?;
+        return Ok(0);
+    }
+    // Check the config once here, so a mistake is one line rather than one per rank.
+    zrun_train::config::Config::load(config, &cli.set)?;
+    let mut args: Vec<OsString> = vec![config.clone().into_os_string()];
+    for s in &cli.set {
+        args.push("--set".into());
+        args.push(s.into());
+    }
+    let program = Program {
+        exe: std::env::current_exe()
+            .map_err(|e| anyhow::anyhow!("cannot find zrun's own executable to start the ranks: {e}"))?
+            .into_os_string(),
+        args,
+    };
+    launch::run(&cli.launch, &program)
+}
+
+fn exec(e: &ExecArgs) -> anyhow::Result<u8> {
+    let topo = topology()?;
+    if is_rank(&topo, &e.launch)? {
+        return Err(BadInput(format!(
+            "zrun exec starts ranks, but this process already is rank {} of {} ({:?} variables are set); run the program directly",
+            topo.rank, topo.world_size, topo.source
+        ))
+        .into());
+    }
+    let (exe, args) = e
+        .program
+        .split_first()
+        .ok_or_else(|| BadInput("zrun exec needs a program: zrun exec -- PROGRAM ARGS".into()))?;
+    let program = Program {
+        exe: exe.clone(),
+        args: args.to_vec(),
+    };
+    launch::run(&e.launch, &program)
 }
 
 fn init_logging() {

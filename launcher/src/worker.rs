@@ -1,75 +1,92 @@
-//! One rank: load the config, build the run, train (or describe it with --dry-run).
+//! One rank: load the config, connect to the other ranks, train; or describe the plan.
 
 use anyhow::Result;
 use std::path::Path;
-use zrun_train::config::Config;
-use zrun_train::trainer::{RankInfo, Run};
+use std::sync::Arc;
+use std::time::Duration;
+use zrun_comm::{Backend, Communicator, Topology};
+use zrun_shard::{MemoryLedger, ShardLayout};
+use zrun_train::config::{BackendChoice, Config};
+use zrun_train::trainer::Run;
 
-/// Loads `config` with `overrides` and trains this rank (or prints the plan for a dry run).
-pub fn run(config: &Path, overrides: &[String], dry_run: bool) -> Result<()> {
+/// Trains this process as one rank. The topology comes from the environment (zrun's and
+/// torchrun's variables, OpenMPI, PMI or Slurm); with none at all it is a world of one.
+pub fn run(config: &Path, overrides: &[String]) -> Result<()> {
     let cfg = Config::load(config, overrides)?;
-    let run = Run::new(&cfg, RankInfo::single())?;
-    if dry_run {
-        describe(&run);
-        return Ok(());
-    }
+    let topo = Topology::from_env().map_err(BadInput::from)?;
+    let backend = match cfg.dist.backend {
+        BackendChoice::Auto if tch::Cuda::is_available() => Backend::Nccl,
+        BackendChoice::Auto | BackendChoice::Tcp => Backend::Tcp,
+        BackendChoice::Mpi => Backend::Mpi,
+        BackendChoice::Nccl => Backend::Nccl,
+    };
+    let timeout = Duration::from_secs(cfg.dist.timeout_s);
+    let comm: Arc<dyn Communicator> = Arc::from(zrun_comm::init(&topo, backend, timeout)?);
+    let mut run = Run::new(&cfg, comm, topo.local_world_size)?;
     let floor = run.loss_floor();
     let s = run.train()?;
-    let gap = floor
-        .map(|f| format!(" (floor {f:.4}, {:+.1}%)", 100.0 * (s.eval_loss - f) / f))
-        .unwrap_or_default();
-    println!(
-        "final: eval_loss {:.4}{gap}, train loss {:.4}, {:.0} tokens/s, {:.1} s, peak rss {} MiB, summary in {}",
-        s.eval_loss,
-        s.final_loss,
-        s.tokens_per_s,
-        s.wall_time_s,
-        s.peak_rss_bytes.iter().max().copied().unwrap_or(0) >> 20,
-        cfg.log.dir.join("summary.json").display()
-    );
+    if topo.rank == 0 {
+        let gap = floor
+            .map(|f| format!(" (floor {f:.4}, {:+.1}%)", 100.0 * (s.eval_loss - f) / f))
+            .unwrap_or_default();
+        println!(
+            "final: eval_loss {:.4}{gap}, train loss {:.4}, {:.0} tokens/s, {:.1} s, {} rank(s), peak rss {} MiB/rank, summary in {}",
+            s.eval_loss,
+            s.final_loss,
+            s.tokens_per_s,
+            s.wall_time_s,
+            s.world_size,
+            s.peak_rss_bytes.iter().max().copied().unwrap_or(0) >> 20,
+            cfg.log.dir.join("summary.json").display()
+        );
+    }
     Ok(())
 }
 
-/// Prints the parameter count, every unit's layout and the engine's bytes.
-fn describe(run: &Run) {
-    let e = run.engine();
-    let l = e.layout();
-    println!("parameters: {}", l.param_count());
-    println!(
-        "world size: {}  stage: {}  precision: {}",
-        l.world_size,
-        e.config().stage,
-        e.config().precision
-    );
-    for (u, at) in l.units.iter().zip(&l.shard_offsets) {
-        let (start, len) = u.shard_range(l.rank);
-        println!(
-            "  unit {:<8} params {:>12}  padded {:>12}  rank {} owns [{start}, {}) at {at}",
-            u.unit,
-            u.numel,
-            u.padded,
-            l.rank,
-            start + len
-        );
-    }
-    let m = e.memory();
+/// Validates the config for `world_size` ranks and prints the parameter count, every rank's
+/// unit shards and its model-state bytes, without allocating the model.
+pub fn dry_run(config: &Path, overrides: &[String], world_size: usize) -> Result<()> {
+    let cfg = Config::load(config, overrides)?;
+    let gpt = zrun_models::Gpt::new(cfg.gpt()?)?;
+    let units = zrun_models::Model::units(&gpt);
+    let w = world_size.max(1) as i64;
     let mib = |b: i64| b as f64 / (1 << 20) as f64;
-    println!(
-        "rank {} model states {:.1} MiB (params {:.1}, grads {:.1}, master {:.1}, optimizer {:.1}), buffers {:.1} MiB",
-        l.rank,
-        mib(m.model_states()),
-        mib(m.params),
-        mib(m.grads),
-        mib(m.master),
-        mib(m.optimizer),
-        mib(m.buffers)
-    );
+    let first = ShardLayout::new(units, 0, w);
+    println!("parameters: {}", first.param_count());
+    println!("world size: {w}  stage: {}  precision: {}", cfg.zero.stage, cfg.zero.precision);
+    for r in 0..w {
+        let l = ShardLayout::new(units, r, w);
+        let m = MemoryLedger::plan(&l, cfg.zero.stage);
+        println!(
+            "rank {r}: model states {:.1} MiB (params {:.1}, grads {:.1}, optimizer {:.1})",
+            mib(m.model_states()),
+            mib(m.params),
+            mib(m.grads),
+            mib(m.optimizer)
+        );
+        for (u, at) in l.units.iter().zip(&l.shard_offsets) {
+            let (start, len) = u.shard_range(r);
+            println!(
+                "  unit {:<8} params {:>12}  padded {:>12}  owns [{start}, {}) at {at}",
+                u.unit,
+                u.numel,
+                u.padded,
+                start + len
+            );
+        }
+    }
+    Ok(())
 }
+
+/// A fault in what the user gave (environment, flags).
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+struct BadInput(#[from] zrun_comm::Error);
 
 /// True for errors in what the user gave: exit code 2.
 pub fn is_bad_input(e: &anyhow::Error) -> bool {
-    e.downcast_ref::<zrun_train::Error>()
-        .is_some_and(|e| e.is_bad_input())
-        || e.downcast_ref::<zrun_train::config::ConfigError>()
-            .is_some()
+    e.downcast_ref::<zrun_train::Error>().is_some_and(|e| e.is_bad_input())
+        || e.downcast_ref::<zrun_train::config::ConfigError>().is_some()
+        || e.downcast_ref::<zrun_models::Error>().is_some()
+        || e.downcast_ref::<BadInput>().is_some()
 }

@@ -7,6 +7,7 @@ use crate::Error;
 use std::sync::Arc;
 use std::time::Instant;
 use tch::Device;
+use zrun_comm::{Communicator, ReduceOp};
 use zrun_models::{Gpt, Model};
 use zrun_optim::{AdamWConfig, LrSchedule};
 use zrun_shard::{Engine, EngineConfig};
@@ -43,14 +44,10 @@ pub struct Run {
 }
 
 impl Run {
-    /// Builds model, data and engine; the first place bad input is reported.
-    pub fn new(cfg: &Config, rank: RankInfo) -> Result<Run, Error> {
-        if rank.world_size != 1 {
-            return Err(Error::Unsupported(format!(
-                "world size {} needs the multi-rank engine, which this version does not have yet",
-                rank.world_size
-            )));
-        }
+    /// Builds model, data and engine for the rank of `comm`; the first place bad input is
+    /// reported. `local_world_size` ranks share this node's cores.
+    pub fn new(cfg: &Config, comm: Arc<dyn Communicator>, local_world_size: usize) -> Result<Run, Error> {
+        let rank = RankInfo { rank: comm.rank(), world_size: comm.world_size(), local_world_size };
         set_threads(cfg.train.threads, rank.local_world_size);
         let gpt = cfg.gpt()?;
         let dataset = Arc::new(Dataset::open(&data_options(
@@ -62,6 +59,7 @@ impl Run {
         let t = &cfg.train;
         let engine = Engine::new(
             model.clone(),
+            comm,
             EngineConfig {
                 stage: cfg.zero.stage,
                 precision: cfg.zero.precision,
@@ -89,24 +87,52 @@ impl Run {
         &self.engine
     }
 
+    /// The engine, mutable (for gathering parameters after training).
+    pub fn engine_mut(&mut self) -> &mut Engine {
+        &mut self.engine
+    }
+
+    /// Mean of `x` over the ranks.
+    fn average(&self, x: f64) -> Result<f64, Error> {
+        let comm = self.engine.comm();
+        if comm.world_size() == 1 {
+            return Ok(x);
+        }
+        let t = tch::Tensor::from_slice(&[x as f32]);
+        comm.all_reduce(&t, ReduceOp::Avg).and_then(|w| w.wait()).map_err(zrun_shard::Error::Comm)?;
+        t.f_double_value(&[0]).map_err(torch)
+    }
+
+    /// `x` of every rank, in rank order (exact: the i64 travels as two fp32 words, and a
+    /// gather only copies bits).
+    fn gather(&self, x: i64) -> Result<Vec<i64>, Error> {
+        let comm = self.engine.comm();
+        let as_f32 = |t: &tch::Tensor| t.f_view_dtype(tch::Kind::Float);
+        let mine = tch::Tensor::from_slice(&[x]);
+        let full = tch::Tensor::zeros([comm.world_size() as i64], (tch::Kind::Int64, tch::Device::Cpu));
+        let (m, f) = (as_f32(&mine).map_err(torch)?, as_f32(&full).map_err(torch)?);
+        comm.all_gather(&m, &f).and_then(|w| w.wait()).map_err(zrun_shard::Error::Comm)?;
+        Ok(Vec::<i64>::try_from(&full).map_err(torch)?)
+    }
+
     /// The exact loss floor of the data, when known.
     pub fn loss_floor(&self) -> Option<f64> {
         self.dataset.loss_floor()
     }
 
-    /// Mean loss over `train.eval_batches` held-out micro-batches of this rank.
-    pub fn evaluate(&self, loader: &Loader) -> Result<f64, Error> {
+    /// Mean loss over `train.eval_batches` held-out micro-batches of every rank.
+    pub fn evaluate(&mut self, loader: &Loader) -> Result<f64, Error> {
         let n = self.cfg.train.eval_batches;
         let mut sum = 0.0;
         for i in 0..n {
             let (x, y) = loader.eval_batch(i)?;
             sum += self.engine.eval_loss(&x, &y)?;
         }
-        Ok(sum / n as f64)
+        self.average(sum / n as f64)
     }
 
-    /// Trains `train.steps` steps, writing metrics; returns the summary.
-    pub fn train(mut self) -> Result<Summary, Error> {
+    /// Trains `train.steps` steps, writing metrics (rank 0); returns the summary.
+    pub fn train(&mut self) -> Result<Summary, Error> {
         let start = Instant::now();
         let t = self.cfg.train.clone();
         let every = self.cfg.log.every;
@@ -160,6 +186,7 @@ impl Run {
             }
             let lr = schedule.at(step);
             let stats = self.engine.step(lr, t.grad_clip)?;
+            let loss = self.average(loss)?; // the global batch's mean loss
             if !stats.applied || !loss.is_finite() {
                 return Err(Error::NonFinite {
                     step: step + 1,
@@ -217,8 +244,8 @@ impl Run {
             eval_loss: eval_loss.unwrap_or(f64::NAN),
             loss_floor: self.loss_floor(),
             tokens_per_s: median(&rates),
-            peak_rss_bytes: vec![rss_bytes().1],
-            model_state_bytes: vec![mem.model_states()],
+            peak_rss_bytes: self.gather(rss_bytes().1)?,
+            model_state_bytes: self.gather(mem.model_states())?,
             params: self.model.param_count(),
             world_size: r.world_size,
             wall_time_s: start.elapsed().as_secs_f64(),
@@ -275,4 +302,8 @@ fn set_threads(configured: usize, local_world_size: usize) {
         (n, _) => n,
     };
     tch::set_num_threads(n as i32);
+}
+
+fn torch(e: tch::TchError) -> Error {
+    Error::Engine(zrun_shard::Error::Torch { op: "rank figures", unit: "-".into(), source: e })
 }
