@@ -114,10 +114,18 @@ impl AdamW {
     pub fn step_segments(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) -> Result<()> {
         let (p, g) = (Segments::new(params), Segments::new(grads));
         if p.len() != self.numel {
-            return Err(Error::Size { what: "parameter shard", got: p.len(), expected: self.numel });
+            return Err(Error::Size {
+                what: "parameter shard",
+                got: p.len(),
+                expected: self.numel,
+            });
         }
         if g.len() != self.numel {
-            return Err(Error::Size { what: "gradient shard", got: g.len(), expected: self.numel });
+            return Err(Error::Size {
+                what: "gradient shard",
+                got: g.len(),
+                expected: self.numel,
+            });
         }
         let _guard = tch::no_grad_guard();
         self.step += 1;
@@ -125,7 +133,9 @@ impl AdamW {
         if c.weight_decay != 0.0 {
             let keep = 1.0 - lr * c.weight_decay;
             for &(off, len) in &self.decay_ranges {
-                Segments::pieces(&[&p], off, len, |o, l| inplace("weight decay", p.view(o, l)?.f_mul_scalar_(keep)))?;
+                Segments::pieces(&[&p], off, len, |o, l| {
+                    inplace("weight decay", p.view(o, l)?.f_mul_scalar_(keep))
+                })?;
             }
         }
         let bc1 = 1.0 - c.beta1.powi(self.step as i32);
@@ -256,14 +266,23 @@ mod tests {
     #[test]
     fn segmented_shards_update_exactly_like_a_contiguous_one() {
         let n = (CHUNK + 77) as i64;
-        let cfg = AdamWConfig { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.05 };
+        let cfg = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.05,
+        };
         let ranges = vec![(5i64, 1000i64), (CHUNK - 3, 50)];
         tch::manual_seed(1);
         let p0 = Tensor::randn([n], (Kind::Float, Device::Cpu));
         let whole = p0.copy();
         // The same values split differently for parameters and gradients.
         let split = p0.copy();
-        let parts = vec![split.narrow(0, 0, 100), split.narrow(0, 100, CHUNK - 200), split.narrow(0, CHUNK - 100, n - CHUNK + 100)];
+        let parts = vec![
+            split.narrow(0, 0, 100),
+            split.narrow(0, 100, CHUNK - 200),
+            split.narrow(0, CHUNK - 100, n - CHUNK + 100),
+        ];
         let mut a = AdamW::new(n, Device::Cpu, cfg, ranges.clone()).unwrap();
         let mut b = AdamW::new(n, Device::Cpu, cfg, ranges).unwrap();
         for _ in 0..3 {

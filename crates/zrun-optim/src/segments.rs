@@ -39,18 +39,29 @@ impl<'a> Segments<'a> {
 
     /// Offsets inside `[off, off + len)` where a part ends (part boundaries).
     pub fn cuts(&self, off: i64, len: i64) -> impl Iterator<Item = i64> + '_ {
-        self.starts.iter().copied().filter(move |&s| s > off && s < off + len)
+        self.starts
+            .iter()
+            .copied()
+            .filter(move |&s| s > off && s < off + len)
     }
 
     /// The view of `[off, off + len)`, which must lie inside one part.
     pub fn view(&self, off: i64, len: i64) -> Result<Tensor> {
         let i = self.starts.partition_point(|&s| s <= off) - 1;
-        torch("segment view", self.parts[i].f_narrow(0, off - self.starts[i], len))
+        torch(
+            "segment view",
+            self.parts[i].f_narrow(0, off - self.starts[i], len),
+        )
     }
 
     /// Calls `f(offset, len)` for the pieces of `[off, off + len)` split at the part
     /// boundaries of every list in `lists`.
-    pub fn pieces(lists: &[&Segments], off: i64, len: i64, mut f: impl FnMut(i64, i64) -> Result<()>) -> Result<()> {
+    pub fn pieces(
+        lists: &[&Segments],
+        off: i64,
+        len: i64,
+        mut f: impl FnMut(i64, i64) -> Result<()>,
+    ) -> Result<()> {
         let mut cuts: Vec<i64> = lists.iter().flat_map(|s| s.cuts(off, len)).collect();
         cuts.push(off + len);
         cuts.sort_unstable();
@@ -70,8 +81,14 @@ mod tests {
 
     #[test]
     fn pieces_split_at_every_boundary() {
-        let a = [Tensor::zeros([3], tch::kind::FLOAT_CPU), Tensor::zeros([5], tch::kind::FLOAT_CPU)];
-        let b = [Tensor::zeros([6], tch::kind::FLOAT_CPU), Tensor::zeros([2], tch::kind::FLOAT_CPU)];
+        let a = [
+            Tensor::zeros([3], tch::kind::FLOAT_CPU),
+            Tensor::zeros([5], tch::kind::FLOAT_CPU),
+        ];
+        let b = [
+            Tensor::zeros([6], tch::kind::FLOAT_CPU),
+            Tensor::zeros([2], tch::kind::FLOAT_CPU),
+        ];
         let (sa, sb) = (Segments::new(&a), Segments::new(&b));
         let mut got = vec![];
         Segments::pieces(&[&sa, &sb], 1, 7, |o, l| {

@@ -74,7 +74,11 @@ pub struct Engine {
 impl Engine {
     /// Builds the engine of rank `comm.rank()` for `model`, initialising exactly the
     /// parameters this stage keeps on this rank from `cfg.seed`.
-    pub fn new(model: Arc<dyn Model>, comm: Arc<dyn Communicator>, cfg: EngineConfig) -> Result<Engine> {
+    pub fn new(
+        model: Arc<dyn Model>,
+        comm: Arc<dyn Communicator>,
+        cfg: EngineConfig,
+    ) -> Result<Engine> {
         if cfg.precision != Precision::Fp32 {
             return Err(Error::Unsupported(format!(
                 "zero.precision = \"{}\" is not available in this version; use \"fp32\"",
@@ -84,7 +88,11 @@ impl Engine {
         let (rank, world) = (comm.rank() as i64, comm.world_size() as i64);
         let layout = ShardLayout::new(model.units(), rank, world);
         let sharded_params = cfg.stage == Stage::Zero3;
-        let extent = if sharded_params { Extent::Shard } else { Extent::Full };
+        let extent = if sharded_params {
+            Extent::Shard
+        } else {
+            Extent::Full
+        };
         let params = init_buffer(model.as_ref(), &layout, cfg.seed, extent)?
             .f_to_device(cfg.device)
             .ctx("move parameters to the device", "-")?;
@@ -92,13 +100,21 @@ impl Engine {
             Stage::Zero0 | Stage::Zero1 => layout.full_numel(),
             Stage::Zero2 | Stage::Zero3 => layout.shard_numel(),
         };
-        let grads = Tensor::f_zeros([grad_numel], (Kind::Float, cfg.device)).ctx("allocate gradients", "-")?;
+        let grads = Tensor::f_zeros([grad_numel], (Kind::Float, cfg.device))
+            .ctx("allocate gradients", "-")?;
         let (opt_numel, decay) = match cfg.stage {
             Stage::Zero0 => (layout.full_numel(), layout.full_decay_ranges()),
             _ => (layout.shard_numel(), layout.shard_decay_ranges()),
         };
         let optimizer = AdamW::new(opt_numel, cfg.device, cfg.adamw, decay)?;
-        Ok(Engine { model, cfg, mover: Mover::new(comm, layout), params, grads, optimizer })
+        Ok(Engine {
+            model,
+            cfg,
+            mover: Mover::new(comm, layout),
+            params,
+            grads,
+            optimizer,
+        })
     }
 
     /// The layout (view tables) of every unit, for this rank.
@@ -141,7 +157,11 @@ impl Engine {
     }
 
     /// Unit `u`'s full flat parameters: the resident region, or the finished gather.
-    fn unit_params(&mut self, u: usize, pending: Option<Pending>) -> Result<(Tensor, Option<Tensor>)> {
+    fn unit_params(
+        &mut self,
+        u: usize,
+        pending: Option<Pending>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         match pending {
             Some(p) => {
                 let full = self.mover.finish_gather(p)?;
@@ -155,12 +175,21 @@ impl Engine {
     /// `weight` times each unit's gradient into this rank's gradients (averaged over the
     /// ranks per unit as soon as its backward is done at stages 2-3). Returns this rank's
     /// micro-batch mean loss. `inputs` and `targets` are (B, T) int64.
-    pub fn forward_backward(&mut self, inputs: &Tensor, targets: &Tensor, weight: f64) -> Result<f64> {
+    pub fn forward_backward(
+        &mut self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        weight: f64,
+    ) -> Result<f64> {
         let model = self.model.clone();
         let units = model.units();
         let dev = self.cfg.device;
-        let mut x = inputs.f_to_device(dev).ctx("move inputs to the device", "-")?;
-        let targets = targets.f_to_device(dev).ctx("move targets to the device", "-")?;
+        let mut x = inputs
+            .f_to_device(dev)
+            .ctx("move inputs to the device", "-")?;
+        let targets = targets
+            .f_to_device(dev)
+            .ctx("move targets to the device", "-")?;
         let mut saved: Vec<Saved> = Vec::with_capacity(units.len());
         let mut next = self.start_unit(0)?;
         for (u, unit) in units.iter().enumerate() {
@@ -168,11 +197,20 @@ impl Engine {
             let (flat, gathered) = self.unit_params(u, next.take())?;
             next = self.start_unit(u + 1)?; // prefetch overlaps this unit's compute
             let flat = flat.f_detach().ctx("detach", name)?.set_requires_grad(true);
-            let input = if u == 0 { None } else { Some(x.f_detach().ctx("detach", name)?.set_requires_grad(true)) };
+            let input = if u == 0 {
+                None
+            } else {
+                Some(x.f_detach().ctx("detach", name)?.set_requires_grad(true))
+            };
             let params = views(&self.mover.layout.units[u], &flat)?;
             let output = unit.forward(&params, input.as_ref().unwrap_or(&x))?;
             x = output.shallow_clone();
-            saved.push(Saved { input, flat, output, gathered });
+            saved.push(Saved {
+                input,
+                flat,
+                output,
+                gathered,
+            });
         }
         let loss = lm_loss(&x, &targets)?;
         let loss_value = loss.f_double_value(&[]).ctx("read loss", "head")?;
@@ -185,11 +223,16 @@ impl Engine {
             // unit, otherwise <output, upstream gradient> (its gradient wrt output is upstream).
             let root = match &upstream {
                 None => loss.f_mul_scalar(weight).ctx("scale loss", name)?,
-                Some(g) => s.output.f_mul(g).and_then(|t| t.f_sum(Kind::Float)).ctx("backward root", name)?,
+                Some(g) => s
+                    .output
+                    .f_mul(g)
+                    .and_then(|t| t.f_sum(Kind::Float))
+                    .ctx("backward root", name)?,
             };
             let mut wrt = vec![&s.flat];
             wrt.extend(s.input.as_ref());
-            let mut g = Tensor::f_run_backward(&[&root], &wrt, false, false).ctx("backward", name)?;
+            let mut g =
+                Tensor::f_run_backward(&[&root], &wrt, false, false).ctx("backward", name)?;
             upstream = if s.input.is_some() { g.pop() } else { None };
             let unit_grad = g.swap_remove(0);
             drop(s.output);
@@ -220,14 +263,19 @@ impl Engine {
     fn accumulate_shard(&mut self, p: Pending) -> Result<()> {
         let (u, shard) = self.mover.finish_reduce_scatter(p)?;
         let mut acc = self.mover.shard_of(&self.grads, u)?;
-        acc.f_add_(&shard).done("accumulate gradient shard", &self.mover.layout.units[u].unit)
+        acc.f_add_(&shard).done(
+            "accumulate gradient shard",
+            &self.mover.layout.units[u].unit,
+        )
     }
 
     /// This rank's mean loss of a batch, without gradients.
     pub fn eval_loss(&mut self, inputs: &Tensor, targets: &Tensor) -> Result<f64> {
         let _guard = tch::no_grad_guard();
         let model = self.model.clone();
-        let mut x = inputs.f_to_device(self.cfg.device).ctx("move inputs to the device", "-")?;
+        let mut x = inputs
+            .f_to_device(self.cfg.device)
+            .ctx("move inputs to the device", "-")?;
         let mut next = self.start_unit(0)?;
         for (u, unit) in model.units().iter().enumerate() {
             let (flat, gathered) = self.unit_params(u, next.take())?;
@@ -237,15 +285,21 @@ impl Engine {
                 self.mover.done_with(full);
             }
         }
-        let targets = targets.f_to_device(self.cfg.device).ctx("move targets to the device", "-")?;
-        lm_loss(&x, &targets)?.f_double_value(&[]).ctx("read loss", "head")
+        let targets = targets
+            .f_to_device(self.cfg.device)
+            .ctx("move targets to the device", "-")?;
+        lm_loss(&x, &targets)?
+            .f_double_value(&[])
+            .ctx("read loss", "head")
     }
 
     /// The gradient slices this rank owns (what its optimizer updates), as 1-D views.
     fn owned_grads(&self) -> Result<Vec<Tensor>> {
         match self.cfg.stage {
             Stage::Zero0 | Stage::Zero2 | Stage::Zero3 => Ok(vec![self.grads.shallow_clone()]),
-            Stage::Zero1 => (0..self.units_len()).map(|u| self.mover.owned(&self.grads, u)).collect(),
+            Stage::Zero1 => (0..self.units_len())
+                .map(|u| self.mover.owned(&self.grads, u))
+                .collect(),
         }
     }
 
@@ -253,7 +307,9 @@ impl Engine {
     fn owned_params(&self) -> Result<Vec<Tensor>> {
         match self.cfg.stage {
             Stage::Zero0 | Stage::Zero3 => Ok(vec![self.params.shallow_clone()]),
-            Stage::Zero1 | Stage::Zero2 => (0..self.units_len()).map(|u| self.mover.owned(&self.params, u)).collect(),
+            Stage::Zero1 | Stage::Zero2 => (0..self.units_len())
+                .map(|u| self.mover.owned(&self.params, u))
+                .collect(),
         }
     }
 
@@ -270,17 +326,27 @@ impl Engine {
         let grads = self.owned_grads()?;
         let mut local = 0.0;
         for g in &grads {
-            local += g.f_square().and_then(|s| s.f_sum(Kind::Double)).and_then(|s| s.f_double_value(&[])).ctx("gradient norm", "-")?;
+            local += g
+                .f_square()
+                .and_then(|s| s.f_sum(Kind::Double))
+                .and_then(|s| s.f_double_value(&[]))
+                .ctx("gradient norm", "-")?;
         }
         // Stage 0 holds the whole reduced gradient on every rank; the others own a part.
-        let sum_sq = if self.cfg.stage == Stage::Zero0 { local } else { self.mover.sum_over_ranks(local)? };
+        let sum_sq = if self.cfg.stage == Stage::Zero0 {
+            local
+        } else {
+            self.mover.sum_over_ranks(local)?
+        };
         let grad_norm = sum_sq.sqrt();
         let applied = grad_norm.is_finite();
         let clip_coef = clip_coefficient(grad_norm, max_norm);
         if applied {
             if clip_coef < 1.0 {
                 for g in &grads {
-                    g.shallow_clone().f_mul_scalar_(clip_coef).done("clip gradients", "-")?;
+                    g.shallow_clone()
+                        .f_mul_scalar_(clip_coef)
+                        .done("clip gradients", "-")?;
                 }
             }
             let params = self.owned_params()?;
@@ -290,7 +356,11 @@ impl Engine {
             }
         }
         self.grads.f_zero_().done("zero gradients", "-")?;
-        Ok(StepStats { grad_norm, clip_coef, applied })
+        Ok(StepStats {
+            grad_norm,
+            clip_coef,
+            applied,
+        })
     }
 
     /// Every parameter by name as full tensors (gathered at stage 3: every rank must call).
@@ -313,7 +383,9 @@ impl Engine {
     /// of this rank's micro-steps).
     pub fn local_gradients(&self) -> Result<Vec<(String, Tensor)>> {
         if !matches!(self.cfg.stage, Stage::Zero0 | Stage::Zero1) {
-            return Err(Error::Unsupported("local_gradients needs full gradients (stage 0 or 1)".into()));
+            return Err(Error::Unsupported(
+                "local_gradients needs full gradients (stage 0 or 1)".into(),
+            ));
         }
         let mut out = Vec::new();
         for (u, l) in self.mover.layout.units.iter().enumerate() {
@@ -329,7 +401,10 @@ fn views(layout: &UnitLayout, flat: &Tensor) -> Result<Vec<Tensor>> {
     layout
         .views
         .iter()
-        .map(|v| flat.f_narrow(0, v.offset, v.numel).and_then(|t| t.f_view(v.shape.as_slice())))
+        .map(|v| {
+            flat.f_narrow(0, v.offset, v.numel)
+                .and_then(|t| t.f_view(v.shape.as_slice()))
+        })
         .collect::<std::result::Result<_, _>>()
         .ctx("view parameters", &layout.unit)
 }

@@ -16,7 +16,12 @@ pub(crate) enum Extent {
 
 /// An fp32 CPU buffer holding `extent` of every unit, filled by the models' counter-based
 /// init, so no rank materialises more than the extent it keeps.
-pub(crate) fn init_buffer(model: &dyn Model, layout: &ShardLayout, seed: u64, extent: Extent) -> Result<Tensor> {
+pub(crate) fn init_buffer(
+    model: &dyn Model,
+    layout: &ShardLayout,
+    seed: u64,
+    extent: Extent,
+) -> Result<Tensor> {
     let n = match extent {
         Extent::Full => layout.full_numel(),
         Extent::Shard => layout.shard_numel(),

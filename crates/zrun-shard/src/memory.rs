@@ -38,7 +38,11 @@ impl MemoryLedger {
         let (full, shard) = (layout.full_numel(), layout.shard_numel());
         MemoryLedger {
             params: 4 * if stage == Zero3 { shard } else { full },
-            grads: 4 * if matches!(stage, Zero0 | Zero1) { full } else { shard },
+            grads: 4 * if matches!(stage, Zero0 | Zero1) {
+                full
+            } else {
+                shard
+            },
             master: 0,
             optimizer: 8 * if stage == Zero0 { full } else { shard },
             buffers: 0,

@@ -35,11 +35,25 @@ pub(crate) struct Mover {
 
 impl Mover {
     pub(crate) fn new(comm: Arc<dyn Communicator>, layout: ShardLayout) -> Mover {
-        Mover { comm, layout, in_flight: 0, peak_in_flight: 0 }
+        Mover {
+            comm,
+            layout,
+            in_flight: 0,
+            peak_in_flight: 0,
+        }
     }
 
-    fn alloc(&mut self, numel: i64, kind: Kind, device: tch::Device, unit: usize) -> Result<Tensor> {
-        let t = Tensor::f_empty([numel], (kind, device)).ctx("allocate communication buffer", &self.layout.units[unit].unit)?;
+    fn alloc(
+        &mut self,
+        numel: i64,
+        kind: Kind,
+        device: tch::Device,
+        unit: usize,
+    ) -> Result<Tensor> {
+        let t = Tensor::f_empty([numel], (kind, device)).ctx(
+            "allocate communication buffer",
+            &self.layout.units[unit].unit,
+        )?;
         self.in_flight += numel * kind.elt_size_in_bytes() as i64;
         self.peak_in_flight = self.peak_in_flight.max(self.in_flight);
         Ok(t)
@@ -55,7 +69,12 @@ impl Mover {
         let full = self.alloc(numel, shard.kind(), shard.device(), u)?;
         let input = self.shard_of(shard, u)?;
         let work = self.comm.all_gather(&input, &full).map_err(Error::Comm)?;
-        Ok(Pending { work, unit: u, input, output: full })
+        Ok(Pending {
+            work,
+            unit: u,
+            input,
+            output: full,
+        })
     }
 
     /// Waits for a gather and returns the full unit buffer (still counted until `done_with`).
@@ -72,8 +91,16 @@ impl Mover {
     pub(crate) fn start_reduce_scatter(&mut self, grad: Tensor, u: usize) -> Result<Pending> {
         let len = self.layout.units[u].shard_len();
         let shard = self.alloc(len, grad.kind(), grad.device(), u)?;
-        let work = self.comm.reduce_scatter(&grad, &shard, ReduceOp::Avg).map_err(Error::Comm)?;
-        Ok(Pending { work, unit: u, input: grad, output: shard })
+        let work = self
+            .comm
+            .reduce_scatter(&grad, &shard, ReduceOp::Avg)
+            .map_err(Error::Comm)?;
+        Ok(Pending {
+            work,
+            unit: u,
+            input: grad,
+            output: shard,
+        })
     }
 
     /// Waits for a reduce-scatter; returns the unit and its reduced shard (count released).
@@ -87,10 +114,18 @@ impl Mover {
     pub(crate) fn all_reduce_units(&mut self, grads: &Tensor) -> Result<()> {
         let mut pending = Vec::new();
         for (u, l) in self.layout.units.iter().enumerate() {
-            let g = grads.f_narrow(0, self.layout.full_offsets[u], l.padded).ctx("slice gradients", &l.unit)?;
-            pending.push(self.comm.all_reduce(&g, ReduceOp::Avg).map_err(Error::Comm)?);
+            let g = grads
+                .f_narrow(0, self.layout.full_offsets[u], l.padded)
+                .ctx("slice gradients", &l.unit)?;
+            pending.push(
+                self.comm
+                    .all_reduce(&g, ReduceOp::Avg)
+                    .map_err(Error::Comm)?,
+            );
         }
-        pending.into_iter().try_for_each(|w| w.wait().map_err(Error::Comm))
+        pending
+            .into_iter()
+            .try_for_each(|w| w.wait().map_err(Error::Comm))
     }
 
     /// Averages every unit of the full buffer `grads` over the ranks and writes the owned
@@ -102,11 +137,14 @@ impl Mover {
             pending.push(self.start_reduce_scatter(g, u)?);
         }
         // Every reduction has read its input before any owned slice is overwritten.
-        let done: Vec<(usize, Tensor)> =
-            pending.into_iter().map(|p| self.finish_reduce_scatter(p)).collect::<Result<_>>()?;
+        let done: Vec<(usize, Tensor)> = pending
+            .into_iter()
+            .map(|p| self.finish_reduce_scatter(p))
+            .collect::<Result<_>>()?;
         for (u, shard) in done {
             let mut own = self.owned(grads, u)?;
-            own.f_copy_(&shard).ctx("store reduced gradient", &self.layout.units[u].unit)?;
+            own.f_copy_(&shard)
+                .ctx("store reduced gradient", &self.layout.units[u].unit)?;
         }
         Ok(())
     }
@@ -118,10 +156,17 @@ impl Mover {
         for u in 0..self.layout.units.len() {
             // A private copy of the owned slice: the output overlaps it.
             let own = self.owned(params, u)?;
-            let mine = own.f_detach_copy().ctx("copy owned slice", &self.layout.units[u].unit)?;
+            let mine = own
+                .f_detach_copy()
+                .ctx("copy owned slice", &self.layout.units[u].unit)?;
             let full = self.unit_full(params, u)?;
             let work = self.comm.all_gather(&mine, &full).map_err(Error::Comm)?;
-            pending.push(Pending { work, unit: u, input: mine, output: full });
+            pending.push(Pending {
+                work,
+                unit: u,
+                input: mine,
+                output: full,
+            });
         }
         pending.into_iter().try_for_each(|p| p.wait().map(drop))
     }
@@ -129,20 +174,23 @@ impl Mover {
     /// Unit `u`'s padded region of a full buffer of all units.
     pub(crate) fn unit_full(&self, buf: &Tensor, u: usize) -> Result<Tensor> {
         let l = &self.layout.units[u];
-        buf.f_narrow(0, self.layout.full_offsets[u], l.padded).ctx("slice flat buffer", &l.unit)
+        buf.f_narrow(0, self.layout.full_offsets[u], l.padded)
+            .ctx("slice flat buffer", &l.unit)
     }
 
     /// This rank's slice of unit `u` inside a full buffer of all units.
     pub(crate) fn owned(&self, buf: &Tensor, u: usize) -> Result<Tensor> {
         let l = &self.layout.units[u];
         let (start, len) = l.shard_range(self.layout.rank);
-        buf.f_narrow(0, self.layout.full_offsets[u] + start, len).ctx("slice owned range", &l.unit)
+        buf.f_narrow(0, self.layout.full_offsets[u] + start, len)
+            .ctx("slice owned range", &l.unit)
     }
 
     /// Unit `u`'s slice of a contiguous shard buffer.
     pub(crate) fn shard_of(&self, buf: &Tensor, u: usize) -> Result<Tensor> {
         let l = &self.layout.units[u];
-        buf.f_narrow(0, self.layout.shard_offsets[u], l.shard_len()).ctx("slice shard", &l.unit)
+        buf.f_narrow(0, self.layout.shard_offsets[u], l.shard_len())
+            .ctx("slice shard", &l.unit)
     }
 
     /// Sum over the ranks of a local sum of squares.
@@ -151,7 +199,11 @@ impl Mover {
             return Ok(local);
         }
         let t = Tensor::from_slice(&[local as f32]);
-        self.comm.all_reduce(&t, ReduceOp::Sum).map_err(Error::Comm)?.wait().map_err(Error::Comm)?;
+        self.comm
+            .all_reduce(&t, ReduceOp::Sum)
+            .map_err(Error::Comm)?
+            .wait()
+            .map_err(Error::Comm)?;
         t.f_double_value(&[0]).ctx("read reduced value", "-")
     }
 }

@@ -22,13 +22,28 @@ fn model() -> Arc<dyn Model> {
 
 fn single() -> Arc<dyn zrun_comm::Communicator> {
     let topo = zrun_comm::Topology::single();
-    let comm = zrun_comm::init(&topo, zrun_comm::Backend::Tcp, std::time::Duration::from_secs(5));
+    let comm = zrun_comm::init(
+        &topo,
+        zrun_comm::Backend::Tcp,
+        std::time::Duration::from_secs(5),
+    );
     Arc::from(comm.unwrap())
 }
 
 fn engine_at(m: Arc<dyn Model>, stage: Stage) -> Engine {
-    let adamw = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
-    let cfg = EngineConfig { stage, precision: Precision::Fp32, device: Device::Cpu, seed: SEED, adamw };
+    let adamw = AdamWConfig {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    let cfg = EngineConfig {
+        stage,
+        precision: Precision::Fp32,
+        device: Device::Cpu,
+        seed: SEED,
+        adamw,
+    };
     Engine::new(m, single(), cfg).unwrap()
 }
 
@@ -171,8 +186,22 @@ fn every_stage_at_world_size_one_trains_identically() {
 
 #[test]
 fn bf16_is_a_clear_error_in_this_version() {
-    let adamw = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0 };
-    let cfg = EngineConfig { stage: Stage::Zero0, precision: Precision::Bf16, device: Device::Cpu, seed: 0, adamw };
-    let err = Engine::new(model(), single(), cfg).err().unwrap().to_string();
+    let adamw = AdamWConfig {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.0,
+    };
+    let cfg = EngineConfig {
+        stage: Stage::Zero0,
+        precision: Precision::Bf16,
+        device: Device::Cpu,
+        seed: 0,
+        adamw,
+    };
+    let err = Engine::new(model(), single(), cfg)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("zero.precision = \"bf16\""), "{err}");
 }

@@ -46,8 +46,16 @@ pub struct Run {
 impl Run {
     /// Builds model, data and engine for the rank of `comm`; the first place bad input is
     /// reported. `local_world_size` ranks share this node's cores.
-    pub fn new(cfg: &Config, comm: Arc<dyn Communicator>, local_world_size: usize) -> Result<Run, Error> {
-        let rank = RankInfo { rank: comm.rank(), world_size: comm.world_size(), local_world_size };
+    pub fn new(
+        cfg: &Config,
+        comm: Arc<dyn Communicator>,
+        local_world_size: usize,
+    ) -> Result<Run, Error> {
+        let rank = RankInfo {
+            rank: comm.rank(),
+            world_size: comm.world_size(),
+            local_world_size,
+        };
         set_threads(cfg.train.threads, rank.local_world_size);
         let gpt = cfg.gpt()?;
         let dataset = Arc::new(Dataset::open(&data_options(
@@ -99,7 +107,9 @@ impl Run {
             return Ok(x);
         }
         let t = tch::Tensor::from_slice(&[x as f32]);
-        comm.all_reduce(&t, ReduceOp::Avg).and_then(|w| w.wait()).map_err(zrun_shard::Error::Comm)?;
+        comm.all_reduce(&t, ReduceOp::Avg)
+            .and_then(|w| w.wait())
+            .map_err(zrun_shard::Error::Comm)?;
         t.f_double_value(&[0]).map_err(torch)
     }
 
@@ -109,9 +119,14 @@ impl Run {
         let comm = self.engine.comm();
         let as_f32 = |t: &tch::Tensor| t.f_view_dtype(tch::Kind::Float);
         let mine = tch::Tensor::from_slice(&[x]);
-        let full = tch::Tensor::zeros([comm.world_size() as i64], (tch::Kind::Int64, tch::Device::Cpu));
+        let full = tch::Tensor::zeros(
+            [comm.world_size() as i64],
+            (tch::Kind::Int64, tch::Device::Cpu),
+        );
         let (m, f) = (as_f32(&mine).map_err(torch)?, as_f32(&full).map_err(torch)?);
-        comm.all_gather(&m, &f).and_then(|w| w.wait()).map_err(zrun_shard::Error::Comm)?;
+        comm.all_gather(&m, &f)
+            .and_then(|w| w.wait())
+            .map_err(zrun_shard::Error::Comm)?;
         Ok(Vec::<i64>::try_from(&full).map_err(torch)?)
     }
 
@@ -305,5 +320,9 @@ fn set_threads(configured: usize, local_world_size: usize) {
 }
 
 fn torch(e: tch::TchError) -> Error {
-    Error::Engine(zrun_shard::Error::Torch { op: "rank figures", unit: "-".into(), source: e })
+    Error::Engine(zrun_shard::Error::Torch {
+        op: "rank figures",
+        unit: "-".into(),
+        source: e,
+    })
 }
