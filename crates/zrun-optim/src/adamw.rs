@@ -265,7 +265,7 @@ mod tests {
 
     #[test]
     fn segmented_shards_update_exactly_like_a_contiguous_one() {
-        let n = (CHUNK + 77) as i64;
+        let n = CHUNK + 77;
         let cfg = AdamWConfig {
             beta1: 0.9,
             beta2: 0.99,
