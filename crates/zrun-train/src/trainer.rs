@@ -127,7 +127,7 @@ impl Run {
         comm.all_gather(&m, &f)
             .and_then(|w| w.wait())
             .map_err(zrun_shard::Error::Comm)?;
-        Ok(Vec::<i64>::try_from(&full).map_err(torch)?)
+        Vec::<i64>::try_from(&full).map_err(torch)
     }
 
     /// The exact loss floor of the data, when known.
