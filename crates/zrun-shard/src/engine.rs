@@ -1,24 +1,26 @@
-//! The stage engine: forward unit by unit, backward unit by unit in reverse with one
-//! autograd call per unit, gradients reduced per the ZeRO stage, and the AdamW step over the
-//! rank's fp32 shard.
+//! The stage engine: owns a rank's parameters, gradients, fp32 master and AdamW state as the
+//! ZeRO stage and precision dictate, and applies the optimizer step.
 //!
-//! | stage | parameters            | gradients        | AdamW state | reduce             | after step  |
-//! |-------|-----------------------|------------------|-------------|--------------------|-------------|
-//! | 0     | full                  | full             | full        | all-reduce         | —           |
-//! | 1     | full                  | full             | shard       | reduce-scatter     | all-gather  |
-//! | 2     | full                  | shard            | shard       | RS per unit        | all-gather  |
-//! | 3     | shard (+ units gathered in flight) | shard | shard   | RS per unit        | —           |
+//! | stage | compute parameters            | gradients | fp32 master + AdamW | reduce          | after step |
+//! |-------|-------------------------------|-----------|---------------------|-----------------|------------|
+//! | 0     | full                          | full      | full                | all-reduce      | —          |
+//! | 1     | full                          | full      | shard               | reduce-scatter  | all-gather |
+//! | 2     | full                          | shard     | shard               | RS per unit     | all-gather |
+//! | 3     | shard + units in flight       | shard     | shard               | RS per unit     | —          |
 //!
-//! In fp32 the owned slice of the parameters is the master copy, so no second copy exists.
+//! In fp32 the owned slice of the parameters is the master copy; in bf16/fp16 the master is
+//! a separate contiguous fp32 buffer and the compute parameters are refreshed from it.
+//! The micro-step (forward and backward unit by unit) is in `micro.rs`.
 
 use crate::init::{init_buffer, Extent};
 use crate::layout::{ShardLayout, UnitLayout};
-use crate::state::{Mover, Pending};
-use crate::{Context, Error, MemoryLedger, Precision, Result, Stage};
+use crate::scaler::LossScaler;
+use crate::state::Mover;
+use crate::{Context, Error, MemoryLedger, Precision, ReduceDtype, Result, Stage};
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 use zrun_comm::Communicator;
-use zrun_models::{lm_loss, Model};
+use zrun_models::Model;
 use zrun_optim::{clip_coefficient, AdamW, AdamWConfig};
 
 /// What the engine needs to know, resolved from the config once.
@@ -28,6 +30,16 @@ pub struct EngineConfig {
     pub stage: Stage,
     /// Compute precision.
     pub precision: Precision,
+    /// dtype of gradient reduction and accumulation (fp32 unless asked).
+    pub reduce_dtype: ReduceDtype,
+    /// Recompute each unit's forward in its backward, keeping only unit inputs.
+    pub activation_checkpointing: bool,
+    /// Stage 3: units gathered ahead of the one computing.
+    pub prefetch: usize,
+    /// fp16: initial loss scale.
+    pub initial_loss_scale: f64,
+    /// fp16: clean steps before the loss scale doubles.
+    pub loss_scale_window: u64,
     /// Device of compute and state.
     pub device: Device,
     /// Seed of the deterministic parameter init.
@@ -36,39 +48,50 @@ pub struct EngineConfig {
     pub adamw: AdamWConfig,
 }
 
+impl EngineConfig {
+    /// fp32 at `stage` with the defaults for everything else.
+    pub fn fp32(stage: Stage, device: Device, seed: u64, adamw: AdamWConfig) -> EngineConfig {
+        EngineConfig {
+            stage,
+            precision: Precision::Fp32,
+            reduce_dtype: ReduceDtype::Fp32,
+            activation_checkpointing: false,
+            prefetch: 1,
+            initial_loss_scale: 65536.0,
+            loss_scale_window: 1000,
+            device,
+            seed,
+            adamw,
+        }
+    }
+}
+
 /// Figures of one optimizer step.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepStats {
-    /// Global gradient norm before clipping.
+    /// Global gradient norm before clipping (unscaled).
     pub grad_norm: f64,
     /// Factor the gradients were multiplied by (1 when not clipped).
     pub clip_coef: f64,
-    /// False when the gradients held inf/NaN; the step was then not applied.
+    /// False when the gradients held inf/NaN; the step was then skipped.
     pub applied: bool,
-}
-
-/// What one unit's forward leaves for its backward.
-struct Saved {
-    /// The unit's input as a leaf (None for the first unit, whose input is token ids).
-    input: Option<Tensor>,
-    /// The unit's flat parameters as a leaf whose gradient autograd computes.
-    flat: Tensor,
-    /// The unit's output (the loss for the last unit).
-    output: Tensor,
-    /// Stage 3: the gathered buffer behind `flat`.
-    gathered: Option<Tensor>,
+    /// The loss scale used for this step's gradients (1 outside fp16).
+    pub loss_scale: f64,
 }
 
 /// Drives one rank's training step unit by unit.
 pub struct Engine {
-    model: Arc<dyn Model>,
-    cfg: EngineConfig,
-    mover: Mover,
-    /// Stages 0-2: every unit's full fp32 buffer back to back. Stage 3: this rank's shard.
-    params: Tensor,
-    /// Stages 0-1: full fp32 gradients. Stages 2-3: this rank's reduced shard.
-    grads: Tensor,
-    optimizer: AdamW,
+    pub(crate) model: Arc<dyn Model>,
+    pub(crate) cfg: EngineConfig,
+    pub(crate) mover: Mover,
+    /// Compute dtype. Stages 0-2: every unit's full buffer back to back. Stage 3: this rank's shard.
+    pub(crate) params: Tensor,
+    /// fp32 master when the compute dtype is not fp32 (stage 0: full; else this rank's shard).
+    pub(crate) master: Option<Tensor>,
+    /// Reduce dtype. Stages 0-1: full gradients. Stages 2-3: this rank's reduced shard.
+    pub(crate) grads: Tensor,
+    pub(crate) optimizer: AdamW,
+    pub(crate) scaler: LossScaler,
 }
 
 impl Engine {
@@ -79,41 +102,54 @@ impl Engine {
         comm: Arc<dyn Communicator>,
         cfg: EngineConfig,
     ) -> Result<Engine> {
-        if cfg.precision != Precision::Fp32 {
-            return Err(Error::Unsupported(format!(
-                "zero.precision = \"{}\" is not available in this version; use \"fp32\"",
-                cfg.precision
-            )));
-        }
         let (rank, world) = (comm.rank() as i64, comm.world_size() as i64);
         let layout = ShardLayout::new(model.units(), rank, world);
-        let sharded_params = cfg.stage == Stage::Zero3;
-        let extent = if sharded_params {
+        let dev = cfg.device;
+        let param_extent = if cfg.stage == Stage::Zero3 {
             Extent::Shard
         } else {
             Extent::Full
         };
-        let params = init_buffer(model.as_ref(), &layout, cfg.seed, extent)?
-            .f_to_device(cfg.device)
-            .ctx("move parameters to the device", "-")?;
+        let master_extent = if cfg.stage == Stage::Zero0 {
+            Extent::Full
+        } else {
+            Extent::Shard
+        };
+        let to_dev = |t: Tensor, kind: Kind| t.f_to_device(dev).and_then(|t| t.f_to_kind(kind));
+        let init = |extent| init_buffer(model.as_ref(), &layout, cfg.seed, extent);
+        let params =
+            to_dev(init(param_extent)?, cfg.precision.kind()).ctx("place parameters", "-")?;
+        let master = match cfg.precision {
+            Precision::Fp32 => None,
+            _ => Some(
+                to_dev(init(master_extent)?, Kind::Float).ctx("place master parameters", "-")?,
+            ),
+        };
         let grad_numel = match cfg.stage {
             Stage::Zero0 | Stage::Zero1 => layout.full_numel(),
             Stage::Zero2 | Stage::Zero3 => layout.shard_numel(),
         };
-        let grads = Tensor::f_zeros([grad_numel], (Kind::Float, cfg.device))
+        let grads = Tensor::f_zeros([grad_numel], (cfg.reduce_dtype.kind(), dev))
             .ctx("allocate gradients", "-")?;
-        let (opt_numel, decay) = match cfg.stage {
-            Stage::Zero0 => (layout.full_numel(), layout.full_decay_ranges()),
-            _ => (layout.shard_numel(), layout.shard_decay_ranges()),
+        let (opt_numel, decay) = match master_extent {
+            Extent::Full => (layout.full_numel(), layout.full_decay_ranges()),
+            Extent::Shard => (layout.shard_numel(), layout.shard_decay_ranges()),
         };
-        let optimizer = AdamW::new(opt_numel, cfg.device, cfg.adamw, decay)?;
+        let optimizer = AdamW::new(opt_numel, dev, cfg.adamw, decay)?;
+        let scaler = LossScaler::new(
+            cfg.precision == Precision::Fp16,
+            cfg.initial_loss_scale,
+            cfg.loss_scale_window,
+        );
         Ok(Engine {
             model,
             cfg,
             mover: Mover::new(comm, layout),
             params,
+            master,
             grads,
             optimizer,
+            scaler,
         })
     }
 
@@ -132,168 +168,28 @@ impl Engine {
         &self.mover.comm
     }
 
+    /// The current loss scale (1 outside fp16).
+    pub fn loss_scale(&self) -> f64 {
+        self.scaler.scale()
+    }
+
     /// Bytes this rank holds, by category, counted from the buffers actually allocated.
     pub fn memory(&self) -> MemoryLedger {
         let bytes = |t: &Tensor| t.numel() as i64 * t.kind().elt_size_in_bytes() as i64;
         MemoryLedger {
             params: bytes(&self.params),
             grads: bytes(&self.grads),
-            master: 0, // fp32: the owned parameters are the master copy
+            master: self.master.as_ref().map_or(0, bytes),
             optimizer: self.optimizer.state_bytes(),
             buffers: self.optimizer.scratch_bytes() + self.mover.peak_in_flight,
         }
     }
 
-    fn units_len(&self) -> usize {
+    pub(crate) fn units_len(&self) -> usize {
         self.mover.layout.units.len()
     }
 
-    /// Stage 3 starts gathering unit `u`; other stages have it resident.
-    fn start_unit(&mut self, u: usize) -> Result<Option<Pending>> {
-        if self.cfg.stage == Stage::Zero3 && u < self.units_len() {
-            return Ok(Some(self.mover.start_gather(&self.params, u)?));
-        }
-        Ok(None)
-    }
-
-    /// Unit `u`'s full flat parameters: the resident region, or the finished gather.
-    fn unit_params(
-        &mut self,
-        u: usize,
-        pending: Option<Pending>,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        match pending {
-            Some(p) => {
-                let full = self.mover.finish_gather(p)?;
-                Ok((full.shallow_clone(), Some(full)))
-            }
-            None => Ok((self.mover.unit_full(&self.params, u)?, None)),
-        }
-    }
-
-    /// One micro-step: forward unit by unit, then backward unit by unit in reverse, adding
-    /// `weight` times each unit's gradient into this rank's gradients (averaged over the
-    /// ranks per unit as soon as its backward is done at stages 2-3). Returns this rank's
-    /// micro-batch mean loss. `inputs` and `targets` are (B, T) int64.
-    pub fn forward_backward(
-        &mut self,
-        inputs: &Tensor,
-        targets: &Tensor,
-        weight: f64,
-    ) -> Result<f64> {
-        let model = self.model.clone();
-        let units = model.units();
-        let dev = self.cfg.device;
-        let mut x = inputs
-            .f_to_device(dev)
-            .ctx("move inputs to the device", "-")?;
-        let targets = targets
-            .f_to_device(dev)
-            .ctx("move targets to the device", "-")?;
-        let mut saved: Vec<Saved> = Vec::with_capacity(units.len());
-        let mut next = self.start_unit(0)?;
-        for (u, unit) in units.iter().enumerate() {
-            let name = unit.name();
-            let (flat, gathered) = self.unit_params(u, next.take())?;
-            next = self.start_unit(u + 1)?; // prefetch overlaps this unit's compute
-            let flat = flat.f_detach().ctx("detach", name)?.set_requires_grad(true);
-            let input = if u == 0 {
-                None
-            } else {
-                Some(x.f_detach().ctx("detach", name)?.set_requires_grad(true))
-            };
-            let params = views(&self.mover.layout.units[u], &flat)?;
-            let output = unit.forward(&params, input.as_ref().unwrap_or(&x))?;
-            x = output.shallow_clone();
-            saved.push(Saved {
-                input,
-                flat,
-                output,
-                gathered,
-            });
-        }
-        let loss = lm_loss(&x, &targets)?;
-        let loss_value = loss.f_double_value(&[]).ctx("read loss", "head")?;
-        let mut upstream: Option<Tensor> = None;
-        let mut reducing: Vec<Pending> = Vec::new();
-        for u in (0..units.len()).rev() {
-            let s = saved.pop().expect("one saved entry per unit");
-            let name = units[u].name();
-            // The root whose gradient flows into this unit: the weighted loss for the last
-            // unit, otherwise <output, upstream gradient> (its gradient wrt output is upstream).
-            let root = match &upstream {
-                None => loss.f_mul_scalar(weight).ctx("scale loss", name)?,
-                Some(g) => s
-                    .output
-                    .f_mul(g)
-                    .and_then(|t| t.f_sum(Kind::Float))
-                    .ctx("backward root", name)?,
-            };
-            let mut wrt = vec![&s.flat];
-            wrt.extend(s.input.as_ref());
-            let mut g =
-                Tensor::f_run_backward(&[&root], &wrt, false, false).ctx("backward", name)?;
-            upstream = if s.input.is_some() { g.pop() } else { None };
-            let unit_grad = g.swap_remove(0);
-            drop(s.output);
-            if let Some(full) = &s.gathered {
-                self.mover.done_with(full);
-            }
-            match self.cfg.stage {
-                Stage::Zero0 | Stage::Zero1 => {
-                    let mut acc = self.mover.unit_full(&self.grads, u)?;
-                    acc.f_add_(&unit_grad).done("accumulate gradient", name)?;
-                }
-                Stage::Zero2 | Stage::Zero3 => {
-                    // Reduce this unit while the next one back computes; finish older ones.
-                    reducing.push(self.mover.start_reduce_scatter(unit_grad, u)?);
-                    if reducing.len() > 1 {
-                        let p = reducing.remove(0);
-                        self.accumulate_shard(p)?;
-                    }
-                }
-            }
-        }
-        for p in reducing {
-            self.accumulate_shard(p)?;
-        }
-        Ok(loss_value)
-    }
-
-    fn accumulate_shard(&mut self, p: Pending) -> Result<()> {
-        let (u, shard) = self.mover.finish_reduce_scatter(p)?;
-        let mut acc = self.mover.shard_of(&self.grads, u)?;
-        acc.f_add_(&shard).done(
-            "accumulate gradient shard",
-            &self.mover.layout.units[u].unit,
-        )
-    }
-
-    /// This rank's mean loss of a batch, without gradients.
-    pub fn eval_loss(&mut self, inputs: &Tensor, targets: &Tensor) -> Result<f64> {
-        let _guard = tch::no_grad_guard();
-        let model = self.model.clone();
-        let mut x = inputs
-            .f_to_device(self.cfg.device)
-            .ctx("move inputs to the device", "-")?;
-        let mut next = self.start_unit(0)?;
-        for (u, unit) in model.units().iter().enumerate() {
-            let (flat, gathered) = self.unit_params(u, next.take())?;
-            next = self.start_unit(u + 1)?;
-            x = unit.forward(&views(&self.mover.layout.units[u], &flat)?, &x)?;
-            if let Some(full) = &gathered {
-                self.mover.done_with(full);
-            }
-        }
-        let targets = targets
-            .f_to_device(self.cfg.device)
-            .ctx("move targets to the device", "-")?;
-        lm_loss(&x, &targets)?
-            .f_double_value(&[])
-            .ctx("read loss", "head")
-    }
-
-    /// The gradient slices this rank owns (what its optimizer updates), as 1-D views.
+    /// The gradient slices this rank owns (what its optimizer reads), as 1-D views.
     fn owned_grads(&self) -> Result<Vec<Tensor>> {
         match self.cfg.stage {
             Stage::Zero0 | Stage::Zero2 | Stage::Zero3 => Ok(vec![self.grads.shallow_clone()]),
@@ -303,8 +199,12 @@ impl Engine {
         }
     }
 
-    /// The parameter slices this rank owns (its fp32 master), as 1-D views.
-    fn owned_params(&self) -> Result<Vec<Tensor>> {
+    /// The fp32 master this rank owns, as 1-D views: the separate master buffer, or in fp32
+    /// the owned slices of the parameters themselves.
+    fn owned_master(&self) -> Result<Vec<Tensor>> {
+        if let Some(m) = &self.master {
+            return Ok(vec![m.shallow_clone()]);
+        }
         match self.cfg.stage {
             Stage::Zero0 | Stage::Zero3 => Ok(vec![self.params.shallow_clone()]),
             Stage::Zero1 | Stage::Zero2 => (0..self.units_len())
@@ -313,9 +213,37 @@ impl Engine {
         }
     }
 
-    /// Finishes the gradient reduction of the step, clips to `max_norm` (<= 0: off) by the
-    /// global norm, applies AdamW with `lr`, refreshes parameters where the stage needs it
-    /// and clears the gradients. A step whose gradients are not finite is not applied.
+    /// Writes the updated master into the compute parameters (cast to the compute dtype) and
+    /// gathers them where every rank holds full parameters (stages 1-2).
+    fn refresh_params(&mut self) -> Result<()> {
+        if let Some(master) = &self.master {
+            match self.cfg.stage {
+                Stage::Zero0 | Stage::Zero3 => self
+                    .params
+                    .f_copy_(master)
+                    .ctx("copy master to parameters", "-")?,
+                Stage::Zero1 | Stage::Zero2 => {
+                    for u in 0..self.units_len() {
+                        let mut own = self.mover.owned(&self.params, u)?;
+                        let src = self.mover.shard_of(master, u)?;
+                        own.f_copy_(&src).ctx(
+                            "copy master to parameters",
+                            &self.mover.layout.units[u].unit,
+                        )?;
+                    }
+                }
+            }
+        }
+        if matches!(self.cfg.stage, Stage::Zero1 | Stage::Zero2) {
+            self.mover.all_gather_units(&self.params)?;
+        }
+        Ok(())
+    }
+
+    /// Finishes the gradient reduction of the step, unscales (fp16), clips to `max_norm`
+    /// (<= 0: off) by the global norm, applies AdamW with `lr`, refreshes the compute
+    /// parameters and clears the gradients. A step whose gradients are not finite on any
+    /// rank is skipped (and with fp16 the loss scale halves).
     pub fn step(&mut self, lr: f64, max_norm: f64) -> Result<StepStats> {
         let _guard = tch::no_grad_guard();
         match self.cfg.stage {
@@ -326,11 +254,7 @@ impl Engine {
         let grads = self.owned_grads()?;
         let mut local = 0.0;
         for g in &grads {
-            local += g
-                .f_square()
-                .and_then(|s| s.f_sum(Kind::Double))
-                .and_then(|s| s.f_double_value(&[]))
-                .ctx("gradient norm", "-")?;
+            local += sum_of_squares(g)?;
         }
         // Stage 0 holds the whole reduced gradient on every rank; the others own a part.
         let sum_sq = if self.cfg.stage == Stage::Zero0 {
@@ -338,49 +262,70 @@ impl Engine {
         } else {
             self.mover.sum_over_ranks(local)?
         };
-        let grad_norm = sum_sq.sqrt();
+        let loss_scale = self.scaler.scale();
+        let grad_norm = sum_sq.sqrt() / loss_scale;
         let applied = grad_norm.is_finite();
         let clip_coef = clip_coefficient(grad_norm, max_norm);
+        self.scaler.update(applied);
         if applied {
-            if clip_coef < 1.0 {
+            let factor = clip_coef / loss_scale;
+            if factor != 1.0 {
                 for g in &grads {
                     g.shallow_clone()
-                        .f_mul_scalar_(clip_coef)
-                        .done("clip gradients", "-")?;
+                        .f_mul_scalar_(factor)
+                        .done("scale gradients", "-")?;
                 }
             }
-            let params = self.owned_params()?;
-            self.optimizer.step_segments(&params, &grads, lr)?;
-            if matches!(self.cfg.stage, Stage::Zero1 | Stage::Zero2) {
-                self.mover.all_gather_units(&self.params)?;
-            }
+            let master = self.owned_master()?;
+            self.optimizer.step_segments(&master, &grads, lr)?;
+            self.refresh_params()?;
         }
         self.grads.f_zero_().done("zero gradients", "-")?;
         Ok(StepStats {
             grad_norm,
             clip_coef,
             applied,
+            loss_scale,
         })
     }
 
-    /// Every parameter by name as full tensors (gathered at stage 3: every rank must call).
+    /// Every parameter by name as full fp32 tensors from the master copy (gathered from all
+    /// ranks where sharded: every rank must call).
     pub fn full_parameters(&mut self) -> Result<Vec<(String, Tensor)>> {
+        let _guard = tch::no_grad_guard();
+        // The fp32 source: the separate master, else the parameters themselves; it is a
+        // shard (to gather) except for stage 0's master and stages 0-2's fp32 parameters.
+        let source = self.master.as_ref().unwrap_or(&self.params).shallow_clone();
+        let is_shard = match &self.master {
+            Some(_) => self.cfg.stage != Stage::Zero0,
+            None => self.cfg.stage == Stage::Zero3,
+        };
         let mut out = Vec::new();
         for u in 0..self.units_len() {
-            let p = self.start_unit(u)?;
-            let (flat, gathered) = self.unit_params(u, p)?;
-            let l = &self.mover.layout.units[u];
-            let flat = flat.f_detach_copy().ctx("copy parameters", &l.unit)?;
-            out.extend(l.views.iter().map(|v| v.name.clone()).zip(views(l, &flat)?));
-            if let Some(full) = &gathered {
-                self.mover.done_with(full);
-            }
+            let l = self.mover.layout.units[u].clone();
+            let flat = if is_shard {
+                let p = self.mover.start_gather(&source, u)?;
+                let full = self.mover.finish_gather(p)?;
+                self.mover.done_with(&full);
+                full
+            } else {
+                self.mover
+                    .unit_full(&source, u)?
+                    .f_detach_copy()
+                    .ctx("copy parameters", &l.unit)?
+            };
+            out.extend(
+                l.views
+                    .iter()
+                    .map(|v| v.name.clone())
+                    .zip(views(&l, &flat)?),
+            );
         }
         Ok(out)
     }
 
     /// Gradients accumulated so far, by name (stages 0-1, before `step`: the unreduced sum
-    /// of this rank's micro-steps).
+    /// of this rank's micro-steps, times the loss scale).
     pub fn local_gradients(&self) -> Result<Vec<(String, Tensor)>> {
         if !matches!(self.cfg.stage, Stage::Zero0 | Stage::Zero1) {
             return Err(Error::Unsupported(
@@ -396,8 +341,30 @@ impl Engine {
     }
 }
 
+/// Sum of squares of a 1-D tensor in f64, over bounded chunks (no full-size temporary).
+fn sum_of_squares(t: &Tensor) -> Result<f64> {
+    const CHUNK: i64 = 1 << 20;
+    let n = t.numel() as i64;
+    let mut sum = 0.0;
+    let mut off = 0;
+    while off < n {
+        let len = CHUNK.min(n - off);
+        let c = t
+            .f_narrow(0, off, len)
+            .and_then(|c| c.f_to_kind(Kind::Double));
+        let s = c
+            .and_then(|c| c.f_square())
+            .and_then(|c| c.f_sum(Kind::Double));
+        sum += s
+            .and_then(|s| s.f_double_value(&[]))
+            .ctx("gradient norm", "-")?;
+        off += len;
+    }
+    Ok(sum)
+}
+
 /// The named parameter tensors of a unit as views of its flat buffer, in the unit's order.
-fn views(layout: &UnitLayout, flat: &Tensor) -> Result<Vec<Tensor>> {
+pub(crate) fn views(layout: &UnitLayout, flat: &Tensor) -> Result<Vec<Tensor>> {
     layout
         .views
         .iter()

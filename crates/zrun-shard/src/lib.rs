@@ -9,13 +9,15 @@ mod engine;
 mod init;
 pub mod layout;
 mod memory;
+mod micro;
 mod policy;
+mod scaler;
 mod state;
 
 pub use engine::{Engine, EngineConfig, StepStats};
 pub use layout::{ShardLayout, UnitLayout, View};
 pub use memory::MemoryLedger;
-pub use policy::{Precision, Stage};
+pub use policy::{Precision, ReduceDtype, Stage};
 
 /// Errors of the engine.
 #[derive(Debug, thiserror::Error)]

@@ -93,3 +93,33 @@ impl fmt::Display for Precision {
         })
     }
 }
+
+/// dtype in which gradients are reduced across ranks and accumulated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReduceDtype {
+    /// fp32 (default): exact accumulation over micro-steps and ranks.
+    #[default]
+    Fp32,
+    /// bf16: half the gradient memory and traffic.
+    Bf16,
+}
+
+impl ReduceDtype {
+    /// The libtorch kind.
+    pub fn kind(self) -> tch::Kind {
+        match self {
+            ReduceDtype::Fp32 => tch::Kind::Float,
+            ReduceDtype::Bf16 => tch::Kind::BFloat16,
+        }
+    }
+}
+
+impl fmt::Display for ReduceDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ReduceDtype::Fp32 => "fp32",
+            ReduceDtype::Bf16 => "bf16",
+        })
+    }
+}

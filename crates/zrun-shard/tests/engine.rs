@@ -37,13 +37,7 @@ fn engine_at(m: Arc<dyn Model>, stage: Stage) -> Engine {
         eps: 1e-8,
         weight_decay: 0.1,
     };
-    let cfg = EngineConfig {
-        stage,
-        precision: Precision::Fp32,
-        device: Device::Cpu,
-        seed: SEED,
-        adamw,
-    };
+    let cfg = EngineConfig::fp32(stage, Device::Cpu, SEED, adamw);
     Engine::new(m, single(), cfg).unwrap()
 }
 
@@ -184,24 +178,110 @@ fn every_stage_at_world_size_one_trains_identically() {
     }
 }
 
-#[test]
-fn bf16_is_a_clear_error_in_this_version() {
+fn train_losses(mut e: Engine, steps: i64) -> (Vec<f64>, Vec<(String, Tensor)>) {
+    let mut losses = Vec::new();
+    // One fixed batch: a working optimizer memorises it.
+    let (x, y) = batch(20, 2, 24, 97);
+    for _ in 0..steps {
+        losses.push(e.forward_backward(&x, &y, 1.0).unwrap());
+        let s = e.step(1e-2, 1.0).unwrap();
+        assert!(s.applied);
+    }
+    (losses, e.full_parameters().unwrap())
+}
+
+fn with(stage: Stage, f: impl FnOnce(&mut EngineConfig)) -> Engine {
     let adamw = AdamWConfig {
         beta1: 0.9,
         beta2: 0.95,
         eps: 1e-8,
-        weight_decay: 0.0,
+        weight_decay: 0.1,
     };
-    let cfg = EngineConfig {
-        stage: Stage::Zero0,
-        precision: Precision::Bf16,
-        device: Device::Cpu,
-        seed: 0,
-        adamw,
-    };
-    let err = Engine::new(model(), single(), cfg)
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(err.contains("zero.precision = \"bf16\""), "{err}");
+    let mut cfg = EngineConfig::fp32(stage, Device::Cpu, SEED, adamw);
+    f(&mut cfg);
+    Engine::new(model(), single(), cfg).unwrap()
+}
+
+#[test]
+fn activation_checkpointing_and_prefetch_depth_do_not_change_the_result() {
+    for stage in [Stage::Zero0, Stage::Zero3] {
+        let (want_l, want_p) = train_losses(with(stage, |_| {}), 3);
+        for (ckpt, depth) in [(true, 1), (false, 0), (true, 3)] {
+            let e = with(stage, |c| {
+                c.activation_checkpointing = ckpt;
+                c.prefetch = depth;
+            });
+            let (l, p) = train_losses(e, 3);
+            assert_eq!(l, want_l, "stage {stage} ckpt {ckpt} prefetch {depth}");
+            for ((n, a), (_, b)) in p.iter().zip(&want_p) {
+                assert!(a.equal(b), "{n} differs with ckpt {ckpt} prefetch {depth}");
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_keeps_an_fp32_master_and_trains_like_fp32() {
+    let (fp32_l, _) = train_losses(with(Stage::Zero0, |_| {}), 6);
+    for stage in [Stage::Zero0, Stage::Zero2, Stage::Zero3] {
+        let e = with(stage, |c| c.precision = Precision::Bf16);
+        let m = e.memory();
+        let psi = e.layout().full_numel();
+        // One rank: every shard is the whole model. bf16 parameters, fp32 master and gradients.
+        assert_eq!(m.params, 2 * psi);
+        assert_eq!(m.master, 4 * psi);
+        assert_eq!(m.grads, 4 * psi);
+        assert_eq!(m.optimizer, 8 * psi);
+        let (l, p) = train_losses(e, 6);
+        assert!(
+            p.iter().all(|(_, t)| t.kind() == Kind::Float),
+            "master parameters are fp32"
+        );
+        for (a, b) in l.iter().zip(&fp32_l) {
+            assert!(
+                (a - b).abs() / b < 0.02,
+                "stage {stage}: bf16 loss {a} vs fp32 {b}"
+            );
+        }
+        assert!(l[5] < l[0]);
+    }
+}
+
+#[test]
+fn fp16_overflow_skips_the_step_halves_the_scale_and_recovers() {
+    let mut e = with(Stage::Zero2, |c| {
+        c.precision = Precision::Fp16;
+        c.initial_loss_scale = 2f64.powi(30); // overflows fp16 in backward
+        c.loss_scale_window = 20;
+    });
+    let before = e.full_parameters().unwrap();
+    let mut skipped = 0;
+    let mut losses = Vec::new();
+    // One fixed batch: a working optimizer memorises it.
+    let (x, y) = batch(40, 2, 24, 97);
+    for _ in 0..60 {
+        losses.push(e.forward_backward(&x, &y, 1.0).unwrap());
+        let s = e.step(1e-2, 1.0).unwrap();
+        if !s.applied {
+            skipped += 1;
+            assert!(
+                e.loss_scale() < s.loss_scale,
+                "the scale halves after an overflow"
+            );
+            if skipped == 1 {
+                // Nothing moved on a skipped step.
+                for ((n, a), (_, b)) in e.full_parameters().unwrap().iter().zip(&before) {
+                    assert!(a.equal(b), "{n} changed on a skipped step");
+                }
+            }
+        }
+    }
+    assert!(skipped >= 1, "the huge initial scale must overflow");
+    assert!(e.loss_scale() < 2f64.powi(30));
+    assert!(
+        losses[59] < losses[0] * 0.9,
+        "training recovered: {} -> {}",
+        losses[0],
+        losses[59]
+    );
 }

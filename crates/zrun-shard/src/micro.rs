@@ -1,0 +1,244 @@
+//! One micro-step: forward unit by unit, backward unit by unit in reverse with one autograd
+//! call per unit; stage 3 gathers units ahead of use (prefetch), stages 2-3 reduce each
+//! unit's gradient as soon as its backward is done; activation checkpointing keeps only unit
+//! inputs and recomputes each unit's forward inside its backward.
+
+use crate::engine::{views, Engine};
+use crate::state::{Mover, Pending};
+use crate::{Context, Result, Stage};
+use std::collections::VecDeque;
+use tch::{Kind, Tensor};
+use zrun_models::lm_loss;
+
+/// What one unit's forward leaves for its backward.
+struct Saved {
+    /// The unit's input: a leaf (to get its gradient), or token ids for the first unit, or
+    /// with checkpointing the plain input to recompute from.
+    input: Tensor,
+    /// Without checkpointing: the flat parameter leaf, the output and the gathered buffer.
+    graph: Option<(Tensor, Tensor, Option<Tensor>)>,
+}
+
+/// Stage 3's gathers, issued `depth` units ahead of the unit computing, in a given order.
+struct Gathers {
+    order: Vec<usize>,
+    next: usize,
+    pending: VecDeque<Pending>,
+    depth: usize,
+}
+
+impl Gathers {
+    fn new(order: Vec<usize>, depth: usize) -> Gathers {
+        Gathers {
+            order,
+            next: 0,
+            pending: VecDeque::new(),
+            depth,
+        }
+    }
+
+    /// The full parameters of the next unit in order: waits for its gather after issuing the
+    /// following ones, so communication overlaps the caller's compute. Returns the buffer and
+    /// whether it was gathered (stage 3) rather than resident.
+    fn take(&mut self, mover: &mut Mover, params: &Tensor, stage: Stage) -> Result<(Tensor, bool)> {
+        let u = self.order[self.next];
+        self.next += 1;
+        if stage != Stage::Zero3 {
+            return Ok((mover.unit_full(params, u)?, false));
+        }
+        let issued = self.next - 1 + self.pending.len();
+        for &v in self
+            .order
+            .iter()
+            .skip(issued)
+            .take((self.next + self.depth).saturating_sub(issued))
+        {
+            self.pending.push_back(mover.start_gather(params, v)?);
+        }
+        let p = self
+            .pending
+            .pop_front()
+            .expect("the gather of the current unit was issued");
+        Ok((mover.finish_gather(p)?, true))
+    }
+}
+
+impl Engine {
+    /// One micro-step: forward unit by unit, then backward unit by unit in reverse, adding
+    /// `weight` times each unit's gradient into this rank's gradients (averaged over the
+    /// ranks per unit as soon as its backward is done at stages 2-3). Returns this rank's
+    /// micro-batch mean loss. `inputs` and `targets` are (B, T) int64.
+    pub fn forward_backward(
+        &mut self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        weight: f64,
+    ) -> Result<f64> {
+        let model = self.model.clone();
+        let units = model.units();
+        let n = units.len();
+        let (dev, stage, ckpt) = (
+            self.cfg.device,
+            self.cfg.stage,
+            self.cfg.activation_checkpointing,
+        );
+        let mut x = inputs
+            .f_to_device(dev)
+            .ctx("move inputs to the device", "-")?;
+        let targets = targets
+            .f_to_device(dev)
+            .ctx("move targets to the device", "-")?;
+        let mut gathers = Gathers::new((0..n).collect(), self.cfg.prefetch);
+        let mut saved: Vec<Saved> = Vec::with_capacity(n);
+        for (u, unit) in units.iter().enumerate() {
+            let name = unit.name();
+            let (flat, gathered) = gathers.take(&mut self.mover, &self.params, stage)?;
+            if ckpt {
+                let _guard = tch::no_grad_guard();
+                let out = unit.forward(&views(&self.mover.layout.units[u], &flat)?, &x)?;
+                if gathered {
+                    self.mover.done_with(&flat);
+                }
+                saved.push(Saved {
+                    input: std::mem::replace(&mut x, out),
+                    graph: None,
+                });
+                continue;
+            }
+            let leaf = flat.f_detach().ctx("detach", name)?.set_requires_grad(true);
+            let input = if u == 0 {
+                x.shallow_clone()
+            } else {
+                x.f_detach().ctx("detach", name)?.set_requires_grad(true)
+            };
+            let out = unit.forward(&views(&self.mover.layout.units[u], &leaf)?, &input)?;
+            x = out.shallow_clone();
+            saved.push(Saved {
+                input,
+                graph: Some((leaf, out, gathered.then_some(flat))),
+            });
+        }
+        let loss_value = {
+            let _guard = ckpt.then(tch::no_grad_guard);
+            lm_loss(&x, &targets)?
+        };
+        let loss_scaled = weight * self.scaler.scale();
+        let value = loss_value.f_double_value(&[]).ctx("read loss", "head")?;
+        drop(x);
+
+        let mut gathers = Gathers::new((0..n).rev().collect(), self.cfg.prefetch);
+        let mut upstream: Option<Tensor> = None;
+        let mut reducing: VecDeque<Pending> = VecDeque::new();
+        for u in (0..n).rev() {
+            let s = saved.pop().expect("one saved entry per unit");
+            let name = units[u].name();
+            let (leaf, input, output, gathered) = match s.graph {
+                Some((leaf, output, gathered)) => (leaf, s.input, output, gathered),
+                None => {
+                    // Checkpointed: gather again if sharded, recompute the forward with grad.
+                    let (flat, gathered) = gathers.take(&mut self.mover, &self.params, stage)?;
+                    let leaf = flat.f_detach().ctx("detach", name)?.set_requires_grad(true);
+                    let input = if u == 0 {
+                        s.input
+                    } else {
+                        s.input.set_requires_grad(true)
+                    };
+                    let out =
+                        units[u].forward(&views(&self.mover.layout.units[u], &leaf)?, &input)?;
+                    (leaf, input, out, gathered.then_some(flat))
+                }
+            };
+            // The root whose gradient flows into this unit: the weighted (and scaled) loss
+            // for the last unit, otherwise <output, upstream gradient>.
+            let root = match &upstream {
+                None if ckpt => lm_loss(&output, &targets)?.f_mul_scalar(loss_scaled),
+                None => loss_value.f_mul_scalar(loss_scaled),
+                Some(g) => output.f_mul(g).and_then(|t| t.f_sum(Kind::Float)),
+            }
+            .ctx("backward root", name)?;
+            let needs_input = u > 0;
+            let mut wrt = vec![&leaf];
+            if needs_input {
+                wrt.push(&input);
+            }
+            let mut g =
+                Tensor::f_run_backward(&[&root], &wrt, false, false).ctx("backward", name)?;
+            upstream = if needs_input { g.pop() } else { None };
+            let unit_grad = g.swap_remove(0);
+            drop((root, output, leaf, input));
+            if let Some(full) = &gathered {
+                self.mover.done_with(full);
+            }
+            drop(gathered);
+            self.absorb_gradient(u, unit_grad, &mut reducing)?;
+        }
+        while let Some(p) = reducing.pop_front() {
+            self.accumulate_shard(p)?;
+        }
+        Ok(value)
+    }
+
+    /// Adds unit `u`'s gradient into the full gradients (stages 0-1) or starts its
+    /// reduce-scatter (stages 2-3), finishing older reductions so one stays in flight.
+    fn absorb_gradient(
+        &mut self,
+        u: usize,
+        unit_grad: Tensor,
+        reducing: &mut VecDeque<Pending>,
+    ) -> Result<()> {
+        let name = self.mover.layout.units[u].unit.clone();
+        match self.cfg.stage {
+            Stage::Zero0 | Stage::Zero1 => {
+                let mut acc = self.mover.unit_full(&self.grads, u)?;
+                acc.f_add_(&unit_grad).done("accumulate gradient", &name)
+            }
+            Stage::Zero2 | Stage::Zero3 => {
+                let kind = self.cfg.reduce_dtype.kind();
+                let g = if unit_grad.kind() == kind {
+                    unit_grad
+                } else {
+                    unit_grad.f_to_kind(kind).ctx("cast gradient", &name)?
+                };
+                reducing.push_back(self.mover.start_reduce_scatter(g, u)?);
+                if reducing.len() > 1 {
+                    let p = reducing.pop_front().expect("two in flight");
+                    self.accumulate_shard(p)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn accumulate_shard(&mut self, p: Pending) -> Result<()> {
+        let (u, shard) = self.mover.finish_reduce_scatter(p)?;
+        let mut acc = self.mover.shard_of(&self.grads, u)?;
+        acc.f_add_(&shard).done(
+            "accumulate gradient shard",
+            &self.mover.layout.units[u].unit,
+        )
+    }
+
+    /// This rank's mean loss of a batch, without gradients.
+    pub fn eval_loss(&mut self, inputs: &Tensor, targets: &Tensor) -> Result<f64> {
+        let _guard = tch::no_grad_guard();
+        let model = self.model.clone();
+        let units = model.units();
+        let mut x = inputs
+            .f_to_device(self.cfg.device)
+            .ctx("move inputs to the device", "-")?;
+        let mut gathers = Gathers::new((0..units.len()).collect(), self.cfg.prefetch);
+        for (u, unit) in units.iter().enumerate() {
+            let (flat, gathered) = gathers.take(&mut self.mover, &self.params, self.cfg.stage)?;
+            x = unit.forward(&views(&self.mover.layout.units[u], &flat)?, &x)?;
+            if gathered {
+                self.mover.done_with(&flat);
+            }
+        }
+        let targets = targets
+            .f_to_device(self.cfg.device)
+            .ctx("move targets to the device", "-")?;
+        lm_loss(&x, &targets)?
+            .f_double_value(&[])
+            .ctx("read loss", "head")
+    }
+}

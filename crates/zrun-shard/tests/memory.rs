@@ -1,0 +1,240 @@
+//! The engine's model-state bytes per rank equal the ZeRO formula plus padding, for every
+//! stage and precision: (2+2+12)Ψ, 4Ψ+12Ψ/W, 2Ψ+14Ψ/W, 16Ψ/W for bf16 + AdamW with bf16
+//! gradients, and the fp32 equivalents. Ψ is computed here from the parameter shapes.
+
+use std::sync::Arc;
+use tch::{Device, Tensor};
+use zrun_comm::{Backend, Communicator, Error, ReduceOp, Work};
+use zrun_models::{Gpt, GptConfig, Model};
+use zrun_optim::AdamWConfig;
+use zrun_shard::{Engine, EngineConfig, Precision, ReduceDtype, Stage};
+
+/// Rank and world size only: building an engine allocates but never communicates.
+struct Placement {
+    rank: usize,
+    world: usize,
+}
+
+impl Communicator for Placement {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world
+    }
+    fn backend(&self) -> Backend {
+        Backend::Tcp
+    }
+    fn all_gather(&self, _: &Tensor, _: &Tensor) -> Result<Work, Error> {
+        unreachable!("construction does not communicate")
+    }
+    fn reduce_scatter(&self, _: &Tensor, _: &Tensor, _: ReduceOp) -> Result<Work, Error> {
+        unreachable!("construction does not communicate")
+    }
+    fn all_reduce(&self, _: &Tensor, _: ReduceOp) -> Result<Work, Error> {
+        unreachable!("construction does not communicate")
+    }
+    fn broadcast(&self, _: &Tensor, _: usize) -> Result<Work, Error> {
+        unreachable!("construction does not communicate")
+    }
+    fn barrier(&self) -> Result<Work, Error> {
+        unreachable!("construction does not communicate")
+    }
+}
+
+#[test]
+fn model_state_bytes_per_rank_equal_the_zero_formula() {
+    // Odd sizes so that units need padding at every world size.
+    let gpt = Gpt::new(GptConfig {
+        vocab_size: 101,
+        seq_len: 13,
+        n_layer: 3,
+        n_head: 3,
+        d_model: 21,
+        init_std: 0.02,
+    })
+    .unwrap();
+    let model: Arc<dyn Model> = Arc::new(gpt);
+    let adamw = AdamWConfig {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    let mut padded_somewhere = false;
+    for world in 1..=4i64 {
+        // Ψ with padding: every unit rounded up to a multiple of W; Ψ/W is exact.
+        let psi: i64 = model
+            .units()
+            .iter()
+            .map(|u| {
+                let n: i64 = u
+                    .params()
+                    .iter()
+                    .map(|p| p.shape.iter().product::<i64>())
+                    .sum();
+                (n + world - 1) / world * world
+            })
+            .sum();
+        let s = psi / world;
+        padded_somewhere |= psi > model.param_count();
+        let cases = [
+            // (precision, reduce dtype, stage, params, grads, master, optimizer)
+            (
+                Precision::Fp32,
+                ReduceDtype::Fp32,
+                Stage::Zero0,
+                4 * psi,
+                4 * psi,
+                0,
+                8 * psi,
+            ),
+            (
+                Precision::Fp32,
+                ReduceDtype::Fp32,
+                Stage::Zero1,
+                4 * psi,
+                4 * psi,
+                0,
+                8 * s,
+            ),
+            (
+                Precision::Fp32,
+                ReduceDtype::Fp32,
+                Stage::Zero2,
+                4 * psi,
+                4 * s,
+                0,
+                8 * s,
+            ),
+            (
+                Precision::Fp32,
+                ReduceDtype::Fp32,
+                Stage::Zero3,
+                4 * s,
+                4 * s,
+                0,
+                8 * s,
+            ),
+            (
+                Precision::Bf16,
+                ReduceDtype::Bf16,
+                Stage::Zero0,
+                2 * psi,
+                2 * psi,
+                4 * psi,
+                8 * psi,
+            ),
+            (
+                Precision::Bf16,
+                ReduceDtype::Bf16,
+                Stage::Zero1,
+                2 * psi,
+                2 * psi,
+                4 * s,
+                8 * s,
+            ),
+            (
+                Precision::Bf16,
+                ReduceDtype::Bf16,
+                Stage::Zero2,
+                2 * psi,
+                2 * s,
+                4 * s,
+                8 * s,
+            ),
+            (
+                Precision::Bf16,
+                ReduceDtype::Bf16,
+                Stage::Zero3,
+                2 * s,
+                2 * s,
+                4 * s,
+                8 * s,
+            ),
+            (
+                Precision::Bf16,
+                ReduceDtype::Fp32,
+                Stage::Zero2,
+                2 * psi,
+                4 * s,
+                4 * s,
+                8 * s,
+            ),
+            (
+                Precision::Fp16,
+                ReduceDtype::Fp32,
+                Stage::Zero3,
+                2 * s,
+                4 * s,
+                4 * s,
+                8 * s,
+            ),
+        ];
+        for (precision, reduce_dtype, stage, params, grads, master, optimizer) in cases {
+            for rank in 0..world {
+                let comm = Arc::new(Placement {
+                    rank: rank as usize,
+                    world: world as usize,
+                });
+                let cfg = EngineConfig {
+                    precision,
+                    reduce_dtype,
+                    ..EngineConfig::fp32(stage, Device::Cpu, 1, adamw)
+                };
+                let m = Engine::new(model.clone(), comm, cfg).unwrap().memory();
+                let what = format!(
+                    "{precision} reduce {reduce_dtype} stage {stage} W={world} rank {rank}"
+                );
+                assert_eq!(
+                    (m.params, m.grads, m.master, m.optimizer),
+                    (params, grads, master, optimizer),
+                    "{what}"
+                );
+                // The paper's totals, for bf16 with bf16 gradients and for fp32.
+                let total = match (precision, reduce_dtype, stage) {
+                    (Precision::Bf16, ReduceDtype::Bf16, Stage::Zero0) => Some(16 * psi),
+                    (Precision::Bf16, ReduceDtype::Bf16, Stage::Zero1) => Some(4 * psi + 12 * s),
+                    (Precision::Bf16, ReduceDtype::Bf16, Stage::Zero2) => Some(2 * psi + 14 * s),
+                    (Precision::Bf16, ReduceDtype::Bf16, Stage::Zero3) => Some(16 * s),
+                    (Precision::Fp32, _, Stage::Zero0) => Some(16 * psi),
+                    (Precision::Fp32, _, Stage::Zero1) => Some(8 * psi + 8 * s),
+                    (Precision::Fp32, _, Stage::Zero2) => Some(4 * psi + 12 * s),
+                    (Precision::Fp32, _, Stage::Zero3) => Some(16 * s),
+                    _ => None,
+                };
+                if let Some(t) = total {
+                    assert_eq!(m.model_states(), t, "{what}: total");
+                }
+            }
+        }
+    }
+    assert!(padded_somewhere, "the sizes must exercise padding");
+}
+
+#[test]
+fn the_static_plan_matches_what_the_engine_allocates_in_fp32() {
+    let gpt = Gpt::new(GptConfig::preset("tiny").unwrap()).unwrap();
+    let model: Arc<dyn Model> = Arc::new(gpt);
+    let adamw = AdamWConfig {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.0,
+    };
+    for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+        let comm = Arc::new(Placement { rank: 1, world: 3 });
+        let e = Engine::new(
+            model.clone(),
+            comm,
+            EngineConfig::fp32(stage, Device::Cpu, 1, adamw),
+        )
+        .unwrap();
+        let plan = zrun_shard::MemoryLedger::plan(e.layout(), stage);
+        assert_eq!(
+            plan.model_states(),
+            e.memory().model_states(),
+            "stage {stage}"
+        );
+    }
+}
