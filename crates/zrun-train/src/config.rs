@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt::Display;
 use std::path::{Path, PathBuf};
 use zrun_models::GptConfig;
-use zrun_shard::{Precision, Stage};
+use zrun_shard::{Precision, ReduceDtype, Stage};
 
 /// A config that cannot be used: one line, naming where, which key and what to do.
 #[derive(Debug, thiserror::Error)]
@@ -182,13 +182,37 @@ impl Default for TrainConfig {
 }
 
 /// `[zero]`.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ZeroConfig {
     /// ZeRO stage 0-3.
     pub stage: Stage,
     /// fp32, bf16 or fp16.
     pub precision: Precision,
+    /// dtype gradients are reduced and accumulated in: fp32 or bf16.
+    pub reduce_dtype: ReduceDtype,
+    /// Keep only unit inputs and recompute each unit's forward in its backward.
+    pub activation_checkpointing: bool,
+    /// Stage 3: units gathered ahead of the one computing.
+    pub prefetch: usize,
+    /// fp16: the first loss scale.
+    pub initial_loss_scale: f64,
+    /// fp16: clean steps before the loss scale doubles.
+    pub loss_scale_window: u64,
+}
+
+impl Default for ZeroConfig {
+    fn default() -> Self {
+        ZeroConfig {
+            stage: Stage::default(),
+            precision: Precision::default(),
+            reduce_dtype: ReduceDtype::default(),
+            activation_checkpointing: false,
+            prefetch: 1,
+            initial_loss_scale: 65536.0,
+            loss_scale_window: 1000,
+        }
+    }
 }
 
 /// Communication backend choice.
@@ -259,6 +283,8 @@ pub struct LogConfig {
     pub dir: PathBuf,
     /// Log a metrics line every N steps.
     pub every: u64,
+    /// Peak FLOP/s of one rank's device in TFLOP/s, for MFU (absent: no MFU).
+    pub peak_tflops: Option<f64>,
 }
 
 impl Default for LogConfig {
@@ -266,6 +292,7 @@ impl Default for LogConfig {
         LogConfig {
             dir: PathBuf::from("runs/default"),
             every: 10,
+            peak_tflops: None,
         }
     }
 }
@@ -285,7 +312,7 @@ impl Config {
                 .unwrap_or_default();
             ConfigError(format!(
                 "config {file}{at}: invalid TOML: {}",
-                e.message().trim()
+                one_line(e.message())
             ))
         })?;
         let mut set_keys = Vec::new();
@@ -301,27 +328,37 @@ impl Config {
                 .unwrap_or_default();
             ConfigError(format!(
                 "{source}: {key}{shown}: {}",
-                e.inner().message().trim()
+                one_line(e.inner().message())
             ))
         })?;
         cfg.validate().map_err(|(key, value, allowed)| {
-            let source = source_of(key, &file, &set_keys);
+            let source = source_of(&key, &file, &set_keys);
             ConfigError(format!("{source}: {key} = {value}: {allowed}"))
         })?;
         Ok(cfg)
     }
 
-    /// The model architecture this config asks for.
-    pub fn gpt(&self) -> Result<GptConfig, ConfigError> {
+    /// The preset with the `[model]` overrides applied, not yet validated (the preset name
+    /// is checked by `load`).
+    fn resolve_gpt(&self) -> GptConfig {
         let m = &self.model;
         let mut g = GptConfig::preset(&m.preset)
-            .map_err(|e| ConfigError(format!("model.preset = {:?}: {e}", m.preset)))?;
+            .unwrap_or_else(|_| GptConfig::preset("tiny").expect("tiny exists"));
         g.vocab_size = m.vocab_size.unwrap_or(g.vocab_size);
         g.seq_len = m.seq_len.unwrap_or(g.seq_len);
         g.n_layer = m.n_layer.unwrap_or(g.n_layer);
         g.n_head = m.n_head.unwrap_or(g.n_head);
         g.d_model = m.d_model.unwrap_or(g.d_model);
         g.init_std = m.init_std.unwrap_or(g.init_std);
+        g
+    }
+
+    /// The model architecture this config asks for.
+    pub fn gpt(&self) -> Result<GptConfig, ConfigError> {
+        let preset = &self.model.preset;
+        GptConfig::preset(preset)
+            .map_err(|e| ConfigError(format!("model.preset = {preset:?}: {e}")))?;
+        let g = self.resolve_gpt();
         g.validate()
             .map_err(|e| ConfigError(format!("[model]: {e}")))?;
         Ok(g)
@@ -333,15 +370,11 @@ impl Config {
     }
 
     /// Range checks; the error is (key, value, what is allowed).
-    fn validate(&self) -> Result<(), (&'static str, String, String)> {
+    fn validate(&self) -> Result<(), (String, String, String)> {
         let t = &self.train;
         let d = &self.data;
-        fn bad<T: Display>(
-            key: &'static str,
-            v: T,
-            allowed: &str,
-        ) -> Result<(), (&'static str, String, String)> {
-            Err((key, v.to_string(), allowed.to_string()))
+        fn bad<T: Display>(key: &str, v: T, allowed: &str) -> Result<(), (String, String, String)> {
+            Err((key.to_string(), v.to_string(), allowed.to_string()))
         }
         let finite_pos = |x: f64| x.is_finite() && x > 0.0;
         if !GptConfig::PRESETS.contains(&self.model.preset.as_str()) {
@@ -363,15 +396,21 @@ impl Config {
         if let Some(s) = m.init_std.filter(|&s| !finite_pos(s)) {
             return bad("model.init_std", s, "must be a finite number > 0");
         }
-        let g = self
-            .gpt()
-            .map_err(|e| ("model", "(preset with overrides)".to_string(), e.0))?;
+        let g = self.resolve_gpt();
         if g.d_model % g.n_head != 0 {
             let allowed = format!(
                 "model.d_model ({}) must be a multiple of model.n_head",
                 g.d_model
             );
             return bad("model.n_head", g.n_head, &allowed);
+        }
+        if let Err(zrun_models::Error::InvalidConfig {
+            field,
+            value,
+            reason,
+        }) = g.validate()
+        {
+            return bad(&format!("model.{field}"), value, &reason);
         }
         if t.steps == 0 {
             return bad("train.steps", t.steps, "must be at least 1");
@@ -445,6 +484,27 @@ impl Config {
         if !(d.eval_fraction > 0.0 && d.eval_fraction <= 0.5) {
             return bad("data.eval_fraction", d.eval_fraction, "must be in (0, 0.5]");
         }
+        let z = &self.zero;
+        if z.precision == Precision::Fp32 && z.reduce_dtype != ReduceDtype::Fp32 {
+            return bad(
+                "zero.reduce_dtype",
+                z.reduce_dtype,
+                "must be \"fp32\" when zero.precision is \"fp32\"",
+            );
+        }
+        if !(z.initial_loss_scale.is_finite() && z.initial_loss_scale >= 1.0) {
+            return bad(
+                "zero.initial_loss_scale",
+                z.initial_loss_scale,
+                "must be a finite number >= 1",
+            );
+        }
+        if z.loss_scale_window == 0 {
+            return bad("zero.loss_scale_window", 0, "must be at least 1");
+        }
+        if z.prefetch > 8 {
+            return bad("zero.prefetch", z.prefetch, "must be between 0 and 8 units");
+        }
         if self.dist.timeout_s == 0 {
             return bad("dist.timeout_s", 0, "must be at least 1 second");
         }
@@ -453,6 +513,13 @@ impl Config {
                 "checkpoint.every",
                 self.checkpoint.every,
                 "writing checkpoints is not available in this version; set 0",
+            );
+        }
+        if let Some(p) = self.log.peak_tflops.filter(|&p| !finite_pos(p)) {
+            return bad(
+                "log.peak_tflops",
+                p,
+                "must be a finite number > 0 (TFLOP/s of one rank)",
             );
         }
         if self.log.every == 0 {
@@ -524,4 +591,13 @@ fn line_col(text: &str, at: usize) -> String {
     let line = before.matches('\n').count() + 1;
     let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
     format!(":{line}:{col}")
+}
+
+/// A possibly multi-line message as one line.
+fn one_line(msg: &str) -> String {
+    msg.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join("; ")
 }

@@ -20,6 +20,15 @@ pub struct StepMetrics {
     pub tokens_per_s: f64,
     /// Wall time of the step.
     pub step_time_s: f64,
+    /// Model FLOPs utilisation, where a peak is known (`log.peak_tflops`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mfu: Option<f64>,
+    /// fp16: the loss scale of this step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    /// fp16: the step was skipped because its gradients overflowed.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
     /// Model-state bytes the engine holds on this rank (parameters, gradients, master, optimizer).
     pub model_state_bytes: i64,
     /// Every byte the engine allocated on this rank, buffers included.
@@ -48,6 +57,10 @@ pub struct Summary {
     pub tokens_per_s: f64,
     /// Peak resident set size of each rank, bytes.
     pub peak_rss_bytes: Vec<i64>,
+    /// Resident set size of each rank before the model was built, bytes.
+    pub base_rss_bytes: Vec<i64>,
+    /// fp16 steps skipped for overflowed gradients.
+    pub skipped_steps: u64,
     /// Model-state bytes of each rank as the engine counted them.
     pub model_state_bytes: Vec<i64>,
     /// Model parameters.
@@ -151,6 +164,9 @@ mod tests {
             grad_norm: 0.5,
             tokens_per_s: 100.0,
             step_time_s: 0.1,
+            mfu: None,
+            loss_scale: None,
+            skipped: false,
             model_state_bytes: 16,
             engine_bytes: 20,
             rss_bytes: 1,

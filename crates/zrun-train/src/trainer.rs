@@ -10,7 +10,7 @@ use tch::Device;
 use zrun_comm::{Communicator, ReduceOp};
 use zrun_models::{Gpt, Model};
 use zrun_optim::{AdamWConfig, LrSchedule};
-use zrun_shard::{Engine, EngineConfig};
+use zrun_shard::{Engine, EngineConfig, Precision};
 
 /// Where this process sits in the job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,6 +41,8 @@ pub struct Run {
     model: Arc<dyn Model>,
     dataset: Arc<Dataset>,
     engine: Engine,
+    /// Resident bytes before the model was built (libtorch loaded, nothing allocated).
+    base_rss: i64,
 }
 
 impl Run {
@@ -56,6 +58,7 @@ impl Run {
             world_size: comm.world_size(),
             local_world_size,
         };
+        let base_rss = rss_bytes().0;
         set_threads(cfg.train.threads, rank.local_world_size);
         let gpt = cfg.gpt()?;
         let dataset = Arc::new(Dataset::open(&data_options(
@@ -71,6 +74,11 @@ impl Run {
             EngineConfig {
                 stage: cfg.zero.stage,
                 precision: cfg.zero.precision,
+                reduce_dtype: cfg.zero.reduce_dtype,
+                activation_checkpointing: cfg.zero.activation_checkpointing,
+                prefetch: cfg.zero.prefetch,
+                initial_loss_scale: cfg.zero.initial_loss_scale,
+                loss_scale_window: cfg.zero.loss_scale_window,
                 device: device(cfg.dist.device)?,
                 seed: t.seed,
                 adamw: AdamWConfig {
@@ -87,6 +95,7 @@ impl Run {
             model,
             dataset,
             engine,
+            base_rss,
         })
     }
 
@@ -189,6 +198,9 @@ impl Run {
         let mut rates = Vec::new();
         let mut last_loss = f64::NAN;
         let mut eval_loss = None;
+        let mut skipped = 0u64;
+        let flops_per_token = self.model.flops_per_token();
+        let peak_flops = self.cfg.log.peak_tflops.map(|t| t * 1e12);
         for step in 0..t.steps {
             let t0 = Instant::now();
             let mut loss = 0.0;
@@ -202,7 +214,16 @@ impl Run {
             let lr = schedule.at(step);
             let stats = self.engine.step(lr, t.grad_clip)?;
             let loss = self.average(loss)?; // the global batch's mean loss
-            if !stats.applied || !loss.is_finite() {
+            let overflow_skip = !stats.applied && self.cfg.zero.precision == Precision::Fp16;
+            if overflow_skip {
+                skipped += 1;
+                tracing::warn!(
+                    "step {}: fp16 gradients overflowed at loss scale {}; step skipped, scale now {}",
+                    step + 1,
+                    stats.loss_scale,
+                    self.engine.loss_scale()
+                );
+            } else if !stats.applied || !loss.is_finite() {
                 return Err(Error::NonFinite {
                     step: step + 1,
                     loss,
@@ -223,13 +244,24 @@ impl Run {
             };
             if done % every == 0 || done == t.steps || eval_loss.is_some() {
                 let (rss, peak) = rss_bytes();
+                let mem = self.engine.memory();
+                let tokens_per_s = tokens_per_step / dt;
                 let m = StepMetrics {
                     step: done,
                     loss,
                     lr,
                     grad_norm: stats.grad_norm,
-                    tokens_per_s: tokens_per_step / dt,
+                    tokens_per_s,
                     step_time_s: dt,
+                    mfu: peak_flops
+                        .map(|p| tokens_per_s / r.world_size as f64 * flops_per_token / p),
+                    loss_scale: overflow_skip.then_some(stats.loss_scale).or((self
+                        .cfg
+                        .zero
+                        .precision
+                        == Precision::Fp16)
+                        .then_some(stats.loss_scale)),
+                    skipped: overflow_skip,
                     model_state_bytes: mem.model_states(),
                     engine_bytes: mem.total(),
                     rss_bytes: rss,
@@ -260,7 +292,9 @@ impl Run {
             loss_floor: self.loss_floor(),
             tokens_per_s: median(&rates),
             peak_rss_bytes: self.gather(rss_bytes().1)?,
-            model_state_bytes: self.gather(mem.model_states())?,
+            base_rss_bytes: self.gather(self.base_rss)?,
+            model_state_bytes: self.gather(self.engine.memory().model_states())?,
+            skipped_steps: skipped,
             params: self.model.param_count(),
             world_size: r.world_size,
             wall_time_s: start.elapsed().as_secs_f64(),
