@@ -53,7 +53,10 @@ pub fn dry_run(config: &Path, overrides: &[String], world_size: usize) -> Result
     let mib = |b: i64| b as f64 / (1 << 20) as f64;
     let first = ShardLayout::new(units, 0, w);
     println!("parameters: {}", first.param_count());
-    println!("world size: {w}  stage: {}  precision: {}", cfg.zero.stage, cfg.zero.precision);
+    println!(
+        "world size: {w}  stage: {}  precision: {}",
+        cfg.zero.stage, cfg.zero.precision
+    );
     for r in 0..w {
         let l = ShardLayout::new(units, r, w);
         let m = MemoryLedger::plan(&l, cfg.zero.stage);
@@ -85,8 +88,10 @@ struct BadInput(#[from] zrun_comm::Error);
 
 /// True for errors in what the user gave: exit code 2.
 pub fn is_bad_input(e: &anyhow::Error) -> bool {
-    e.downcast_ref::<zrun_train::Error>().is_some_and(|e| e.is_bad_input())
-        || e.downcast_ref::<zrun_train::config::ConfigError>().is_some()
+    e.downcast_ref::<zrun_train::Error>()
+        .is_some_and(|e| e.is_bad_input())
+        || e.downcast_ref::<zrun_train::config::ConfigError>()
+            .is_some()
         || e.downcast_ref::<zrun_models::Error>().is_some()
         || e.downcast_ref::<BadInput>().is_some()
 }
