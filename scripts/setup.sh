@@ -19,7 +19,7 @@ need python3-venv python3 -c 'import venv, ensurepip'
 # MPI backend (cargo feature `mpi`): OpenMPI and libclang for bindgen.
 need libopenmpi-dev command -v mpicc
 need openmpi-bin command -v mpirun
-need libclang-dev bash -c 'ls /usr/lib/llvm-*/lib/libclang*.so* /usr/lib/x86_64-linux-gnu/libclang*.so* 2>/dev/null | grep -q .'
+need libclang-dev bash -c 'ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/llvm-*/lib/libclang-[0-9]*.so* 2>/dev/null | grep -q .'
 
 if [ ${#missing[@]} -gt 0 ]; then
     line="apt-get install -y --no-install-recommends ${missing[*]}"

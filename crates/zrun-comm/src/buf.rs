@@ -103,11 +103,17 @@ pub(crate) fn raw(
     if !ok {
         return Err(bad(format!(
             "`{what}` is on {dev:?}; this backend takes {} tensors",
-            if place == Placement::Cpu { "CPU" } else { "CUDA" }
+            if place == Placement::Cpu {
+                "CPU"
+            } else {
+                "CUDA"
+            }
         )));
     }
     if !t.is_contiguous() {
-        return Err(bad(format!("`{what}` is not contiguous; call .contiguous() first")));
+        return Err(bad(format!(
+            "`{what}` is not contiguous; call .contiguous() first"
+        )));
     }
     let numel = t.numel();
     Ok(RawBuf {

@@ -132,7 +132,9 @@ pub enum Error {
     },
 
     /// A backend was asked for that this build does not contain.
-    #[error("backend {backend} is not compiled into this build; rebuild with `--features {feature}`")]
+    #[error(
+        "backend {backend} is not compiled into this build; rebuild with `--features {feature}`"
+    )]
     NotCompiled {
         /// The backend name.
         backend: &'static str,

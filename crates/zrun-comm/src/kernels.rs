@@ -155,7 +155,14 @@ mod tests {
         let b: Vec<f32> = (0..1000).map(|i| (i % 7) as f32 * 0.5).collect();
         let mut acc = vec![0f32; BLOCK];
         let (mut ab, mut bb, mut out) = (a.clone(), b.clone(), vec![0f32; 1000]);
-        add2(DType::F32, bytes_mut(&mut ab), bytes_mut(&mut bb), 2.0, bytes_mut(&mut out), &mut acc);
+        add2(
+            DType::F32,
+            bytes_mut(&mut ab),
+            bytes_mut(&mut bb),
+            2.0,
+            bytes_mut(&mut out),
+            &mut acc,
+        );
         for i in 0..1000 {
             assert_eq!(out[i], (a[i] + b[i]) / 2.0);
         }
@@ -170,7 +177,14 @@ mod tests {
                     .collect()
             };
             let (mut ea, mut eb, mut out) = (enc(&a), enc(&b), vec![0u16; 1000]);
-            add2(dt, bytes_mut(&mut ea), bytes_mut(&mut eb), 1.0, bytes_mut(&mut out), &mut acc);
+            add2(
+                dt,
+                bytes_mut(&mut ea),
+                bytes_mut(&mut eb),
+                1.0,
+                bytes_mut(&mut out),
+                &mut acc,
+            );
             for (i, &bits) in out.iter().enumerate() {
                 let got = match dt {
                     DType::BF16 => bf16::from_bits(bits).to_f32(),
@@ -185,7 +199,12 @@ mod tests {
     fn bf16_store_rounds_to_nearest_even() {
         let mut out = [0u16; 2];
         // 1 + 2^-8 is halfway between bf16 1.0 and 1.0078125: rounds to even (1.0)
-        store(DType::BF16, &[1.0 + 1.0 / 256.0, 3.0], 1.0, bytes_mut(&mut out));
+        store(
+            DType::BF16,
+            &[1.0 + 1.0 / 256.0, 3.0],
+            1.0,
+            bytes_mut(&mut out),
+        );
         assert_eq!(bf16::from_bits(out[0]).to_f32(), 1.0);
         assert_eq!(bf16::from_bits(out[1]).to_f32(), 3.0);
     }

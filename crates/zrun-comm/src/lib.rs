@@ -31,6 +31,8 @@ use tch::Tensor;
 pub const TOKEN_ENV: &str = "ZRUN_JOB_TOKEN";
 /// Environment variable that, when `1`, says the launcher hosts the store (rank 0 must not).
 pub const STORE_EXTERNAL_ENV: &str = "ZRUN_STORE_EXTERNAL";
+/// The default deadline of every collective and rendezvous wait (`dist.timeout_s = 600`).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 /// Environment variable that, when `0`, turns off the same-host cross-memory path of `tcp`.
 pub const CMA_ENV: &str = "ZRUN_COMM_CMA";
 
@@ -141,15 +143,32 @@ pub fn init(
     if backend == Backend::Mpi {
         return mpi::init(topo, timeout);
     }
-    if topo.world_size == 1 && backend == Backend::Tcp {
-        return Ok(Box::new(single::SingleComm::new(Backend::Tcp)));
+    if backend == Backend::Nccl {
+        // Before touching the store: a machine without CUDA fails here, plainly.
+        nccl::check_libraries(topo.rank)?;
+    }
+    if topo.world_size == 1 {
+        return match backend {
+            Backend::Nccl => nccl::init(topo, None, None, timeout),
+            _ => Ok(Box::new(single::SingleComm::new(backend))),
+        };
+    }
+    if topo.master_addr.is_empty() {
+        return Err(Error::Topology {
+            source_name: format!("{:?}", topo.source),
+            detail: format!(
+                "backend {backend} needs the rendezvous store's host, but MASTER_ADDR is not set on this multi-host job; set MASTER_ADDR to the first host"
+            ),
+        });
     }
     let token = std::env::var(TOKEN_ENV).unwrap_or_default();
-    if token.is_empty() && topo.world_size > 1 {
-        tracing::warn!("{TOKEN_ENV} is not set: the rendezvous store accepts any client of this job's port");
+    if token.is_empty() {
+        tracing::warn!(
+            "{TOKEN_ENV} is not set: the rendezvous store accepts any client of this job's port"
+        );
     }
     let external = std::env::var(STORE_EXTERNAL_ENV).is_ok_and(|v| v == "1");
-    let server = if topo.rank == 0 && !external && topo.world_size > 1 {
+    let server = if topo.rank == 0 && !external {
         let bind = store::bind_addr_for(&topo.master_addr, topo.master_port);
         Some(StoreServer::start(&bind, &token)?)
     } else {
@@ -161,7 +180,7 @@ pub fn init(
         Backend::Tcp => Ok(Box::new(tcp::TcpComm::new(
             topo, store, server, &token, timeout,
         )?)),
-        Backend::Nccl => nccl::init(topo, store, server, timeout),
+        Backend::Nccl => nccl::init(topo, Some(store), server, timeout),
         Backend::Mpi => unreachable!("handled above"),
     }
 }
@@ -189,6 +208,28 @@ mod tests {
             }
         }
         assert_eq!(chunk_sizes(7, 3), vec![3, 2, 2]);
+    }
+
+    #[test]
+    fn nccl_without_cuda_or_the_feature_is_an_error_not_a_panic() {
+        // On machines with CUDA and NCCL this would connect; the error path is what is
+        // checked here, so only run it where one of the libraries is missing.
+        #[cfg(feature = "cuda")]
+        if nccl::check_libraries(0).is_ok() {
+            return;
+        }
+        let e = init(&Topology::single(), Backend::Nccl, Duration::from_secs(1))
+            .err()
+            .expect("nccl must fail here");
+        let msg = e.to_string();
+        if cfg!(feature = "cuda") {
+            assert!(
+                msg.contains("libcuda") || msg.contains("libnccl.so"),
+                "{msg}"
+            );
+        } else {
+            assert!(msg.contains("--features cuda"), "{msg}");
+        }
     }
 
     #[test]

@@ -169,10 +169,12 @@ impl Communicator for MpiComm {
         let (rank, w) = (self.rank, self.world);
         self.exec.submit(OP, f.bytes(), move |st| {
             let sum = sum_f32(st, &widen(&f));
-            let off = chunk_offset(f.numel, w, rank) * 0;
+            let off = chunk_offset(f.numel, w, rank);
             let div = if op == ReduceOp::Avg { w as f32 } else { 1.0 };
             // SAFETY: the shard belongs to this op until it is waited on.
-            kernels::store(s.dtype, &sum[off..off + s.numel], div, unsafe { s.as_mut() });
+            kernels::store(s.dtype, &sum[off..off + s.numel], div, unsafe {
+                s.as_mut()
+            });
             Ok(())
         })
     }
@@ -229,7 +231,9 @@ fn bytes_as<T: Copy>(b: &[u8]) -> &[T] {
     }
     // SAFETY: tensor memory of `T`-sized elements, aligned (tensor storage is aligned and
     // the dtype matches T's size); length rounded down.
-    unsafe { std::slice::from_raw_parts(b.as_ptr() as *const T, b.len() / std::mem::size_of::<T>()) }
+    unsafe {
+        std::slice::from_raw_parts(b.as_ptr() as *const T, b.len() / std::mem::size_of::<T>())
+    }
 }
 
 fn bytes_as_mut<T: Copy>(b: &mut [u8]) -> &mut [T] {

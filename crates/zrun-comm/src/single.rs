@@ -31,10 +31,17 @@ fn same_shape_copy(dst: &Tensor, src: &Tensor, op: &'static str) -> Result<Work,
     }
     if dst.data_ptr() != src.data_ptr() {
         let flat = src.f_reshape([-1]).and_then(|s| s.f_view_as(dst));
-        let src = flat.map_err(|source| Error::Torch { rank: 0, op, source })?;
+        let src = flat.map_err(|source| Error::Torch {
+            rank: 0,
+            op,
+            source,
+        })?;
         let mut d = dst.shallow_clone();
-        d.f_copy_(&src)
-            .map_err(|source| Error::Torch { rank: 0, op, source })?;
+        d.f_copy_(&src).map_err(|source| Error::Torch {
+            rank: 0,
+            op,
+            source,
+        })?;
     }
     Ok(Work::ready())
 }
@@ -84,12 +91,24 @@ mod tests {
         let shard = Tensor::arange(5, (Kind::Float, Device::Cpu));
         let full = Tensor::zeros([5], (Kind::Float, Device::Cpu));
         c.all_gather(&shard, &full).unwrap().wait().unwrap();
-        assert_eq!(Vec::<f32>::try_from(&full).unwrap(), vec![0., 1., 2., 3., 4.]);
+        assert_eq!(
+            Vec::<f32>::try_from(&full).unwrap(),
+            vec![0., 1., 2., 3., 4.]
+        );
         let out = Tensor::zeros([5], (Kind::Float, Device::Cpu));
-        c.reduce_scatter(&full, &out, ReduceOp::Avg).unwrap().wait().unwrap();
-        assert_eq!(Vec::<f32>::try_from(&out).unwrap(), vec![0., 1., 2., 3., 4.]);
+        c.reduce_scatter(&full, &out, ReduceOp::Avg)
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!(
+            Vec::<f32>::try_from(&out).unwrap(),
+            vec![0., 1., 2., 3., 4.]
+        );
         c.all_reduce(&out, ReduceOp::Sum).unwrap().wait().unwrap();
-        assert_eq!(Vec::<f32>::try_from(&out).unwrap(), vec![0., 1., 2., 3., 4.]);
+        assert_eq!(
+            Vec::<f32>::try_from(&out).unwrap(),
+            vec![0., 1., 2., 3., 4.]
+        );
         assert!(c.broadcast(&out, 1).is_err());
         let short = Tensor::zeros([4], (Kind::Float, Device::Cpu));
         assert!(c.all_gather(&short, &full).is_err());

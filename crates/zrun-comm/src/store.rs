@@ -217,7 +217,10 @@ fn handle(s: &mut TcpStream, shared: &Shared) -> std::io::Result<Vec<u8>> {
                     }
                     break;
                 }
-                g = cv.wait_timeout(g, left).unwrap_or_else(|p| p.into_inner()).0;
+                g = cv
+                    .wait_timeout(g, left)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
             }
         }
         OP_ADD => {
@@ -264,9 +267,13 @@ impl StoreClient {
             let attempt = addr
                 .to_socket_addrs()
                 .map_err(|e| e.to_string())
-                .and_then(|mut it| it.next().ok_or_else(|| "address resolves to nothing".into()))
+                .and_then(|mut it| {
+                    it.next()
+                        .ok_or_else(|| "address resolves to nothing".into())
+                })
                 .and_then(|sa| {
-                    TcpStream::connect_timeout(&sa, Duration::from_secs(2)).map_err(|e| e.to_string())
+                    TcpStream::connect_timeout(&sa, Duration::from_secs(2))
+                        .map_err(|e| e.to_string())
                 });
             let last = match attempt {
                 Ok(s) => break s,
@@ -441,7 +448,10 @@ mod tests {
         assert_eq!(c.add("n", 5).unwrap(), 5);
         assert_eq!(c.add("n", -2).unwrap(), 3);
         let e = c.wait(&["a", "b"], Duration::from_millis(200)).unwrap_err();
-        assert!(matches!(&e, Error::StoreTimeout { missing, .. } if missing == &["b".to_string()]), "{e}");
+        assert!(
+            matches!(&e, Error::StoreTimeout { missing, .. } if missing == &["b".to_string()]),
+            "{e}"
+        );
         // a get blocks until another client sets the key
         let addr2 = addr.clone();
         let t = std::thread::spawn(move || {
@@ -464,10 +474,18 @@ mod tests {
     #[test]
     fn unreachable_master_is_reported_within_the_deadline() {
         // Bind then drop to get a port that nobody listens on.
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
         let t = Instant::now();
-        let e = StoreClient::connect(&format!("127.0.0.1:{port}"), "x", Duration::from_millis(300))
-            .unwrap_err();
+        let e = StoreClient::connect(
+            &format!("127.0.0.1:{port}"),
+            "x",
+            Duration::from_millis(300),
+        )
+        .unwrap_err();
         assert!(t.elapsed() < Duration::from_secs(3));
         assert!(e.to_string().contains("cannot connect within"), "{e}");
     }

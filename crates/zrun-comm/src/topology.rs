@@ -58,9 +58,11 @@ impl<F: Fn(&str) -> Option<String>> Reader<'_, F> {
     fn num(&self, key: &str) -> Result<Option<usize>, Error> {
         match (self.get)(key) {
             None => Ok(None),
-            Some(v) => v.trim().parse::<usize>().map(Some).map_err(|_| {
-                self.err(format!("{key}={v:?} is not a non-negative integer"))
-            }),
+            Some(v) => v
+                .trim()
+                .parse::<usize>()
+                .map(Some)
+                .map_err(|_| self.err(format!("{key}={v:?} is not a non-negative integer"))),
         }
     }
 
@@ -140,7 +142,12 @@ impl Topology {
                     source_name: format!("{:?} and {:?}", first.source, other.source),
                     detail: format!(
                         "contradictory variables: {:?} says rank {} of {}, {:?} says rank {} of {}",
-                        first.source, first.rank, first.world_size, other.source, other.rank, other.world_size
+                        first.source,
+                        first.rank,
+                        first.world_size,
+                        other.source,
+                        other.rank,
+                        other.world_size
                     ),
                 });
             }
@@ -205,7 +212,9 @@ fn torchrun(get: &impl Fn(&str) -> Option<String>) -> Result<Option<Topology>, E
         }
         return Ok(None);
     };
-    let (local_rank, local_world) = r.pair("LOCAL_RANK", "LOCAL_WORLD_SIZE")?.unwrap_or((rank, world));
+    let (local_rank, local_world) = r
+        .pair("LOCAL_RANK", "LOCAL_WORLD_SIZE")?
+        .unwrap_or((rank, world));
     if world > 1 && (get("MASTER_ADDR").is_none() || get("MASTER_PORT").is_none()) {
         return Err(r.err(format!(
             "WORLD_SIZE={world} but MASTER_ADDR or MASTER_PORT is missing"
@@ -376,7 +385,10 @@ mod tests {
         assert_eq!(t.source, TopologySource::Torchrun);
         let mut z = kv.to_vec();
         z.push(("ZRUN_JOB_TOKEN", "x"));
-        assert_eq!(Topology::from_vars(vars(&z)).unwrap().source, TopologySource::Zrun);
+        assert_eq!(
+            Topology::from_vars(vars(&z)).unwrap().source,
+            TopologySource::Zrun
+        );
     }
 
     #[test]
@@ -388,10 +400,16 @@ mod tests {
             ("OMPI_COMM_WORLD_LOCAL_SIZE", "3"),
         ]))
         .unwrap();
-        assert_eq!((t.rank, t.world_size, t.local_rank, t.source), (2, 3, 2, TopologySource::OpenMpi));
+        assert_eq!(
+            (t.rank, t.world_size, t.local_rank, t.source),
+            (2, 3, 2, TopologySource::OpenMpi)
+        );
         assert_eq!(t.master_addr, "127.0.0.1");
         let t = Topology::from_vars(vars(&[("PMI_RANK", "1"), ("PMI_SIZE", "4")])).unwrap();
-        assert_eq!((t.rank, t.world_size, t.local_world_size, t.source), (1, 4, 4, TopologySource::Pmi));
+        assert_eq!(
+            (t.rank, t.world_size, t.local_world_size, t.source),
+            (1, 4, 4, TopologySource::Pmi)
+        );
         let t = Topology::from_vars(vars(&[
             ("SLURM_PROCID", "5"),
             ("SLURM_NTASKS", "8"),
@@ -402,10 +420,19 @@ mod tests {
         ]))
         .unwrap();
         assert_eq!(
-            (t.rank, t.world_size, t.local_rank, t.local_world_size, t.source),
+            (
+                t.rank,
+                t.world_size,
+                t.local_rank,
+                t.local_world_size,
+                t.source
+            ),
             (5, 8, 1, 4, TopologySource::Slurm)
         );
-        assert_eq!((t.master_addr.as_str(), t.master_port), ("node1", DEFAULT_PORT));
+        assert_eq!(
+            (t.master_addr.as_str(), t.master_port),
+            ("node1", DEFAULT_PORT)
+        );
         // several hosts without MASTER_ADDR: unknown store host, left to the backend
         let t = Topology::from_vars(vars(&[
             ("OMPI_COMM_WORLD_RANK", "0"),
@@ -440,16 +467,35 @@ mod tests {
     fn broken_environments_give_clear_errors() {
         let e = err(&[("RANK", "0")]);
         assert!(e.contains("RANK is set but WORLD_SIZE is missing"), "{e}");
-        let e = err(&[("RANK", "3"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "a"), ("MASTER_PORT", "1")]);
+        let e = err(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "a"),
+            ("MASTER_PORT", "1"),
+        ]);
         assert!(e.contains("rank 3 is not below world size 2"), "{e}");
         let e = err(&[("RANK", "x"), ("WORLD_SIZE", "2")]);
-        assert!(e.contains("RANK=\"x\" is not a non-negative integer"), "{e}");
+        assert!(
+            e.contains("RANK=\"x\" is not a non-negative integer"),
+            "{e}"
+        );
         let e = err(&[("RANK", "0"), ("WORLD_SIZE", "2")]);
         assert!(e.contains("MASTER_ADDR or MASTER_PORT is missing"), "{e}");
-        let e = err(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "a"), ("MASTER_PORT", "99999")]);
-        assert!(e.contains("MASTER_PORT=\"99999\" is not a port number"), "{e}");
+        let e = err(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "a"),
+            ("MASTER_PORT", "99999"),
+        ]);
+        assert!(
+            e.contains("MASTER_PORT=\"99999\" is not a port number"),
+            "{e}"
+        );
         let e = err(&[("LOCAL_RANK", "0")]);
-        assert!(e.contains("LOCAL_RANK is set but RANK and WORLD_SIZE are missing"), "{e}");
+        assert!(
+            e.contains("LOCAL_RANK is set but RANK and WORLD_SIZE are missing"),
+            "{e}"
+        );
         let e = err(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")]);
         assert!(e.contains("OMPI_COMM_WORLD_LOCAL_RANK is missing"), "{e}");
         let e = err(&[("SLURM_PROCID", "0")]);
@@ -462,7 +508,10 @@ mod tests {
             ("PMI_RANK", "1"),
             ("PMI_SIZE", "2"),
         ]);
-        assert!(e.contains("contradictory") && e.contains("Pmi says rank 1 of 2"), "{e}");
+        assert!(
+            e.contains("contradictory") && e.contains("Pmi says rank 1 of 2"),
+            "{e}"
+        );
         let e = err(&[
             ("RANK", "0"),
             ("WORLD_SIZE", "4"),
@@ -471,6 +520,9 @@ mod tests {
             ("MASTER_ADDR", "a"),
             ("MASTER_PORT", "1"),
         ]);
-        assert!(e.contains("local rank 2 is not below local world size 2"), "{e}");
+        assert!(
+            e.contains("local rank 2 is not below local world size 2"),
+            "{e}"
+        );
     }
 }

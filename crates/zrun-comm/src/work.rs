@@ -198,8 +198,12 @@ impl<S> Drop for Executor<S> {
         if let Ok(mut g) = self.tx.lock() {
             g.take();
         }
+        // A thread still inside a collective (a peer is stuck, or the MPI library cannot be
+        // interrupted) is left behind rather than blocking the caller; it ends with the process.
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            if self.pending.load(Ordering::SeqCst) == 0 {
+                let _ = t.join();
+            }
         }
     }
 }
@@ -210,8 +214,8 @@ mod tests {
 
     #[test]
     fn jobs_run_in_order_and_failure_poisons_later_jobs() {
-        let ex = Executor::spawn(3, Duration::from_secs(5), || Ok(Vec::<u32>::new()), |_| {})
-            .unwrap();
+        let ex =
+            Executor::spawn(3, Duration::from_secs(5), || Ok(Vec::<u32>::new()), |_| {}).unwrap();
         let w1 = ex.submit("a", 0, |s: &mut Vec<u32>| {
             s.push(1);
             Ok(())
@@ -232,8 +236,7 @@ mod tests {
 
     #[test]
     fn wait_times_out_when_the_thread_is_stuck() {
-        let ex =
-            Executor::spawn(0, Duration::from_millis(100), || Ok(()), |_| {}).unwrap();
+        let ex = Executor::spawn(0, Duration::from_millis(100), || Ok(()), |_| {}).unwrap();
         let w = ex
             .submit("all_gather", 64, |_| {
                 std::thread::sleep(Duration::from_millis(1500));

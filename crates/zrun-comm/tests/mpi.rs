@@ -11,11 +11,15 @@ use zrun_comm::{init, Backend, Topology, TopologySource};
 fn collectives() {
     worker(|| {
         let topo = Topology::from_env()?;
-        anyhow::ensure!(topo.source == TopologySource::OpenMpi, "not under mpirun: {topo:?}");
+        anyhow::ensure!(
+            topo.source == TopologySource::OpenMpi,
+            "not under mpirun: {topo:?}"
+        );
         let c = init(&topo, Backend::Mpi, Duration::from_secs(30))?;
         anyhow::ensure!(c.backend() == Backend::Mpi);
         anyhow::ensure!((c.rank(), c.world_size()) == (topo.rank, topo.world_size));
-        common::check_collectives(c.as_ref())
+        common::check_collectives(c.as_ref()).unwrap_or_else(|e| common::fail_now(e));
+        Ok(())
     });
 }
 

@@ -16,7 +16,8 @@ fn collectives() {
     worker(|| {
         let topo = Topology::from_env()?;
         let c = init(&topo, Backend::Tcp, Duration::from_secs(30))?;
-        common::check_collectives(c.as_ref())
+        common::check_collectives(c.as_ref()).unwrap_or_else(|e| common::fail_now(e));
+        Ok(())
     });
 }
 
@@ -40,8 +41,8 @@ collective_test!(cma_world2_every_collective_and_dtype, 2, "1");
 collective_test!(cma_world3_every_collective_and_dtype, 3, "1");
 collective_test!(cma_world4_every_collective_and_dtype, 4, "1");
 
-/// Ranks 0 and 1 loop over all-reduces; rank 2 dies (`victim` = kill) or stops answering
-/// (`victim` = hang) after 300 ms. The survivors must fail within the deadline, naming
+/// Ranks 0 and 1 loop over all-reduces; rank 2 dies 300 ms into them (`victim` = kill) or
+/// never joins while staying alive past the deadline (`victim` = hang). The survivors must fail within the deadline, naming
 /// themselves, the op and the bytes.
 fn lost_peer(victim: &'static str) {
     worker(|| {
@@ -51,18 +52,16 @@ fn lost_peer(victim: &'static str) {
         let n = 4 << 20;
         let t = Tensor::ones([n], (Kind::Float, Device::Cpu));
         if topo.rank == 2 {
-            std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_millis(300));
-                if victim == "kill" {
-                    // SAFETY: sends SIGKILL to this very process.
-                    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-                } else {
-                    std::process::exit(0);
-                }
-            });
             if victim == "hang" {
-                std::thread::sleep(Duration::from_secs(30));
+                // Alive but silent past the survivors' deadline.
+                std::thread::sleep(timeout + Duration::from_secs(4));
+                return Ok(());
             }
+            std::thread::spawn(|| {
+                std::thread::sleep(Duration::from_millis(300));
+                // SAFETY: sends SIGKILL to this very process.
+                unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+            });
         }
         let start = Instant::now();
         let mut last_ok = start;
@@ -78,6 +77,12 @@ fn lost_peer(victim: &'static str) {
                     if !(msg.contains(&me) && msg.contains(&bytes) && msg.contains("peer rank")) {
                         bail!("error does not name rank, op, bytes and peer: {msg}");
                     }
+                    if victim == "hang"
+                        && topo.rank == 0
+                        && !msg.contains("peer rank 2 did not answer")
+                    {
+                        bail!("rank 0 should time out on the silent rank 2: {msg}");
+                    }
                     if waited > timeout + Duration::from_secs(3) {
                         bail!("failed only after {waited:?} (deadline {timeout:?}): {msg}");
                     }
@@ -86,7 +91,10 @@ fn lost_peer(victim: &'static str) {
                     if !again.to_string().contains("unusable") {
                         bail!("second failure is not a poisoned error: {again}");
                     }
-                    println!("rank {} failed as expected after {waited:?}: {msg}", topo.rank);
+                    println!(
+                        "rank {} failed as expected after {waited:?}: {msg}",
+                        topo.rank
+                    );
                     return Ok(());
                 }
             }
@@ -101,7 +109,9 @@ fn lost_peer(victim: &'static str) {
 fn check_survivors(name: &str, outs: &[common::Outcome]) {
     for (r, o) in outs.iter().enumerate().take(2) {
         assert_eq!(o.code, Some(0), "{name}: rank {r} output:\n{}", o.output);
-        assert!(o.output.contains("failed as expected"), "{}", o.output);
+        let line = o.output.lines().find(|l| l.contains("failed as expected"));
+        assert!(line.is_some(), "{}", o.output);
+        println!("{}", line.unwrap_or_default());
     }
 }
 
@@ -118,9 +128,18 @@ macro_rules! lost_peer_test {
     };
 }
 
-lost_peer_test!(ring_killed_peer_fails_the_others_within_the_deadline, "kill", "0");
-lost_peer_test!(cma_killed_peer_fails_the_others_within_the_deadline, "kill", "1");
+lost_peer_test!(
+    ring_killed_peer_fails_the_others_within_the_deadline,
+    "kill",
+    "0"
+);
+lost_peer_test!(
+    cma_killed_peer_fails_the_others_within_the_deadline,
+    "kill",
+    "1"
+);
 lost_peer_test!(ring_silent_peer_times_out_naming_it, "hang", "0");
+lost_peer_test!(cma_silent_peer_times_out_naming_it, "hang", "1");
 
 #[test]
 fn rank_with_a_wrong_token_is_refused() {

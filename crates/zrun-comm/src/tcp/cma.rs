@@ -49,7 +49,13 @@ impl Probe {
         // Allow peers to read this process's memory where Yama restricts ptrace-like access.
         // SAFETY: prctl with integer arguments; failure (no Yama) is harmless and ignored.
         unsafe {
-            libc::prctl(0x5961_6d61 /* PR_SET_PTRACER */, libc::c_ulong::MAX, 0, 0, 0);
+            libc::prctl(
+                0x5961_6d61, /* PR_SET_PTRACER */
+                libc::c_ulong::MAX,
+                0,
+                0,
+                0,
+            );
         }
         Probe { nonce }
     }
@@ -76,9 +82,11 @@ impl Probe {
             if f.len() != 5 || f[4] != me {
                 return false;
             }
-            let (Ok(pid), Ok(addr), Ok(nonce)) =
-                (f[1].parse::<i32>(), f[2].parse::<usize>(), f[3].parse::<u64>())
-            else {
+            let (Ok(pid), Ok(addr), Ok(nonce)) = (
+                f[1].parse::<i32>(),
+                f[2].parse::<usize>(),
+                f[3].parse::<u64>(),
+            ) else {
                 return false;
             };
             let mut v = [0u8; 8];
@@ -89,7 +97,10 @@ impl Probe {
 
 /// The pid field of a published peer description.
 pub(crate) fn pid_of(info: &str) -> i32 {
-    info.split('|').nth(1).and_then(|p| p.parse().ok()).unwrap_or(0)
+    info.split('|')
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0)
 }
 
 /// Copies `dst.len()` bytes at `addr` in process `pid` into `dst`.
@@ -183,6 +194,28 @@ fn reduce_chunk(
     'blocks: while i < n {
         let m = BLOCK.min(n - i);
         let r = i * es;
+        if dt == crate::buf::DType::F32 {
+            // fp32: add each peer's block straight into the output (one pass per peer).
+            for (k, &q) in others.iter().enumerate() {
+                let piece = &mut bytes_mut(&mut scratch)[..m * es];
+                if let Err(e) = read_peer(st, ctx, q, addrs[q] as usize + off + r, piece) {
+                    result = Err(e);
+                    break 'blocks;
+                }
+                let d = if k + 1 == others.len() { div } else { 1.0 };
+                // SAFETY: the output block; no other slice of it is live.
+                let dst = unsafe { sub(out_ptr, r, m * es) };
+                if k == 0 && out_ptr != src.ptr + off {
+                    // SAFETY: own chunk of the local source, distinct from the output.
+                    let mine = unsafe { sub(src.ptr, off + r, m * es) };
+                    kernels::add2(dt, mine, piece, d, dst, &mut acc);
+                } else {
+                    kernels::add_in_place(dt, dst, piece, d, &mut acc);
+                }
+            }
+            i += m;
+            continue;
+        }
         {
             // SAFETY: own chunk of the local source, read before `out` is written below.
             let mine = unsafe { sub(src.ptr, off + r, m * es) };

@@ -45,7 +45,11 @@ impl Ctx {
         let mut r: &TcpStream = s;
         r.read_exact(buf).map_err(|e| {
             if e.kind() == ErrorKind::UnexpectedEof {
-                self.io(peer, "receive", std::io::Error::new(ErrorKind::UnexpectedEof, "connection closed by the peer"))
+                self.io(
+                    peer,
+                    "receive",
+                    std::io::Error::new(ErrorKind::UnexpectedEof, "connection closed by the peer"),
+                )
             } else {
                 self.io(peer, "receive", e)
             }
@@ -128,7 +132,9 @@ pub(crate) fn connect_mesh(
                         peers[q] = Some(s);
                         missing -= 1;
                     }
-                    _ => tracing::warn!(rank, %from, "refused a peer connection: bad greeting or token"),
+                    _ => {
+                        tracing::warn!(rank, %from, "refused a peer connection: bad greeting or token")
+                    }
                 }
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
@@ -162,7 +168,10 @@ fn read_hello(s: &TcpStream, token: &str, world: usize) -> Option<usize> {
     let mut t = vec![0u8; n];
     r.read_exact(&mut t).ok()?;
     let same = t.len() == token.len()
-        && t.iter().zip(token.as_bytes()).fold(0u8, |a, (x, y)| a | (x ^ y)) == 0;
+        && t.iter()
+            .zip(token.as_bytes())
+            .fold(0u8, |a, (x, y)| a | (x ^ y))
+            == 0;
     same.then_some(q)
 }
 

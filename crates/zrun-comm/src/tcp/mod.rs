@@ -195,15 +195,19 @@ impl TcpComm {
         let info = format!("{me}|{}|{}", probe.describe(), cma::host_id());
         store.set(&key("peer", rank), info.as_bytes())?;
         let keys: Vec<String> = (0..world).map(|r| key("peer", r)).collect();
-        store.wait(&keys.iter().map(|s| s.as_str()).collect::<Vec<_>>(), timeout)?;
+        store.wait(
+            &keys.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+            timeout,
+        )?;
         let mut addrs: Vec<SocketAddr> = Vec::with_capacity(world);
         let mut infos: Vec<String> = Vec::with_capacity(world);
         for (r, k) in keys.iter().enumerate() {
             let v = String::from_utf8_lossy(&store.get(k)?).into_owned();
             let a = v.split('|').next().unwrap_or("");
-            addrs.push(a.parse().map_err(|_| {
-                cerr(format!("rank {r} published an unreadable address {v:?}"))
-            })?);
+            addrs
+                .push(a.parse().map_err(|_| {
+                    cerr(format!("rank {r} published an unreadable address {v:?}"))
+                })?);
             infos.push(v);
         }
         let peers = mesh::connect_mesh(rank, listener, &addrs, token, timeout)?;
@@ -211,7 +215,10 @@ impl TcpComm {
         let mine_ok = cma::enabled() && probe.check_all(rank, &infos);
         store.set(&key("cma", rank), &[u8::from(mine_ok)])?;
         let ckeys: Vec<String> = (0..world).map(|r| key("cma", r)).collect();
-        store.wait(&ckeys.iter().map(|s| s.as_str()).collect::<Vec<_>>(), timeout)?;
+        store.wait(
+            &ckeys.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+            timeout,
+        )?;
         let mut all_ok = true;
         for k in &ckeys {
             all_ok &= store.get(k)? == [1];
@@ -310,7 +317,11 @@ impl Communicator for TcpComm {
         self.exec.submit(OP, bytes, move |st| {
             let h = header(code, f.dtype, f.numel, 0)(st);
             let c = ctx(st, OP, bytes);
-            let div = if op == ReduceOp::Avg { st.world as f32 } else { 1.0 };
+            let div = if op == ReduceOp::Avg {
+                st.world as f32
+            } else {
+                1.0
+            };
             if st.pids.is_some() {
                 cma::reduce_scatter(st, &c, &h, &f, &s, div)
             } else {
@@ -327,7 +338,11 @@ impl Communicator for TcpComm {
         self.exec.submit(OP, bytes, move |st| {
             let h = header(code, b.dtype, b.numel, 0)(st);
             let c = ctx(st, OP, bytes);
-            let div = if op == ReduceOp::Avg { st.world as f32 } else { 1.0 };
+            let div = if op == ReduceOp::Avg {
+                st.world as f32
+            } else {
+                1.0
+            };
             if st.pids.is_some() {
                 cma::all_reduce(st, &c, &h, &b, div)
             } else {

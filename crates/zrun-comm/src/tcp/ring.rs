@@ -17,7 +17,10 @@ fn layout(numel: usize, world: usize, es: usize) -> Vec<(usize, usize)> {
 }
 
 fn neighbours(st: &State) -> (usize, usize) {
-    ((st.rank + 1) % st.world, (st.rank + st.world - 1) % st.world)
+    (
+        (st.rank + 1) % st.world,
+        (st.rank + st.world - 1) % st.world,
+    )
 }
 
 /// Sends `out` to `next` on a helper thread while `recv` runs here.
@@ -133,7 +136,11 @@ fn scatter_reduce(
                 break;
             }
         };
-        let dst: &mut [u8] = if last { &mut *out } else { &mut bytes_mut(&mut b)[..lay[recv].1] };
+        let dst: &mut [u8] = if last {
+            &mut *out
+        } else {
+            &mut bytes_mut(&mut b)[..lay[recv].1]
+        };
         let aliased = dst.as_ptr() as usize == mine_ptr;
         let (scr, acc) = (&mut scratch, &mut acc);
         let r = duplex(st, ctx, next, outgoing, || {

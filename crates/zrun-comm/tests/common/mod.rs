@@ -22,11 +22,17 @@ pub fn is_worker(name: &str) -> bool {
 /// Runs a worker body, printing its error so the parent can show it.
 pub fn worker(body: impl FnOnce() -> anyhow::Result<()>) {
     if let Err(e) = body() {
-        eprintln!("WORKER ERROR: {e:#}");
-        // Skip atexit handlers: under mpirun they can block; the launcher sees the exit code.
-        // SAFETY: ends the process immediately; nothing after this runs.
-        unsafe { libc::_exit(3) };
+        fail_now(e);
     }
+}
+
+/// Prints the error and ends the process at once, before any communicator is dropped (under
+/// mpirun, finalising while a peer waits in a collective would block; mpirun instead ends
+/// the job when a rank exits without finalising).
+pub fn fail_now(e: anyhow::Error) -> ! {
+    eprintln!("WORKER ERROR: {e:#}");
+    // SAFETY: ends the process immediately; nothing after this runs.
+    unsafe { libc::_exit(3) }
 }
 
 /// What one rank's process did.
@@ -74,7 +80,10 @@ fn wait_all(children: Vec<Child>, limit: Duration, what: &str) -> Vec<Outcome> {
                     h.join().unwrap_or_default()
                 })
                 .collect();
-            panic!("{what}: ranks still running after {limit:?}; output:\n{}", outs.join("\n----\n"));
+            panic!(
+                "{what}: ranks still running after {limit:?}; output:\n{}",
+                outs.join("\n----\n")
+            );
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -89,7 +98,12 @@ fn wait_all(children: Vec<Child>, limit: Duration, what: &str) -> Vec<Outcome> {
 }
 
 /// Starts `world` ranks of test `name` against a store hosted here on loopback.
-pub fn spawn_ranks(name: &str, world: usize, env: &[(&str, &str)], limit: Duration) -> Vec<Outcome> {
+pub fn spawn_ranks(
+    name: &str,
+    world: usize,
+    env: &[(&str, &str)],
+    limit: Duration,
+) -> Vec<Outcome> {
     let token = format!("test-token-{}", std::process::id());
     let server = StoreServer::start("127.0.0.1:0", &token).expect("store");
     let exe = std::env::current_exe().expect("test binary");
@@ -124,7 +138,12 @@ pub fn spawn_ranks(name: &str, world: usize, env: &[(&str, &str)], limit: Durati
 pub fn spawn_mpirun(name: &str, world: usize, limit: Duration) -> Vec<Outcome> {
     let exe = std::env::current_exe().expect("test binary");
     let child = Command::new("mpirun")
-        .args(["--allow-run-as-root", "--oversubscribe", "-np", &world.to_string()])
+        .args([
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            &world.to_string(),
+        ])
         .arg(&exe)
         .args([name, "--exact", "--nocapture", "--test-threads=1"])
         .env(ROLE, name)
@@ -173,19 +192,32 @@ fn tol(kind: Kind, x: f64) -> f64 {
     x.abs() * eps + 1e-6
 }
 
-fn check(what: &str, got: &[f64], want: impl Fn(usize) -> f64, exact: bool, kind: Kind) -> anyhow::Result<()> {
+fn check(
+    what: &str,
+    got: &[f64],
+    want: impl Fn(usize) -> f64,
+    exact: bool,
+    kind: Kind,
+) -> anyhow::Result<()> {
     let mut wrong = 0;
     let mut first = None;
     for (i, &g) in got.iter().enumerate() {
         let w = want(i);
-        let ok = if exact { g == w } else { (g - w).abs() <= tol(kind, w) };
+        let ok = if exact {
+            g == w
+        } else {
+            (g - w).abs() <= tol(kind, w)
+        };
         if !ok {
             wrong += 1;
             first.get_or_insert((i, g, w));
         }
     }
     if let Some((i, g, w)) = first {
-        bail!("{what}: {wrong} of {} elements wrong; first at {i}: got {g}, want {w}", got.len());
+        bail!(
+            "{what}: {wrong} of {} elements wrong; first at {i}: got {g}, want {w}",
+            got.len()
+        );
     }
     Ok(())
 }
@@ -200,18 +232,36 @@ pub fn check_collectives(c: &dyn Communicator) -> anyhow::Result<()> {
             let sizes = chunk_sizes(n, w);
             let off = chunk_offset(n, w, r);
             let mine: Vec<f64> = (0..n).map(|i| value(r, i)).collect();
-            let owner = |i: usize| (0..w).find(|&q| i < chunk_offset(n, w, q) + sizes[q]).unwrap_or(0);
+            let owner = |i: usize| {
+                (0..w)
+                    .find(|&q| i < chunk_offset(n, w, q) + sizes[q])
+                    .unwrap_or(0)
+            };
 
             // all-gather from a separate shard, then with the shard a view of `full`
             let shard = tensor(&mine[off..off + sizes[r]], kind);
             let full = Tensor::full([n as i64], 99.0, (kind, Device::Cpu));
-            c.all_gather(&shard, &full)?.wait().with_context(|| ctx.clone())?;
-            check(&format!("{ctx} all_gather"), &to_vec(&full)?, |i| value(owner(i), i), true, kind)?;
+            c.all_gather(&shard, &full)?
+                .wait()
+                .with_context(|| ctx.clone())?;
+            check(
+                &format!("{ctx} all_gather"),
+                &to_vec(&full)?,
+                |i| value(owner(i), i),
+                true,
+                kind,
+            )?;
             let full2 = Tensor::full([n as i64], 99.0, (kind, Device::Cpu));
             let view = full2.narrow(0, off as i64, sizes[r] as i64);
             view.shallow_clone().copy_(&shard);
             c.all_gather(&view, &full2)?.wait()?;
-            check(&format!("{ctx} all_gather in place"), &to_vec(&full2)?, |i| value(owner(i), i), true, kind)?;
+            check(
+                &format!("{ctx} all_gather in place"),
+                &to_vec(&full2)?,
+                |i| value(owner(i), i),
+                true,
+                kind,
+            )?;
 
             // reduce-scatter, sum and average; the input stays unchanged
             for op in [ReduceOp::Sum, ReduceOp::Avg] {
@@ -220,10 +270,26 @@ pub fn check_collectives(c: &dyn Communicator) -> anyhow::Result<()> {
                 c.reduce_scatter(&full, &out, op)?.wait()?;
                 let want = |j: usize| {
                     let s: f64 = (0..w).map(|q| value(q, off + j)).sum();
-                    if op == ReduceOp::Avg { s / w as f64 } else { s }
+                    if op == ReduceOp::Avg {
+                        s / w as f64
+                    } else {
+                        s
+                    }
                 };
-                check(&format!("{ctx} reduce_scatter {op:?}"), &to_vec(&out)?, want, op == ReduceOp::Sum, kind)?;
-                check(&format!("{ctx} reduce_scatter input"), &to_vec(&full)?, |i| value(r, i), true, kind)?;
+                check(
+                    &format!("{ctx} reduce_scatter {op:?}"),
+                    &to_vec(&out)?,
+                    want,
+                    op == ReduceOp::Sum,
+                    kind,
+                )?;
+                check(
+                    &format!("{ctx} reduce_scatter input"),
+                    &to_vec(&full)?,
+                    |i| value(r, i),
+                    true,
+                    kind,
+                )?;
             }
 
             // all-reduce, two issued before either is waited on
@@ -234,14 +300,32 @@ pub fn check_collectives(c: &dyn Communicator) -> anyhow::Result<()> {
             wa.wait()?;
             wb.wait()?;
             let sum = |i: usize| (0..w).map(|q| value(q, i)).sum::<f64>();
-            check(&format!("{ctx} all_reduce Sum"), &to_vec(&a)?, sum, true, kind)?;
-            check(&format!("{ctx} all_reduce Avg"), &to_vec(&b)?, |i| sum(i) / w as f64, false, kind)?;
+            check(
+                &format!("{ctx} all_reduce Sum"),
+                &to_vec(&a)?,
+                sum,
+                true,
+                kind,
+            )?;
+            check(
+                &format!("{ctx} all_reduce Avg"),
+                &to_vec(&b)?,
+                |i| sum(i) / w as f64,
+                false,
+                kind,
+            )?;
 
             // broadcast from the last and the first rank
             for root in [w - 1, 0] {
                 let t = tensor(&mine, kind);
                 c.broadcast(&t, root)?.wait()?;
-                check(&format!("{ctx} broadcast from {root}"), &to_vec(&t)?, |i| value(root, i), true, kind)?;
+                check(
+                    &format!("{ctx} broadcast from {root}"),
+                    &to_vec(&t)?,
+                    |i| value(root, i),
+                    true,
+                    kind,
+                )?;
             }
             c.barrier()?.wait()?;
         }
@@ -249,9 +333,15 @@ pub fn check_collectives(c: &dyn Communicator) -> anyhow::Result<()> {
     // A wrong shard size is refused before anything is sent.
     let full = Tensor::zeros([10], (Kind::Float, Device::Cpu));
     let bad = Tensor::zeros([11], (Kind::Float, Device::Cpu));
-    ensure!(c.all_gather(&bad, &full).is_err(), "wrong shard size accepted");
+    ensure!(
+        c.all_gather(&bad, &full).is_err(),
+        "wrong shard size accepted"
+    );
     let ints = Tensor::zeros([10], (Kind::Int64, Device::Cpu));
-    ensure!(c.all_reduce(&ints, ReduceOp::Sum).is_err(), "int64 accepted");
+    ensure!(
+        c.all_reduce(&ints, ReduceOp::Sum).is_err(),
+        "int64 accepted"
+    );
     c.barrier()?.wait()?;
     Ok(())
 }
