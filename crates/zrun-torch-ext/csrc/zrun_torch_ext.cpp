@@ -1,0 +1,223 @@
+// C shim over the few libtorch calls tch does not expose.
+//
+// Conventions (shared with src/ffi.rs):
+// - a tensor handle is a `torch::Tensor*`, exactly what tch's `Tensor::as_ptr()` returns;
+// - every function returns a status code (ZR_OK, ZR_TORCH, ZR_REFUSED) and, on failure,
+//   stores a malloc'd, NUL-terminated message in `*err` that the caller frees with
+//   `zrun_ext_free_err`;
+// - no C++ exception ever crosses this boundary: every body runs inside GUARD.
+
+#include <ATen/Context.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#ifdef ZRUN_LINK_TORCH_CUDA
+// Declared here rather than through ATen/cuda/CUDAContextLight.h, which needs the CUDA
+// toolkit's headers. Exported by libtorch_cuda.so as _ZN2at4cuda9warp_sizeEv.
+namespace at::cuda {
+int warp_size();
+}  // namespace at::cuda
+#endif
+
+namespace {
+
+#ifdef ZRUN_LINK_TORCH_CUDA
+// The linker's --as-needed (rustc's default) drops libtorch_cuda.so from a binary that takes
+// no symbol from it, and libtorch then sees no CUDA at all (tch::Cuda::is_available() is
+// false on a GPU machine; tch-rs issues #329, #980). Taking the address of one of its
+// functions, read on every call below, keeps it loaded in every binary that uses this crate.
+// The function is never called.
+void* volatile torch_cuda_anchor = reinterpret_cast<void*>(&at::cuda::warp_size);
+#endif
+
+constexpr int ZR_OK = 0;
+constexpr int ZR_TORCH = 1;    // libtorch raised an exception
+constexpr int ZR_REFUSED = 2;  // the shim refused the request (message says why)
+
+char* dup_message(const std::string& msg) {
+  char* out = static_cast<char*>(std::malloc(msg.size() + 1));
+  if (out != nullptr) {
+    std::memcpy(out, msg.data(), msg.size());
+    out[msg.size()] = '\0';
+  }
+  return out;
+}
+
+int refuse(char** err, const std::string& msg) {
+  *err = dup_message(msg);
+  return ZR_REFUSED;
+}
+
+// Runs `body` (which returns a status code) and turns every exception into ZR_TORCH.
+template <typename F>
+int guard(char** err, F&& body) {
+  *err = nullptr;
+#ifdef ZRUN_LINK_TORCH_CUDA
+  (void)torch_cuda_anchor;
+#endif
+  try {
+    return body();
+  } catch (const c10::Error& e) {
+    *err = dup_message(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    *err = dup_message(e.what());
+  } catch (...) {
+    *err = dup_message("unknown C++ exception");
+  }
+  return ZR_TORCH;
+}
+
+// Bytes of storage that `t` itself reads: (offset + last element reached + 1) * itemsize.
+size_t extent_bytes(const at::Tensor& t) {
+  if (t.numel() == 0) {
+    return 0;
+  }
+  int64_t last = t.storage_offset();
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    last += (t.size(d) - 1) * t.stride(d);
+  }
+  return static_cast<size_t>(last + 1) * t.element_size();
+}
+
+}  // namespace
+
+extern "C" {
+
+void zrun_ext_free_err(char* err) { std::free(err); }
+
+int zrun_ext_storage_nbytes(const at::Tensor* t, size_t* out, char** err) {
+  return guard(err, [&] {
+    if (t == nullptr || !t->defined()) {
+      return refuse(err, "the tensor is undefined");
+    }
+    if (!t->has_storage()) {
+      return refuse(err, "the tensor has no storage (sparse, nested or opaque layout)");
+    }
+    *out = t->storage().nbytes();
+    return ZR_OK;
+  });
+}
+
+int zrun_ext_resize_storage(const at::Tensor* t, size_t nbytes, char** err) {
+  return guard(err, [&] {
+    if (t == nullptr || !t->defined()) {
+      return refuse(err, "the tensor is undefined");
+    }
+    if (!t->has_storage()) {
+      return refuse(err, "the tensor has no storage (sparse, nested or opaque layout)");
+    }
+    c10::StorageImpl* s = t->storage().unsafeGetStorageImpl();
+    if (!s->resizable() || s->allocator() == nullptr) {
+      return refuse(err,
+                    "the storage is not resizable (it wraps memory libtorch does not own, "
+                    "e.g. from_blob); resize only storages libtorch allocated");
+    }
+    if (s->received_cuda()) {
+      return refuse(err, "the storage was received from another process (CUDA IPC)");
+    }
+    const size_t need = extent_bytes(*t);
+    if (nbytes != 0 && nbytes < need) {
+      return refuse(err, "new size " + std::to_string(nbytes) + " bytes is smaller than the " +
+                             std::to_string(need) +
+                             " bytes this tensor reaches; resize to 0 or to at least that");
+    }
+    if (nbytes == s->nbytes()) {
+      return ZR_OK;
+    }
+    // Allocate on the storage's own device: the CUDA caching allocator allocates on the
+    // current device, which need not be this storage's.
+    const c10::Device device = s->device();
+    c10::OptionalDeviceGuard device_guard;
+    if (!device.is_cpu()) {
+      device_guard.reset_device(device);
+    }
+    c10::DataPtr fresh = s->allocator()->allocate(nbytes);
+    // Dropping the old DataPtr (inside set_data_ptr_noswap) returns its memory to the
+    // allocator; every view, autograd's saved ones included, shares this StorageImpl.
+    s->set_data_ptr_noswap(std::move(fresh));
+    s->set_nbytes(nbytes);
+    return ZR_OK;
+  });
+}
+
+// torch::autograd::grad(outputs, inputs, grad_outputs, retain_graph=false,
+// create_graph=false, allow_unused=false); results[i] receives a new torch::Tensor*.
+int zrun_ext_grad(const at::Tensor* const* outputs, const at::Tensor* const* grad_outputs,
+                  size_t n_outputs, const at::Tensor* const* inputs, size_t n_inputs,
+                  at::Tensor** results, char** err) {
+  return guard(err, [&] {
+    torch::autograd::variable_list outs, gouts, ins;
+    outs.reserve(n_outputs);
+    gouts.reserve(n_outputs);
+    ins.reserve(n_inputs);
+    for (size_t i = 0; i < n_outputs; ++i) {
+      outs.push_back(*outputs[i]);
+      gouts.push_back(*grad_outputs[i]);
+    }
+    for (size_t i = 0; i < n_inputs; ++i) {
+      ins.push_back(*inputs[i]);
+    }
+    torch::autograd::variable_list grads =
+        torch::autograd::grad(outs, ins, gouts, /*retain_graph=*/false,
+                              /*create_graph=*/false, /*allow_unused=*/false);
+    if (grads.size() != n_inputs) {
+      return refuse(err, "autograd returned " + std::to_string(grads.size()) +
+                             " gradients for " + std::to_string(n_inputs) + " inputs");
+    }
+    for (size_t i = 0; i < n_inputs; ++i) {
+      results[i] = new at::Tensor(std::move(grads[i]));
+    }
+    return ZR_OK;
+  });
+}
+
+// Sets *available to 0 where CUDA is absent (libtorch_cuda not loaded, no GPU, or a device
+// index out of range); otherwise fills the caching allocator's aggregate figures.
+int zrun_ext_cuda_memory(int64_t device, int* available, int64_t* allocated, int64_t* peak,
+                         int64_t* reserved, char** err) {
+  return guard(err, [&] {
+    *available = 0;
+    if (!at::globalContext().hasCUDA()) {
+      return ZR_OK;
+    }
+    if (device < 0 || device >= at::detail::getCUDAHooks().deviceCount()) {
+      return ZR_OK;
+    }
+    at::globalContext().lazyInitDevice(c10::kCUDA);
+    c10::DeviceAllocator* alloc = c10::getDeviceAllocator(c10::kCUDA);
+    const auto stats = alloc->getDeviceStats(static_cast<c10::DeviceIndex>(device));
+    constexpr auto agg = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    *allocated = stats.allocated_bytes[agg].current;
+    *peak = stats.allocated_bytes[agg].peak;
+    *reserved = stats.reserved_bytes[agg].current;
+    *available = 1;
+    return ZR_OK;
+  });
+}
+
+int zrun_ext_reset_cuda_peak(int64_t device, char** err) {
+  return guard(err, [&] {
+    if (!at::globalContext().hasCUDA()) {
+      return ZR_OK;
+    }
+    if (device < 0 || device >= at::detail::getCUDAHooks().deviceCount()) {
+      return ZR_OK;
+    }
+    at::globalContext().lazyInitDevice(c10::kCUDA);
+    c10::getDeviceAllocator(c10::kCUDA)->resetPeakStats(static_cast<c10::DeviceIndex>(device));
+    return ZR_OK;
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,71 @@
+//! Declarations of the C shim in csrc/zrun_torch_ext.cpp and the glue that turns its status
+//! codes and message strings into [`Error`]s.
+
+use crate::Error;
+use std::ffi::{c_char, c_int, c_void, CStr};
+
+/// Success.
+const ZR_OK: c_int = 0;
+/// libtorch raised an exception.
+const ZR_TORCH: c_int = 1;
+
+extern "C" {
+    pub(crate) fn zrun_ext_free_err(err: *mut c_char);
+    pub(crate) fn zrun_ext_storage_nbytes(
+        t: *const c_void,
+        out: *mut usize,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    pub(crate) fn zrun_ext_resize_storage(
+        t: *const c_void,
+        nbytes: usize,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    pub(crate) fn zrun_ext_grad(
+        outputs: *const *const c_void,
+        grad_outputs: *const *const c_void,
+        n_outputs: usize,
+        inputs: *const *const c_void,
+        n_inputs: usize,
+        results: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    pub(crate) fn zrun_ext_cuda_memory(
+        device: i64,
+        available: *mut c_int,
+        allocated: *mut i64,
+        peak: *mut i64,
+        reserved: *mut i64,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    pub(crate) fn zrun_ext_reset_cuda_peak(device: i64, err: *mut *mut c_char) -> c_int;
+}
+
+/// Turns a shim status and its message into a `Result`, freeing the message.
+///
+/// `op` names the call for the error (only built on failure).
+pub(crate) fn check(
+    status: c_int,
+    err: *mut c_char,
+    op: impl FnOnce() -> String,
+) -> Result<(), Error> {
+    let message = if err.is_null() {
+        String::from("(no message)")
+    } else {
+        // SAFETY: a non-null `err` is a NUL-terminated string malloc'd by the shim, read once
+        // here and then handed back to the shim's `free`.
+        unsafe {
+            let text = CStr::from_ptr(err).to_string_lossy().into_owned();
+            zrun_ext_free_err(err);
+            text
+        }
+    };
+    match status {
+        ZR_OK => Ok(()),
+        ZR_TORCH => Err(Error::Torch { op: op(), message }),
+        _ => Err(Error::Refused {
+            op: op(),
+            reason: message,
+        }),
+    }
+}

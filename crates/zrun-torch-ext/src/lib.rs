@@ -1,0 +1,21 @@
+//! The few libtorch C++ calls `tch` lacks, through a small C shim (csrc/) compiled against
+//! the same libtorch headers as `tch`:
+//!
+//! - [`resize_storage`] / [`storage_nbytes`]: free the storage behind a gathered flat buffer
+//!   after a unit's forward (autograd's saved views included) and bring it back before its
+//!   backward, as FSDP does with `untyped_storage().resize_()`;
+//! - [`grad`]: `torch.autograd.grad` with explicit output gradients;
+//! - [`cuda_memory`] / [`reset_cuda_peak`]: the CUDA caching allocator's figures.
+//!
+//! No C++ exception crosses into Rust: the shim turns each into an [`Error`].
+
+mod autograd;
+mod cuda;
+mod error;
+mod ffi;
+mod storage;
+
+pub use autograd::grad;
+pub use cuda::{cuda_memory, reset_cuda_peak, CudaMemory};
+pub use error::Error;
+pub use storage::{resize_storage, storage_nbytes};
