@@ -306,7 +306,7 @@ impl Engine {
             let flat = if is_shard {
                 let p = self.mover.start_gather(&source, u)?;
                 let full = self.mover.finish_gather(p)?;
-                self.mover.done_with(&full);
+                self.mover.untrack(&full);
                 full
             } else {
                 self.mover

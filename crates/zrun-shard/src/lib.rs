@@ -39,6 +39,9 @@ pub enum Error {
     /// The optimizer failed.
     #[error(transparent)]
     Optim(#[from] zrun_optim::Error),
+    /// Releasing or re-allocating a gathered unit's storage failed.
+    #[error("engine: storage of unit `{0}`: {1}")]
+    Storage(String, #[source] zrun_torch_ext::Error),
     /// A collective failed (a peer died, timed out or disagreed).
     #[error(transparent)]
     Comm(zrun_comm::Error),

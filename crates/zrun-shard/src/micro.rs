@@ -1,13 +1,15 @@
 //! One micro-step: forward unit by unit, backward unit by unit in reverse with one autograd
-//! call per unit; stage 3 gathers units ahead of use (prefetch), stages 2-3 reduce each
-//! unit's gradient as soon as its backward is done; activation checkpointing keeps only unit
-//! inputs and recomputes each unit's forward inside its backward.
+//! call per unit. Stage 3 gathers units ahead of use (prefetch), frees each unit's gathered
+//! parameters as soon as its forward is done and gathers them again into the same storage
+//! for its backward (autograd's saved views see them), without recomputing the forward.
+//! Stages 2-3 reduce each unit's gradient as soon as its backward is done. Activation
+//! checkpointing keeps only unit inputs and recomputes each unit's forward in its backward.
 
 use crate::engine::{views, Engine};
 use crate::state::{Mover, Pending};
-use crate::{Context, Result, Stage};
+use crate::{Context, Error, Result, Stage};
 use std::collections::VecDeque;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 use zrun_models::lm_loss;
 
 /// What one unit's forward leaves for its backward.
@@ -15,16 +17,19 @@ struct Saved {
     /// The unit's input: a leaf (to get its gradient), or token ids for the first unit, or
     /// with checkpointing the plain input to recompute from.
     input: Tensor,
-    /// Without checkpointing: the flat parameter leaf, the output and the gathered buffer.
+    /// Without checkpointing: the flat parameter leaf, the output and (stage 3) the
+    /// gathered buffer, whose storage is released until the backward.
     graph: Option<(Tensor, Tensor, Option<Tensor>)>,
 }
 
-/// Stage 3's gathers, issued `depth` units ahead of the unit computing, in a given order.
+/// Stage 3's gathers, issued `depth` units ahead of the unit computing, in a given order;
+/// into new buffers, or back into the released buffers of the forward (`refill`).
 struct Gathers {
     order: Vec<usize>,
     next: usize,
     pending: VecDeque<Pending>,
     depth: usize,
+    refill: Option<Vec<Option<Tensor>>>,
 }
 
 impl Gathers {
@@ -34,12 +39,20 @@ impl Gathers {
             next: 0,
             pending: VecDeque::new(),
             depth,
+            refill: None,
         }
     }
 
-    /// The full parameters of the next unit in order: waits for its gather after issuing the
-    /// following ones, so communication overlaps the caller's compute. Returns the buffer and
-    /// whether it was gathered (stage 3) rather than resident.
+    fn refilling(order: Vec<usize>, depth: usize, buffers: Vec<Option<Tensor>>) -> Gathers {
+        Gathers {
+            refill: Some(buffers),
+            ..Gathers::new(order, depth)
+        }
+    }
+
+    /// The full parameters of the next unit in order: issues the gathers of the following
+    /// `depth` units, then waits for this one, so communication overlaps the caller's
+    /// compute. Returns the buffer and whether it was gathered (stage 3) or is resident.
     fn take(&mut self, mover: &mut Mover, params: &Tensor, stage: Stage) -> Result<(Tensor, bool)> {
         let u = self.order[self.next];
         self.next += 1;
@@ -47,13 +60,13 @@ impl Gathers {
             return Ok((mover.unit_full(params, u)?, false));
         }
         let issued = self.next - 1 + self.pending.len();
-        for &v in self
-            .order
-            .iter()
-            .skip(issued)
-            .take((self.next + self.depth).saturating_sub(issued))
-        {
-            self.pending.push_back(mover.start_gather(params, v)?);
+        let wanted = (self.next + self.depth).saturating_sub(issued);
+        for &v in self.order.iter().skip(issued).take(wanted) {
+            let into = self.refill.as_ref().and_then(|b| b[v].as_ref());
+            self.pending.push_back(match into {
+                Some(buf) => mover.start_gather_into(params, v, buf)?,
+                None => mover.start_gather(params, v)?,
+            });
         }
         let p = self
             .pending
@@ -97,7 +110,7 @@ impl Engine {
                 let _guard = tch::no_grad_guard();
                 let out = unit.forward(&views(&self.mover.layout.units[u], &flat)?, &x)?;
                 if gathered {
-                    self.mover.done_with(&flat);
+                    self.mover.free(&flat)?;
                 }
                 saved.push(Saved {
                     input: std::mem::replace(&mut x, out),
@@ -112,28 +125,49 @@ impl Engine {
                 x.f_detach().ctx("detach", name)?.set_requires_grad(true)
             };
             let out = unit.forward(&views(&self.mover.layout.units[u], &leaf)?, &input)?;
+            if gathered {
+                // Autograd keeps views of the gathered parameters: release their memory now.
+                self.mover.free(&flat)?;
+            }
             x = out.shallow_clone();
             saved.push(Saved {
                 input,
                 graph: Some((leaf, out, gathered.then_some(flat))),
             });
         }
-        let loss_value = {
+        let loss = {
             let _guard = ckpt.then(tch::no_grad_guard);
             lm_loss(&x, &targets)?
         };
-        let loss_scaled = weight * self.scaler.scale();
-        let value = loss_value.f_double_value(&[]).ctx("read loss", "head")?;
+        let value = loss.f_double_value(&[]).ctx("read loss", "head")?;
+        let loss_seed = weight * self.scaler.scale();
         drop(x);
 
-        let mut gathers = Gathers::new((0..n).rev().collect(), self.cfg.prefetch);
+        let order: Vec<usize> = (0..n).rev().collect();
+        let refill = stage == Stage::Zero3 && !ckpt;
+        let mut gathers = if refill {
+            let buffers = saved.iter().map(|s| {
+                s.graph
+                    .as_ref()
+                    .and_then(|g| g.2.as_ref().map(Tensor::shallow_clone))
+            });
+            Gathers::refilling(order, self.cfg.prefetch, buffers.collect())
+        } else {
+            Gathers::new(order, self.cfg.prefetch)
+        };
         let mut upstream: Option<Tensor> = None;
         let mut reducing: VecDeque<Pending> = VecDeque::new();
         for u in (0..n).rev() {
             let s = saved.pop().expect("one saved entry per unit");
             let name = units[u].name();
             let (leaf, input, output, gathered) = match s.graph {
-                Some((leaf, output, gathered)) => (leaf, s.input, output, gathered),
+                Some((leaf, output, gathered)) => {
+                    if refill {
+                        drop(gathers.take(&mut self.mover, &self.params, stage)?);
+                        // parameters are back
+                    }
+                    (leaf, s.input, output, gathered)
+                }
                 None => {
                     // Checkpointed: gather again if sharded, recompute the forward with grad.
                     let (flat, gathered) = gathers.take(&mut self.mover, &self.params, stage)?;
@@ -148,28 +182,33 @@ impl Engine {
                     (leaf, input, out, gathered.then_some(flat))
                 }
             };
-            // The root whose gradient flows into this unit: the weighted (and scaled) loss
-            // for the last unit, otherwise <output, upstream gradient>.
-            let root = match &upstream {
-                None if ckpt => lm_loss(&output, &targets)?.f_mul_scalar(loss_scaled),
-                None => loss_value.f_mul_scalar(loss_scaled),
-                Some(g) => output.f_mul(g).and_then(|t| t.f_sum(Kind::Float)),
-            }
-            .ctx("backward root", name)?;
-            let needs_input = u > 0;
+            // Backward of this unit alone: from the weighted (and scaled) loss for the last
+            // unit, otherwise from its output with the upstream gradient.
+            let (root, seed) = match upstream.take() {
+                Some(g) => (output, g),
+                None => {
+                    let loss = if ckpt {
+                        lm_loss(&output, &targets)?
+                    } else {
+                        loss.shallow_clone()
+                    };
+                    let seed = Tensor::f_full([], loss_seed, (loss.kind(), loss.device()))
+                        .ctx("loss seed", name)?;
+                    (loss, seed)
+                }
+            };
             let mut wrt = vec![&leaf];
-            if needs_input {
+            if u > 0 {
                 wrt.push(&input);
             }
-            let mut g =
-                Tensor::f_run_backward(&[&root], &wrt, false, false).ctx("backward", name)?;
-            upstream = if needs_input { g.pop() } else { None };
+            let mut g = zrun_torch_ext::grad(&[&root], &[&seed], &wrt)
+                .map_err(|e| Error::Storage(name.into(), e))?;
+            upstream = if u > 0 { g.pop() } else { None };
             let unit_grad = g.swap_remove(0);
-            drop((root, output, leaf, input));
-            if let Some(full) = &gathered {
-                self.mover.done_with(full);
+            drop((root, seed, leaf, input));
+            if let Some(full) = gathered {
+                self.mover.free(&full)?;
             }
-            drop(gathered);
             self.absorb_gradient(u, unit_grad, &mut reducing)?;
         }
         while let Some(p) = reducing.pop_front() {
@@ -231,7 +270,7 @@ impl Engine {
             let (flat, gathered) = gathers.take(&mut self.mover, &self.params, self.cfg.stage)?;
             x = unit.forward(&views(&self.mover.layout.units[u], &flat)?, &x)?;
             if gathered {
-                self.mover.done_with(&flat);
+                self.mover.free(&flat)?;
             }
         }
         let targets = targets

@@ -82,8 +82,42 @@ impl Mover {
         Ok(p.wait()?.2)
     }
 
-    /// Stops counting a gathered buffer (its storage is released when the last view goes).
-    pub(crate) fn done_with(&mut self, full: &Tensor) {
+    /// Re-gathers unit `u` into `full`, a buffer whose storage was freed with [`Mover::free`]
+    /// (autograd's saved views of it see the new contents). The write goes through an alias
+    /// with its own version counter, so autograd does not take it for an in-place change.
+    pub(crate) fn start_gather_into(
+        &mut self,
+        shard: &Tensor,
+        u: usize,
+        full: &Tensor,
+    ) -> Result<Pending> {
+        let name = self.layout.units[u].unit.clone();
+        let bytes = full.numel() as i64 * full.kind().elt_size_in_bytes() as i64;
+        zrun_torch_ext::resize_storage(full, bytes as usize)
+            .map_err(|e| Error::Storage(name.clone(), e))?;
+        self.in_flight += bytes;
+        self.peak_in_flight = self.peak_in_flight.max(self.in_flight);
+        let input = self.shard_of(shard, u)?;
+        let output = full.data();
+        let work = self.comm.all_gather(&input, &output).map_err(Error::Comm)?;
+        Ok(Pending {
+            work,
+            unit: u,
+            input,
+            output,
+        })
+    }
+
+    /// Releases a gathered buffer's memory now, even while autograd holds views of it.
+    pub(crate) fn free(&mut self, full: &Tensor) -> Result<()> {
+        zrun_torch_ext::resize_storage(full, 0)
+            .map_err(|e| Error::Storage("gathered unit".into(), e))?;
+        self.release(full);
+        Ok(())
+    }
+
+    /// Stops counting a gathered buffer that the caller keeps (it is no longer in flight).
+    pub(crate) fn untrack(&mut self, full: &Tensor) {
         self.release(full);
     }
 

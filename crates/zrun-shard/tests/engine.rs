@@ -285,3 +285,30 @@ fn fp16_overflow_skips_the_step_halves_the_scale_and_recovers() {
         losses[59]
     );
 }
+
+#[test]
+fn stage3_keeps_only_the_units_in_flight_gathered() {
+    // 10 units; with prefetch 1 at most the current and the next unit are gathered, plus
+    // up to two gradient shards being reduced: far below all units at once.
+    let cfg = GptConfig {
+        vocab_size: 97,
+        seq_len: 24,
+        n_layer: 8,
+        n_head: 4,
+        d_model: 32,
+        init_std: 0.02,
+    };
+    let m: Arc<dyn Model> = Arc::new(Gpt::new(cfg).unwrap());
+    let mut e = engine_at(m, Stage::Zero3);
+    let (x, y) = batch(9, 2, 24, 97);
+    e.forward_backward(&x, &y, 1.0).unwrap();
+    let biggest = e.layout().units.iter().map(|u| u.padded).max().unwrap() * 4;
+    let all = e.layout().full_numel() * 4;
+    let in_flight = e.memory().buffers - 4 * (1 << 18).min(e.layout().shard_numel());
+    assert!(in_flight > 0, "stage 3 gathers were counted");
+    assert!(
+        in_flight <= 4 * biggest,
+        "{in_flight} bytes in flight, biggest unit {biggest}"
+    );
+    assert!(in_flight < all / 2, "{in_flight} bytes in flight of {all}");
+}
