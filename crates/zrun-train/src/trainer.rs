@@ -187,14 +187,16 @@ impl Run {
         let tokens_per_step =
             (t.grad_accum * r.world_size * t.micro_batch) as f64 * self.model.seq_len() as f64;
         let mem = self.engine.memory();
-        tracing::info!(
-            params = self.model.param_count(),
-            model_state_mib = mem.model_states() >> 20,
-            loss_floor = ?self.loss_floor(),
-            "training {} steps of {} tokens",
-            t.steps,
-            tokens_per_step
-        );
+        if r.rank == 0 {
+            tracing::info!(
+                params = self.model.param_count(),
+                model_state_mib = mem.model_states() >> 20,
+                loss_floor = ?self.loss_floor(),
+                "training {} steps of {} tokens",
+                t.steps,
+                tokens_per_step
+            );
+        }
         let mut rates = Vec::new();
         let mut last_loss = f64::NAN;
         let mut eval_loss = None;
@@ -268,15 +270,18 @@ impl Run {
                     peak_rss_bytes: peak,
                     eval_loss,
                 };
-                tracing::info!(
-                    "step {done}/{} loss {loss:.4}{} lr {lr:.3e} grad_norm {:.3} {:.0} tok/s {:.3}s rss {} MiB",
-                    t.steps,
-                    eval_loss.map(|e| format!(" eval {e:.4}")).unwrap_or_default(),
-                    stats.grad_norm,
-                    m.tokens_per_s,
-                    dt,
-                    rss >> 20
-                );
+                // Every rank logs the same averaged figures: rank 0 speaks for the job.
+                if r.rank == 0 {
+                    tracing::info!(
+                        "step {done}/{} loss {loss:.4}{} lr {lr:.3e} grad_norm {:.3} {:.0} tok/s {:.3}s rss {} MiB",
+                        t.steps,
+                        eval_loss.map(|e| format!(" eval {e:.4}")).unwrap_or_default(),
+                        stats.grad_norm,
+                        m.tokens_per_s,
+                        dt,
+                        rss >> 20
+                    );
+                }
                 if let Some(w) = metrics.as_mut() {
                     w.write(&m).map_err(|e| Error::Io {
                         path: self.cfg.log.dir.join("metrics.jsonl"),
