@@ -1,8 +1,12 @@
 //! Helpers shared by the end-to-end tests: run the real `zrun` binary.
 #![allow(dead_code)]
 
+use std::collections::HashMap;
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, ExitStatus, Output};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// The repository root.
 pub fn root() -> PathBuf {
@@ -42,4 +46,193 @@ pub fn write(dir: &Path, name: &str, bytes: &[u8]) -> String {
     let p = dir.join(name);
     std::fs::write(&p, bytes).unwrap();
     p.display().to_string()
+}
+
+/// Starts `zrun` with `args` in the repository root, stdout and stderr piped, extra `env` set.
+pub fn zrun_child(args: &[&str], env: &[(&str, &str)]) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_zrun"))
+        .args(args)
+        .current_dir(root())
+        .env("RUST_BACKTRACE", "0")
+        .envs(env.iter().copied())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("zrun starts")
+}
+
+/// A TCP port on 127.0.0.1 that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A running zrun whose stdout and stderr are collected as they arrive.
+pub struct Job {
+    /// The zrun process.
+    pub child: Child,
+    out: Arc<Mutex<String>>,
+    err: Arc<Mutex<String>>,
+    readers: Vec<std::thread::JoinHandle<()>>,
+}
+
+fn collect(mut r: impl Read + Send + 'static) -> (Arc<Mutex<String>>, std::thread::JoinHandle<()>) {
+    let buf = Arc::new(Mutex::new(String::new()));
+    let b = buf.clone();
+    let reader = std::thread::spawn(move || {
+        let mut chunk = [0u8; 4096];
+        while let Ok(n) = r.read(&mut chunk) {
+            if n == 0 {
+                break;
+            }
+            b.lock()
+                .unwrap()
+                .push_str(&String::from_utf8_lossy(&chunk[..n]));
+        }
+    });
+    (buf, reader)
+}
+
+impl Job {
+    /// Starts `zrun` with `args` and extra `env`.
+    pub fn start(args: &[&str], env: &[(&str, &str)]) -> Job {
+        let mut child = zrun_child(args, env);
+        let (out, r1) = collect(child.stdout.take().unwrap());
+        let (err, r2) = collect(child.stderr.take().unwrap());
+        Job {
+            child,
+            out,
+            err,
+            readers: vec![r1, r2],
+        }
+    }
+
+    /// zrun's process id.
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// stdout followed by stderr, as far as they have arrived.
+    pub fn text(&self) -> String {
+        format!("{}{}", self.out.lock().unwrap(), self.err.lock().unwrap())
+    }
+
+    /// stderr so far.
+    pub fn stderr(&self) -> String {
+        self.err.lock().unwrap().clone()
+    }
+
+    /// stdout so far.
+    pub fn stdout(&self) -> String {
+        self.out.lock().unwrap().clone()
+    }
+
+    /// Waits until `pred` holds on stdout+stderr; false after `timeout`.
+    pub fn wait_for(&mut self, timeout: Duration, pred: impl Fn(&str) -> bool) -> bool {
+        let t = Instant::now();
+        while t.elapsed() < timeout {
+            if pred(&self.text()) {
+                return true;
+            }
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return pred(&self.text());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        false
+    }
+
+    /// The exit status, or kills zrun and panics after `timeout`.
+    pub fn exit_within(&mut self, timeout: Duration) -> ExitStatus {
+        let t = Instant::now();
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                // zrun's pipes close with it (its workers write to zrun, not to us)
+                for r in self.readers.drain(..) {
+                    let _ = r.join();
+                }
+                return s;
+            }
+            if t.elapsed() > timeout {
+                let _ = self.child.kill();
+                panic!("zrun did not exit within {timeout:?}:\n{}", self.text());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Sends `sig` to `pid`.
+pub fn signal(pid: i32, sig: i32) {
+    // SAFETY: kill has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(pid, sig) }, 0, "kill({pid}, {sig})");
+}
+
+/// Live processes whose environment has `ZRUN_RUN_ID=run_id`, with their environments.
+pub fn job_processes(run_id: &str) -> Vec<(i32, HashMap<String, String>)> {
+    let want = format!("ZRUN_RUN_ID={run_id}");
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        // A zombie or a process that just ended has no readable environment.
+        let Ok(raw) = std::fs::read(entry.path().join("environ")) else {
+            continue;
+        };
+        let vars: Vec<String> = raw
+            .split(|b| *b == 0)
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .collect();
+        if vars.iter().any(|v| v == &want) {
+            let env = vars
+                .iter()
+                .filter_map(|v| v.split_once('='))
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            found.push((pid, env));
+        }
+    }
+    found
+}
+
+/// Asserts that no process of the job is left (allowing a moment for the kernel to finish
+/// tearing down processes that were just killed).
+pub fn assert_job_gone(run_id: &str) {
+    let t = Instant::now();
+    loop {
+        let left = job_processes(run_id);
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "processes of job {run_id} outlived zrun: {:?}",
+            left.iter().map(|(p, _)| *p).collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The pid of global rank `rank` of the job, once it runs.
+pub fn rank_pid(run_id: &str, rank: usize) -> i32 {
+    let t = Instant::now();
+    loop {
+        let procs = job_processes(run_id);
+        if let Some((pid, _)) = procs
+            .iter()
+            .find(|(_, env)| env.get("RANK") == Some(&rank.to_string()))
+        {
+            return *pid;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "rank {rank} never started"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

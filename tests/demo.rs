@@ -8,7 +8,10 @@ use common::*;
 fn demo_config_reaches_the_loss_floor() {
     let d = scratch("demo");
     let dir = d.display().to_string();
+    // As `make demo` runs it: 2 CPU ranks.
     let out = zrun(&[
+        "--nproc",
+        "2",
         "configs/tiny-cpu.toml",
         "--set",
         &format!("log.dir=\"{dir}\""),
@@ -30,7 +33,10 @@ fn demo_config_reaches_the_loss_floor() {
     for key in ["final_loss", "tokens_per_s", "wall_time_s"] {
         assert!(summary[key].as_f64().unwrap() > 0.0, "{key}");
     }
-    assert!(summary["peak_rss_bytes"][0].as_i64().unwrap() > 0);
+    assert_eq!(summary["world_size"], 2);
+    for r in 0..2 {
+        assert!(summary["peak_rss_bytes"][r].as_i64().unwrap() > 0);
+    }
 
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(d.join("metrics.jsonl"))
         .unwrap()
@@ -62,9 +68,12 @@ fn demo_config_reaches_the_loss_floor() {
     );
     // The last stdout line states the figures.
     let text = stdout(&out);
-    let last_line = text.lines().last().unwrap_or_default();
+    let last_line = text
+        .lines()
+        .rfind(|l| l.contains("final: eval_loss"))
+        .unwrap_or_default();
     assert!(
-        last_line.starts_with("final: eval_loss") && last_line.contains("floor"),
-        "{last_line}"
+        last_line.contains("floor") && last_line.contains("2 rank(s)"),
+        "{text}"
     );
 }

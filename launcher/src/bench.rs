@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use tch::{Device, Kind, Tensor};
-use zrun_comm::{chunk_offset, chunk_sizes, Backend, Communicator, ReduceOp, StoreServer, Topology};
+use zrun_comm::{
+    chunk_offset, chunk_sizes, Backend, Communicator, ReduceOp, StoreServer, Topology,
+};
 
 /// Set in the ranks that `zrun bench comm` starts itself.
 const WORKER_ENV: &str = "ZRUN_BENCH_WORKER";
@@ -93,7 +95,12 @@ fn own_args() -> Vec<String> {
 fn launch_mpirun(args: &CommArgs) -> anyhow::Result<()> {
     let exe = std::env::current_exe()?;
     let status = Command::new("mpirun")
-        .args(["--allow-run-as-root", "--oversubscribe", "-np", &args.nproc.to_string()])
+        .args([
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            &args.nproc.to_string(),
+        ])
         .arg(exe)
         .args(own_args())
         .env(WORKER_ENV, "1")
@@ -128,7 +135,11 @@ fn launch_local(args: &CommArgs) -> anyhow::Result<()> {
             .env(zrun_comm::TOKEN_ENV, &token)
             .env(zrun_comm::STORE_EXTERNAL_ENV, "1")
             .env("OMP_NUM_THREADS", threads.to_string())
-            .stdout(if r == 0 { Stdio::inherit() } else { Stdio::null() })
+            .stdout(if r == 0 {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
             .spawn()
             .with_context(|| format!("starting rank {r}"))?;
         children.push(child);
@@ -236,7 +247,9 @@ fn bench_rank(args: &CommArgs, topo: &Topology, sizes: &[usize]) -> anyhow::Resu
         // all-gather: rank q's shard is chunk q of its own input
         let shard = mine.f_narrow(0, off, len)?.f_contiguous()?;
         let mut full = Tensor::f_zeros([n as i64], (kind, dev))?;
-        let t = timed(c.as_ref(), dev, args, || Ok(c.all_gather(&shard, &full)?.wait()?))?;
+        let t = timed(c.as_ref(), dev, args, || {
+            Ok(c.all_gather(&shard, &full)?.wait()?)
+        })?;
         let all = per_rank(n);
         let want = Tensor::f_cat(
             &(0..w)
@@ -248,26 +261,55 @@ fn bench_rank(args: &CommArgs, topo: &Topology, sizes: &[usize]) -> anyhow::Resu
         )?;
         let _ = full.f_zero_()?;
         c.all_gather(&shard, &full)?.wait()?;
-        rows.push(Row { op: "all_gather", bytes: n * esz, time_s: t, factor: (w as f64 - 1.0) / w as f64, wrong: count_wrong(&full, &want)? });
+        rows.push(Row {
+            op: "all_gather",
+            bytes: n * esz,
+            time_s: t,
+            factor: (w as f64 - 1.0) / w as f64,
+            wrong: count_wrong(&full, &want)?,
+        });
         drop((full, want));
         // reduce-scatter (sum)
         let mut out = Tensor::f_zeros([len], (kind, dev))?;
-        let t = timed(c.as_ref(), dev, args, || Ok(c.reduce_scatter(&mine, &out, ReduceOp::Sum)?.wait()?))?;
-        let sum = all.iter().skip(1).fold(all[0].to_kind(Kind::Float), |a, b| a + b.to_kind(Kind::Float)).to_kind(kind);
+        let t = timed(c.as_ref(), dev, args, || {
+            Ok(c.reduce_scatter(&mine, &out, ReduceOp::Sum)?.wait()?)
+        })?;
+        let sum = all
+            .iter()
+            .skip(1)
+            .fold(all[0].to_kind(Kind::Float), |a, b| {
+                a + b.to_kind(Kind::Float)
+            })
+            .to_kind(kind);
         let _ = out.f_zero_()?;
         c.reduce_scatter(&mine, &out, ReduceOp::Sum)?.wait()?;
-        rows.push(Row { op: "reduce_scatter", bytes: n * esz, time_s: t, factor: (w as f64 - 1.0) / w as f64, wrong: count_wrong(&out, &sum.narrow(0, off, len))? });
+        rows.push(Row {
+            op: "reduce_scatter",
+            bytes: n * esz,
+            time_s: t,
+            factor: (w as f64 - 1.0) / w as f64,
+            wrong: count_wrong(&out, &sum.narrow(0, off, len))?,
+        });
         drop((out, all));
         // all-reduce (sum), in place; checked on a fresh copy of the input
         let mut buf = mine.f_zeros_like()?;
         buf.f_copy_(&mine)?;
-        let t = timed(c.as_ref(), dev, args, || Ok(c.all_reduce(&buf, ReduceOp::Sum)?.wait()?))?;
+        let t = timed(c.as_ref(), dev, args, || {
+            Ok(c.all_reduce(&buf, ReduceOp::Sum)?.wait()?)
+        })?;
         buf.f_copy_(&mine)?;
         c.all_reduce(&buf, ReduceOp::Sum)?.wait()?;
-        rows.push(Row { op: "all_reduce", bytes: n * esz, time_s: t, factor: 2.0 * (w as f64 - 1.0) / w as f64, wrong: count_wrong(&buf, &sum)? });
+        rows.push(Row {
+            op: "all_reduce",
+            bytes: n * esz,
+            time_s: t,
+            factor: 2.0 * (w as f64 - 1.0) / w as f64,
+            wrong: count_wrong(&buf, &sum)?,
+        });
     }
     // Total the wrong counts over ranks (fp32 holds counts up to 2^24 exactly).
-    let wrong = Tensor::from_slice(&rows.iter().map(|r| r.wrong as f32).collect::<Vec<_>>()).to_device(dev);
+    let wrong =
+        Tensor::from_slice(&rows.iter().map(|r| r.wrong as f32).collect::<Vec<_>>()).to_device(dev);
     c.all_reduce(&wrong, ReduceOp::Sum)?.wait()?;
     let wrong: Vec<f32> = Vec::<f32>::try_from(&wrong.to_device(Device::Cpu))?;
     if r == 0 {

@@ -148,7 +148,9 @@ fn train(cli: &Cli) -> anyhow::Result<u8> {
     }
     let program = Program {
         exe: std::env::current_exe()
-            .map_err(|e| anyhow::anyhow!("cannot find zrun's own executable to start the ranks: {e}"))?
+            .map_err(|e| {
+                anyhow::anyhow!("cannot find zrun's own executable to start the ranks: {e}")
+            })?
             .into_os_string(),
         args,
     };

@@ -1,0 +1,340 @@
+//! The validated layout of a launch: ranks per node, nodes, the store's address, the job's
+//! token and run id, and the environment each worker gets.
+
+use std::net::ToSocketAddrs;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::{BadInput, LaunchFlags};
+
+/// Store port used when several nodes meet and `--master-port` is not given (torchrun's).
+pub const DEFAULT_MULTI_NODE_PORT: u16 = 29500;
+
+/// A launch that passed validation.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// Workers started on this node.
+    pub nproc: usize,
+    /// Nodes in the job.
+    pub nnodes: usize,
+    /// This node's index, `0..nnodes`.
+    pub node_rank: usize,
+    /// Host of the rendezvous store (node 0).
+    pub master_addr: String,
+    /// Port of the store; 0 on a single node means "pick a free one".
+    pub master_port: u16,
+    /// Time between SIGTERM and SIGKILL when stopping workers.
+    pub grace: Duration,
+    /// Directory for one log file per rank.
+    pub log_dir: Option<PathBuf>,
+    /// Identifies the job to its workers (`ZRUN_RUN_ID`).
+    pub run_id: String,
+    /// Secret shared by the store and every worker (`ZRUN_JOB_TOKEN`).
+    pub token: String,
+    /// How long the nodes of a multi-node job wait for each other.
+    pub rdzv_timeout: Duration,
+}
+
+/// Where this node's workers sit in the whole job (known after the nodes have met).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// Global rank of this node's local rank 0.
+    pub rank_offset: usize,
+    /// Ranks in the job, over every node.
+    pub world_size: usize,
+    /// The port the store listens on.
+    pub master_port: u16,
+}
+
+impl Plan {
+    /// Checks the flags and fills in the defaults; every error is one line (exit code 2).
+    pub fn new(f: &LaunchFlags) -> Result<Plan, BadInput> {
+        let nproc = match f.nproc {
+            Some(0) => {
+                return Err(BadInput(
+                    "--nproc 0: a node needs at least one rank; give --nproc 1 or more".into(),
+                ))
+            }
+            Some(n) => n,
+            None => default_nproc(),
+        };
+        let nnodes = f.nnodes.unwrap_or(1);
+        if nnodes == 0 {
+            return Err(BadInput(
+                "--nnodes 0: a job needs at least one node; give --nnodes 1 or more".into(),
+            ));
+        }
+        let node_rank = f.node_rank.unwrap_or(0);
+        if node_rank >= nnodes {
+            return Err(BadInput(format!(
+                "--node-rank {node_rank} is out of range for --nnodes {nnodes}: use 0..={}",
+                nnodes - 1
+            )));
+        }
+        let master_addr = match (&f.master_addr, nnodes) {
+            (Some(a), _) if a.trim().is_empty() => {
+                return Err(BadInput(
+                    "--master-addr is empty: give node 0's host name or IP".into(),
+                ))
+            }
+            (Some(a), _) => a.trim().to_string(),
+            (None, 1) => "127.0.0.1".to_string(),
+            (None, n) => {
+                return Err(BadInput(format!(
+                    "--nnodes {n} needs --master-addr: node 0's host name or IP, reachable from every node"
+                )))
+            }
+        };
+        let master_port = match (f.master_port, nnodes) {
+            (Some(0), n) if n > 1 => {
+                return Err(BadInput(
+                    "--master-port 0: every node must know the port; give one such as 29500".into(),
+                ))
+            }
+            (Some(p), _) => p,
+            (None, 1) => 0,
+            (None, _) => DEFAULT_MULTI_NODE_PORT,
+        };
+        resolve(&master_addr, master_port)?;
+        if !(f.grace_s.is_finite() && f.grace_s >= 0.0) {
+            return Err(BadInput(format!(
+                "--grace-s {}: give a number of seconds, 0 or more",
+                f.grace_s
+            )));
+        }
+        if let Some(dir) = &f.log_dir {
+            std::fs::create_dir_all(dir).map_err(|e| {
+                BadInput(format!(
+                    "--log-dir {}: cannot create it: {e}; give a writable directory",
+                    dir.display()
+                ))
+            })?;
+        }
+        let run_id = f
+            .run_id
+            .clone()
+            .or_else(|| std::env::var("ZRUN_RUN_ID").ok().filter(|s| !s.is_empty()))
+            .unwrap_or_else(|| default_run_id(nnodes, &master_addr, master_port));
+        let token = std::env::var(zrun_comm::TOKEN_ENV)
+            .ok()
+            .filter(|t| !t.is_empty())
+            .unwrap_or_else(|| {
+                if nnodes == 1 {
+                    random_token()
+                } else {
+                    // Every node must derive the same token without talking first.
+                    format!("zrun-run-{run_id}")
+                }
+            });
+        Ok(Plan {
+            nproc,
+            nnodes,
+            node_rank,
+            master_addr,
+            master_port,
+            grace: Duration::from_secs_f64(f.grace_s),
+            log_dir: f.log_dir.clone(),
+            run_id,
+            token,
+            rdzv_timeout: Duration::from_secs(f.rdzv_timeout_s.max(1)),
+        })
+    }
+
+    /// The environment of local rank `local` (torchrun's variables plus zrun's).
+    ///
+    /// `omp_threads` is `None` when the user set `OMP_NUM_THREADS` (it is then inherited).
+    pub fn worker_env(
+        &self,
+        layout: &Layout,
+        local: usize,
+        omp_threads: Option<usize>,
+    ) -> Vec<(String, String)> {
+        let mut env = vec![
+            ("RANK", (layout.rank_offset + local).to_string()),
+            ("LOCAL_RANK", local.to_string()),
+            ("WORLD_SIZE", layout.world_size.to_string()),
+            ("LOCAL_WORLD_SIZE", self.nproc.to_string()),
+            ("GROUP_RANK", self.node_rank.to_string()),
+            ("GROUP_WORLD_SIZE", self.nnodes.to_string()),
+            ("MASTER_ADDR", self.master_addr.clone()),
+            ("MASTER_PORT", layout.master_port.to_string()),
+            (zrun_comm::TOKEN_ENV, self.token.clone()),
+            ("ZRUN_RUN_ID", self.run_id.clone()),
+            (zrun_comm::STORE_EXTERNAL_ENV, "1".to_string()),
+        ];
+        if let Some(n) = omp_threads {
+            env.push(("OMP_NUM_THREADS", n.to_string()));
+        }
+        env.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+    }
+}
+
+/// Each local rank's share of this node's cores: `cores / nproc`, at least 1.
+pub fn omp_share(cores: usize, nproc: usize) -> usize {
+    (cores / nproc.max(1)).max(1)
+}
+
+/// The thread count for workers, or `None` when the user's `OMP_NUM_THREADS` is to be kept.
+pub fn omp_threads_for(nproc: usize) -> Option<usize> {
+    if std::env::var_os("OMP_NUM_THREADS").is_some_and(|v| !v.is_empty()) {
+        return None;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    Some(omp_share(cores, nproc))
+}
+
+/// Visible GPUs, or 1 when there is none.
+fn default_nproc() -> usize {
+    let gpus = tch::Cuda::device_count();
+    usize::try_from(gpus).unwrap_or(0).max(1)
+}
+
+/// Fails with one line when `addr` does not resolve.
+fn resolve(addr: &str, port: u16) -> Result<(), BadInput> {
+    let found = (addr, port)
+        .to_socket_addrs()
+        .map_err(|e| e.to_string())
+        .and_then(|mut it| it.next().ok_or_else(|| "no address".to_string()));
+    found.map(|_| ()).map_err(|e| {
+        BadInput(format!(
+            "--master-addr {addr} does not resolve ({e}); give node 0's host name or IP"
+        ))
+    })
+}
+
+fn default_run_id(nnodes: usize, addr: &str, port: u16) -> String {
+    if nnodes > 1 {
+        return format!("{addr}-{port}");
+    }
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    format!("{secs}-{}", std::process::id())
+}
+
+/// 128 random bits as hex, from the kernel (time and pid when /dev/urandom is unreadable).
+fn random_token() -> String {
+    use std::io::Read;
+    let mut b = [0u8; 16];
+    let ok = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .is_ok();
+    if !ok {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        b = (t ^ (u128::from(std::process::id()) << 64)).to_le_bytes();
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flags() -> LaunchFlags {
+        LaunchFlags {
+            nproc: Some(2),
+            nnodes: None,
+            node_rank: None,
+            master_addr: None,
+            master_port: None,
+            log_dir: None,
+            grace_s: 10.0,
+            run_id: None,
+            rdzv_timeout_s: 300,
+        }
+    }
+
+    #[test]
+    fn defaults_for_one_node() {
+        let p = Plan::new(&flags()).unwrap();
+        assert_eq!((p.nproc, p.nnodes, p.node_rank), (2, 1, 0));
+        assert_eq!((p.master_addr.as_str(), p.master_port), ("127.0.0.1", 0));
+        assert_eq!(p.grace, Duration::from_secs(10));
+        assert!(!p.token.is_empty() && !p.run_id.is_empty());
+    }
+
+    #[test]
+    fn bad_layouts_are_one_line_errors() {
+        let mut f = flags();
+        f.nproc = Some(0);
+        assert!(Plan::new(&f).unwrap_err().0.contains("--nproc 0"));
+        let mut f = flags();
+        f.nnodes = Some(2);
+        f.node_rank = Some(2);
+        f.master_addr = Some("127.0.0.1".into());
+        let e = Plan::new(&f).unwrap_err().0;
+        assert!(e.contains("--node-rank 2") && e.contains("0..=1"), "{e}");
+        let mut f = flags();
+        f.nnodes = Some(2);
+        assert!(Plan::new(&f).unwrap_err().0.contains("needs --master-addr"));
+        let mut f = flags();
+        f.master_addr = Some("no-such-host.invalid".into());
+        assert!(Plan::new(&f).unwrap_err().0.contains("does not resolve"));
+        let mut f = flags();
+        f.grace_s = -1.0;
+        assert!(Plan::new(&f).unwrap_err().0.contains("--grace-s"));
+    }
+
+    #[test]
+    fn multi_node_defaults_agree_across_nodes() {
+        let mut f = flags();
+        f.nnodes = Some(2);
+        f.master_addr = Some("127.0.0.1".into());
+        let a = Plan::new(&f).unwrap();
+        f.node_rank = Some(1);
+        let b = Plan::new(&f).unwrap();
+        assert_eq!(a.master_port, DEFAULT_MULTI_NODE_PORT);
+        if std::env::var_os(zrun_comm::TOKEN_ENV).is_none() {
+            assert_eq!(a.token, b.token, "nodes must derive the same token");
+        }
+        assert_eq!(a.run_id, b.run_id);
+    }
+
+    #[test]
+    fn worker_env_numbers_ranks_node_by_node() {
+        let mut f = flags();
+        f.nnodes = Some(2);
+        f.node_rank = Some(1);
+        f.nproc = Some(3);
+        f.master_addr = Some("127.0.0.1".into());
+        f.master_port = Some(4321);
+        let p = Plan::new(&f).unwrap();
+        let layout = Layout {
+            rank_offset: 3,
+            world_size: 6,
+            master_port: 4321,
+        };
+        let env = p.worker_env(&layout, 2, Some(5));
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!(get("RANK"), Some("5"));
+        assert_eq!(get("LOCAL_RANK"), Some("2"));
+        assert_eq!(get("WORLD_SIZE"), Some("6"));
+        assert_eq!(get("LOCAL_WORLD_SIZE"), Some("3"));
+        assert_eq!(get("GROUP_RANK"), Some("1"));
+        assert_eq!(get("MASTER_PORT"), Some("4321"));
+        assert_eq!(get("OMP_NUM_THREADS"), Some("5"));
+        assert_eq!(get("ZRUN_STORE_EXTERNAL"), Some("1"));
+        assert!(p
+            .worker_env(&layout, 0, None)
+            .iter()
+            .all(|(k, _)| k != "OMP_NUM_THREADS"));
+    }
+
+    #[test]
+    fn cores_are_shared_between_local_ranks() {
+        assert_eq!(omp_share(16, 4), 4);
+        assert_eq!(omp_share(16, 3), 5);
+        assert_eq!(omp_share(2, 4), 1);
+        assert_eq!(omp_share(8, 0), 8);
+    }
+
+    #[test]
+    fn tokens_are_random_hex() {
+        let (a, b) = (random_token(), random_token());
+        assert_eq!(a.len(), 32);
+        assert!(a.chars().all(|c| c.is_ascii_hexdigit()));
+        assert_ne!(a, b);
+    }
+}

@@ -1,0 +1,96 @@
+//! SIGINT, SIGTERM and SIGHUP to the launcher: recorded by a handler, acted on by the
+//! supervision loop (which forwards them to every worker).
+
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
+
+/// The last signal received (0: none).
+static LAST: AtomicI32 = AtomicI32::new(0);
+/// How many signals were received.
+static COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// The signals the launcher catches.
+const CAUGHT: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    // Only lock-free atomics here: they are async-signal-safe.
+    LAST.store(sig, Ordering::SeqCst);
+    COUNT.fetch_add(1, Ordering::SeqCst);
+}
+
+/// Installs the handler for SIGINT, SIGTERM and SIGHUP. Children get the default
+/// dispositions back at `exec`.
+pub fn install() -> std::io::Result<()> {
+    for sig in CAUGHT {
+        // SAFETY: `sa` is zero-initialised plain data that we fill in completely; the handler
+        // only touches atomics, which is async-signal-safe; sigaction reads `sa` and writes
+        // nothing because the old-action pointer is null.
+        let rc = unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
+            sa.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(sig, &sa, std::ptr::null_mut())
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// The last signal received and how many have arrived, or `None` when none has.
+pub fn received() -> Option<(i32, usize)> {
+    match COUNT.load(Ordering::SeqCst) {
+        0 => None,
+        n => Some((LAST.load(Ordering::SeqCst), n)),
+    }
+}
+
+/// The conventional name of a signal number (`SIGKILL`), or `signal N`.
+pub fn name(sig: i32) -> String {
+    let n = match sig {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        _ => return format!("signal {sig}"),
+    };
+    n.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_of_common_signals() {
+        assert_eq!(name(9), "SIGKILL");
+        assert_eq!(name(15), "SIGTERM");
+        assert_eq!(name(11), "SIGSEGV");
+        assert_eq!(name(63), "signal 63");
+    }
+
+    #[test]
+    fn a_raised_signal_is_recorded_not_fatal() {
+        install().unwrap();
+        let before = received().map_or(0, |(_, n)| n);
+        // SAFETY: raising a signal whose handler was just installed; the handler only
+        // stores to atomics.
+        unsafe {
+            libc::raise(libc::SIGHUP);
+        }
+        let (sig, n) = received().unwrap();
+        assert_eq!((sig, n), (libc::SIGHUP, before + 1));
+    }
+}
