@@ -11,7 +11,7 @@ build: setup
 	$(ENV) cargo build --release -p zrun
 
 demo: build
-	$(ENV) ./target/release/zrun configs/tiny-cpu.toml
+	$(ENV) ./target/release/zrun --nproc 2 configs/tiny-cpu.toml
 
 fmt:
 	$(ENV) cargo fmt --all
@@ -23,6 +23,9 @@ test: setup
 	$(ENV) cargo fmt --all -- --check
 	$(ENV) cargo clippy $(CARGO_FLAGS) --all-targets -- -D warnings
 	$(ENV) cargo test $(CARGO_FLAGS)
+	$(ENV) cargo clippy --release -p zrun-comm --features mpi,cuda --all-targets -- -D warnings
+	$(ENV) cargo test --release -p zrun-comm --features mpi,cuda --lib --test mpi
+	$(ENV) cargo test --release -p zrun --features mpi --test launcher mpirun
 
 clean:
 	cargo clean
