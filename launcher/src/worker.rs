@@ -59,12 +59,18 @@ pub fn dry_run(config: &Path, overrides: &[String], world_size: usize) -> Result
     );
     for r in 0..w {
         let l = ShardLayout::new(units, r, w);
-        let m = MemoryLedger::plan(&l, cfg.zero.stage);
+        let m = MemoryLedger::plan(
+            &l,
+            cfg.zero.stage,
+            cfg.zero.precision,
+            cfg.zero.reduce_dtype,
+        );
         println!(
-            "rank {r}: model states {:.1} MiB (params {:.1}, grads {:.1}, optimizer {:.1})",
+            "rank {r}: model states {:.1} MiB (params {:.1}, grads {:.1}, master {:.1}, optimizer {:.1})",
             mib(m.model_states()),
             mib(m.params),
             mib(m.grads),
+            mib(m.master),
             mib(m.optimizer)
         );
         for (u, at) in l.units.iter().zip(&l.shard_offsets) {

@@ -30,21 +30,34 @@ impl MemoryLedger {
 }
 
 impl MemoryLedger {
-    /// The model-state bytes the engine allocates for `layout`'s rank at `stage` in fp32
-    /// (what `Engine::memory` then counts), computed without allocating; `buffers` is left 0
-    /// because in-flight buffers depend on the run.
-    pub fn plan(layout: &crate::ShardLayout, stage: crate::Stage) -> MemoryLedger {
+    /// The model-state bytes the engine allocates for `layout`'s rank, computed without
+    /// allocating (what `Engine::memory` then counts); `buffers` is left 0 because in-flight
+    /// buffers depend on the run.
+    pub fn plan(
+        layout: &crate::ShardLayout,
+        stage: crate::Stage,
+        precision: crate::Precision,
+        reduce: crate::ReduceDtype,
+    ) -> MemoryLedger {
         use crate::Stage::*;
         let (full, shard) = (layout.full_numel(), layout.shard_numel());
+        let grad_bytes = reduce.kind().elt_size_in_bytes() as i64;
+        // The fp32 master and AdamW state: full at stage 0, else this rank's shard.
+        let owned = if stage == Zero0 { full } else { shard };
         MemoryLedger {
-            params: 4 * if stage == Zero3 { shard } else { full },
-            grads: 4 * if matches!(stage, Zero0 | Zero1) {
-                full
+            params: precision.bytes() * if stage == Zero3 { shard } else { full },
+            grads: grad_bytes
+                * if matches!(stage, Zero0 | Zero1) {
+                    full
+                } else {
+                    shard
+                },
+            master: if precision == crate::Precision::Fp32 {
+                0
             } else {
-                shard
+                4 * owned
             },
-            master: 0,
-            optimizer: 8 * if stage == Zero0 { full } else { shard },
+            optimizer: 8 * owned,
             buffers: 0,
         }
     }

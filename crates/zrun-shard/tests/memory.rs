@@ -213,7 +213,7 @@ fn model_state_bytes_per_rank_equal_the_zero_formula() {
 }
 
 #[test]
-fn the_static_plan_matches_what_the_engine_allocates_in_fp32() {
+fn the_static_plan_matches_what_the_engine_allocates() {
     let gpt = Gpt::new(GptConfig::preset("tiny").unwrap()).unwrap();
     let model: Arc<dyn Model> = Arc::new(gpt);
     let adamw = AdamWConfig {
@@ -223,18 +223,28 @@ fn the_static_plan_matches_what_the_engine_allocates_in_fp32() {
         weight_decay: 0.0,
     };
     for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
-        let comm = Arc::new(Placement { rank: 1, world: 3 });
-        let e = Engine::new(
-            model.clone(),
-            comm,
-            EngineConfig::fp32(stage, Device::Cpu, 1, adamw),
-        )
-        .unwrap();
-        let plan = zrun_shard::MemoryLedger::plan(e.layout(), stage);
-        assert_eq!(
-            plan.model_states(),
-            e.memory().model_states(),
-            "stage {stage}"
-        );
+        for (precision, reduce_dtype) in [
+            (Precision::Fp32, ReduceDtype::Fp32),
+            (Precision::Bf16, ReduceDtype::Fp32),
+            (Precision::Bf16, ReduceDtype::Bf16),
+            (Precision::Fp16, ReduceDtype::Fp32),
+        ] {
+            let comm = Arc::new(Placement { rank: 1, world: 3 });
+            let cfg = EngineConfig {
+                precision,
+                reduce_dtype,
+                ..EngineConfig::fp32(stage, Device::Cpu, 1, adamw)
+            };
+            let e = Engine::new(model.clone(), comm, cfg).unwrap();
+            let plan = zrun_shard::MemoryLedger::plan(e.layout(), stage, precision, reduce_dtype);
+            assert_eq!(
+                plan,
+                zrun_shard::MemoryLedger {
+                    buffers: 0,
+                    ..e.memory()
+                },
+                "{stage} {precision} {reduce_dtype}"
+            );
+        }
     }
 }

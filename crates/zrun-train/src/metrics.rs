@@ -37,6 +37,9 @@ pub struct StepMetrics {
     pub rss_bytes: i64,
     /// Peak resident set size of this process so far.
     pub peak_rss_bytes: i64,
+    /// Peak bytes allocated on this rank's CUDA device so far (on GPU only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cuda_peak_bytes: Option<i64>,
     /// Evaluation loss, on the steps that evaluated.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
@@ -59,6 +62,9 @@ pub struct Summary {
     pub peak_rss_bytes: Vec<i64>,
     /// Resident set size of each rank before the model was built, bytes.
     pub base_rss_bytes: Vec<i64>,
+    /// Peak bytes allocated on each rank's CUDA device (on GPU only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cuda_peak_bytes: Option<Vec<i64>>,
     /// fp16 steps skipped for overflowed gradients.
     pub skipped_steps: u64,
     /// Model-state bytes of each rank as the engine counted them.
@@ -121,6 +127,14 @@ pub fn rss_bytes() -> (i64, i64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
+/// Peak bytes the CUDA caching allocator handed out on `device` (None on CPU).
+pub fn cuda_peak_bytes(device: tch::Device) -> Option<i64> {
+    match device {
+        tch::Device::Cuda(i) => zrun_torch_ext::cuda_memory(i).map(|m| m.peak_allocated as i64),
+        _ => None,
+    }
+}
+
 /// Median of a non-empty slice (0 when empty).
 pub fn median(xs: &[f64]) -> f64 {
     if xs.is_empty() {
@@ -171,6 +185,7 @@ mod tests {
             engine_bytes: 20,
             rss_bytes: 1,
             peak_rss_bytes: 2,
+            cuda_peak_bytes: None,
             eval_loss: None,
         };
         w.write(&m).unwrap();

@@ -2,7 +2,7 @@
 
 use crate::config::{Config, DataKind, DeviceChoice};
 use crate::data::{Cursor, DataOptions, DataSource, Dataset, Loader};
-use crate::metrics::{median, rss_bytes, MetricsWriter, StepMetrics, Summary};
+use crate::metrics::{cuda_peak_bytes, median, rss_bytes, MetricsWriter, StepMetrics, Summary};
 use crate::Error;
 use std::sync::Arc;
 use std::time::Instant;
@@ -268,6 +268,7 @@ impl Run {
                     engine_bytes: mem.total(),
                     rss_bytes: rss,
                     peak_rss_bytes: peak,
+                    cuda_peak_bytes: cuda_peak_bytes(self.engine.config().device),
                     eval_loss,
                 };
                 // Every rank logs the same averaged figures: rank 0 speaks for the job.
@@ -298,6 +299,10 @@ impl Run {
             tokens_per_s: median(&rates),
             peak_rss_bytes: self.gather(rss_bytes().1)?,
             base_rss_bytes: self.gather(self.base_rss)?,
+            cuda_peak_bytes: match cuda_peak_bytes(self.engine.config().device) {
+                Some(b) => Some(self.gather(b)?),
+                None => None,
+            },
             model_state_bytes: self.gather(self.engine.memory().model_states())?,
             skipped_steps: skipped,
             params: self.model.param_count(),

@@ -59,7 +59,9 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 fn overrides(dir: &Path, stage: u8, micro_batch: usize, accum: usize) -> Vec<String> {
+    let ckpt = std::env::var("ZRUN_EQ_CKPT").is_ok_and(|v| v == "1");
     vec![
+        format!("zero.activation_checkpointing={ckpt}"),
         format!("zero.stage={stage}"),
         format!("train.micro_batch={micro_batch}"),
         format!("train.grad_accum={accum}"),
@@ -152,6 +154,18 @@ fn reference(name: &str, micro_batch: usize, accum: usize) -> Trained {
 
 /// `world` real processes over tcp, the store hosted here.
 fn distributed(name: &str, world: usize, stage: u8, micro_batch: usize, accum: usize) -> Trained {
+    distributed_with(name, world, stage, micro_batch, accum, false)
+}
+
+/// As `distributed`, optionally with activation checkpointing in every rank.
+fn distributed_with(
+    name: &str,
+    world: usize,
+    stage: u8,
+    micro_batch: usize,
+    accum: usize,
+    ckpt: bool,
+) -> Trained {
     let dir = scratch(name);
     let config = config_file(&dir);
     let token = format!("eq-{}-{name}", std::process::id());
@@ -180,6 +194,7 @@ fn distributed(name: &str, world: usize, stage: u8, micro_batch: usize, accum: u
             .env("ZRUN_JOB_TOKEN", &token)
             .env("ZRUN_STORE_EXTERNAL", "1")
             .env("OMP_NUM_THREADS", "1")
+            .env("ZRUN_EQ_CKPT", if ckpt { "1" } else { "0" })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
