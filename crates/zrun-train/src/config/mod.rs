@@ -1,0 +1,298 @@
+//! `train.toml`: typed sections, defaults, `--set` overrides and one-line errors.
+//!
+//! Every key is documented with its default in docs/config.md. Loading goes through a
+//! `toml::Table` so that file values and `--set key=value` overrides are checked by the same
+//! deserializer: an unknown key, a wrong type or an out-of-range value is one line naming the
+//! file (or the override), the key, the value and what is allowed.
+
+mod load;
+
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+use zrun_shard::{Precision, ReduceDtype, Stage};
+
+/// A config that cannot be used: one line, naming where, which key and what to do.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+/// The whole training configuration.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// `[model]`: architecture.
+    pub model: ModelConfig,
+    /// `[data]`: where tokens come from.
+    pub data: DataConfig,
+    /// `[train]`: steps, batch, optimizer and schedule.
+    pub train: TrainConfig,
+    /// `[zero]`: sharding stage and precision.
+    pub zero: ZeroConfig,
+    /// `[dist]`: communication backend, device, timeouts.
+    pub dist: DistConfig,
+    /// `[checkpoint]`: where and how often to save.
+    pub checkpoint: CheckpointConfig,
+    /// `[log]`: metrics directory and cadence.
+    pub log: LogConfig,
+}
+
+/// Model architecture family.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// GPT-2 style decoder.
+    #[default]
+    Gpt,
+}
+
+/// `[model]`: a preset, with any field overridden.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// Architecture family.
+    pub arch: Arch,
+    /// Preset name: tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl.
+    pub preset: String,
+    /// Overrides the preset's vocabulary size.
+    pub vocab_size: Option<i64>,
+    /// Overrides the preset's sequence length (tokens per sample).
+    pub seq_len: Option<i64>,
+    /// Overrides the number of transformer blocks.
+    pub n_layer: Option<i64>,
+    /// Overrides the number of attention heads.
+    pub n_head: Option<i64>,
+    /// Overrides the model width.
+    pub d_model: Option<i64>,
+    /// Overrides the init standard deviation.
+    pub init_std: Option<f64>,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            arch: Arch::Gpt,
+            preset: "tiny".into(),
+            vocab_size: None,
+            seq_len: None,
+            n_layer: None,
+            n_head: None,
+            d_model: None,
+            init_std: None,
+        }
+    }
+}
+
+/// Where the data comes from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataKind {
+    /// Seeded sparse Markov chain with a known loss floor.
+    #[default]
+    Synthetic,
+    /// uint16 token files (nanoGPT `.bin`).
+    Tokens,
+    /// UTF-8 text as byte tokens.
+    Text,
+}
+
+/// `[data]`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// synthetic, tokens or text.
+    pub source: DataKind,
+    /// File or directory for tokens and text (relative to the working directory).
+    pub path: Option<PathBuf>,
+    /// Synthetic: successors per state of the Markov chain.
+    pub branching: usize,
+    /// Share of windows held out for eval when there is no `val.bin`.
+    pub eval_fraction: f64,
+    /// Seed of the synthetic chain and of the sample order.
+    pub seed: u64,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig {
+            source: DataKind::Synthetic,
+            path: None,
+            branching: 4,
+            eval_fraction: 0.05,
+            seed: 0,
+        }
+    }
+}
+
+/// `[train]`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Sequences per rank per micro-step.
+    pub micro_batch: usize,
+    /// Micro-steps per optimizer step.
+    pub grad_accum: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Final learning rate of the cosine decay (default lr / 10).
+    pub min_lr: Option<f64>,
+    /// Linear warmup steps.
+    pub warmup_steps: u64,
+    /// Decoupled weight decay on matrices.
+    pub weight_decay: f64,
+    /// AdamW beta1.
+    pub beta1: f64,
+    /// AdamW beta2.
+    pub beta2: f64,
+    /// AdamW epsilon.
+    pub eps: f64,
+    /// Global gradient-norm clip (0 = off).
+    pub grad_clip: f64,
+    /// Evaluate every N steps (0 = only at the end).
+    pub eval_every: u64,
+    /// Micro-batches per rank in one evaluation.
+    pub eval_batches: usize,
+    /// Seed of the parameter init.
+    pub seed: u64,
+    /// Intra-op threads per rank (0 = OMP_NUM_THREADS, else this rank's share of the cores).
+    pub threads: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            steps: 100,
+            micro_batch: 8,
+            grad_accum: 1,
+            lr: 3e-4,
+            min_lr: None,
+            warmup_steps: 0,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            grad_clip: 1.0,
+            eval_every: 0,
+            eval_batches: 4,
+            seed: 1234,
+            threads: 0,
+        }
+    }
+}
+
+/// `[zero]`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ZeroConfig {
+    /// ZeRO stage 0-3.
+    pub stage: Stage,
+    /// fp32, bf16 or fp16.
+    pub precision: Precision,
+    /// dtype gradients are reduced and accumulated in: fp32 or bf16.
+    pub reduce_dtype: ReduceDtype,
+    /// Keep only unit inputs and recompute each unit's forward in its backward.
+    pub activation_checkpointing: bool,
+    /// Stage 3: units gathered ahead of the one computing.
+    pub prefetch: usize,
+    /// fp16: the first loss scale.
+    pub initial_loss_scale: f64,
+    /// fp16: clean steps before the loss scale doubles.
+    pub loss_scale_window: u64,
+}
+
+impl Default for ZeroConfig {
+    fn default() -> Self {
+        ZeroConfig {
+            stage: Stage::default(),
+            precision: Precision::default(),
+            reduce_dtype: ReduceDtype::default(),
+            activation_checkpointing: false,
+            prefetch: 1,
+            initial_loss_scale: 65536.0,
+            loss_scale_window: 1000,
+        }
+    }
+}
+
+/// Communication backend choice.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendChoice {
+    /// nccl on GPUs, tcp on CPUs.
+    #[default]
+    Auto,
+    /// Built-in TCP rings.
+    Tcp,
+    /// MPI (feature `mpi`, under mpirun).
+    Mpi,
+    /// NCCL (feature `cuda`).
+    Nccl,
+}
+
+/// Device choice.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceChoice {
+    /// CUDA when available, else CPU.
+    #[default]
+    Auto,
+    /// CPU.
+    Cpu,
+    /// CUDA device LOCAL_RANK.
+    Cuda,
+}
+
+/// `[dist]`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DistConfig {
+    /// auto, tcp, mpi or nccl.
+    pub backend: BackendChoice,
+    /// auto, cpu or cuda.
+    pub device: DeviceChoice,
+    /// Deadline of every collective and of rendezvous, seconds.
+    pub timeout_s: u64,
+}
+
+impl Default for DistConfig {
+    fn default() -> Self {
+        DistConfig {
+            backend: BackendChoice::Auto,
+            device: DeviceChoice::Auto,
+            timeout_s: 600,
+        }
+    }
+}
+
+/// `[checkpoint]`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointConfig {
+    /// Directory of checkpoints (default: `<log.dir>/ckpt`).
+    pub dir: Option<PathBuf>,
+    /// Save every N steps (0 = never).
+    pub every: u64,
+}
+
+/// `[log]`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// Directory of metrics.jsonl and summary.json.
+    pub dir: PathBuf,
+    /// Log a metrics line every N steps.
+    pub every: u64,
+    /// Peak FLOP/s of one rank's device in TFLOP/s, for MFU (absent: no MFU).
+    pub peak_tflops: Option<f64>,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            dir: PathBuf::from("runs/default"),
+            every: 10,
+            peak_tflops: None,
+        }
+    }
+}
