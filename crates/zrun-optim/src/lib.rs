@@ -6,11 +6,13 @@
 
 mod adamw;
 mod clip;
+mod cpu_adam;
 mod schedule;
 mod segments;
 
 pub use adamw::{AdamW, AdamWConfig};
 pub use clip::clip_coefficient;
+pub use cpu_adam::{CpuAdamW, HalfKind, StateDtype};
 pub use schedule::LrSchedule;
 pub use segments::Segments;
 
@@ -36,6 +38,19 @@ pub enum Error {
         /// The shard size the optimizer was built for.
         expected: i64,
     },
+    /// A CPU AdamW update range does not fit in the shard.
+    #[error("CPU AdamW: update of elements [{off}, {off} + {len}) does not fit in the shard of {numel} elements; pass an offset and length inside the rank's shard")]
+    Range {
+        /// First element of the range.
+        off: usize,
+        /// Its length.
+        len: usize,
+        /// The shard size the optimizer was built for.
+        numel: usize,
+    },
+    /// A CPU AdamW update came before the step was started.
+    #[error("CPU AdamW: update before begin_step(); call begin_step() once per optimizer step before updating its sub-ranges")]
+    NoStep,
 }
 
 /// Result alias of this crate.

@@ -1,0 +1,329 @@
+//! The element-wise AdamW kernels and the bf16/fp16 roundings.
+//!
+//! Every kernel is a plain loop over equal-length slices that LLVM vectorises; it is compiled
+//! twice, once generic and once with AVX2 + FMA + F16C enabled, and the AVX2 copy is picked at
+//! run time. Both copies compute the same IEEE operations (`mul_add` is a fused multiply-add
+//! either way; `sqrt` and `/` are correctly rounded), so results are bitwise identical across
+//! machines, instruction sets and thread counts.
+
+use super::HalfKind;
+
+/// Per-step scalars of the update, already in f32.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Coeffs {
+    /// Multiplies the gradient first (unscaling, clipping).
+    pub grad_scale: f32,
+    /// beta1 and 1 - beta1.
+    pub b1: f32,
+    pub omb1: f32,
+    /// beta2 and 1 - beta2.
+    pub b2: f32,
+    pub omb2: f32,
+    /// lr / (1 - beta1^t).
+    pub step_size: f32,
+    /// 1 / sqrt(1 - beta2^t).
+    pub inv_bc2_sqrt: f32,
+    /// Added to the denominator.
+    pub eps: f32,
+    /// Seed of the stochastic rounding of m and v for this step.
+    pub seed: u32,
+}
+
+/// One element's AdamW update in f32; `keep` is 1 - lr * weight_decay (1.0 outside the
+/// decay ranges, where multiplying by it is exact).
+#[inline(always)]
+fn adam(c: &Coeffs, keep: f32, p: f32, g: f32, m: f32, v: f32) -> (f32, f32, f32) {
+    let g = g * c.grad_scale;
+    let p = p * keep;
+    let m = c.b1.mul_add(m, c.omb1 * g);
+    let v = c.b2.mul_add(v, (c.omb2 * g) * g);
+    let denom = v.sqrt().mul_add(c.inv_bc2_sqrt, c.eps);
+    let p = (-c.step_size).mul_add(m / denom, p);
+    (p, m, v)
+}
+
+/// A 32-bit integer hash (lowbias32): full avalanche, a few vectorisable integer ops.
+#[inline(always)]
+pub(crate) fn hash32(mut x: u32) -> u32 {
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x7feb_352d);
+    x ^= x >> 15;
+    x = x.wrapping_mul(0x846c_a68b);
+    x ^= x >> 16;
+    x
+}
+
+/// 32 random bits for the element at `lo` (the low 32 bits of its index in the shard) under
+/// the block seed (a function of the step and of the index's high 32 bits): the low 16 bits
+/// round m, the high 16 bits round v.
+#[inline(always)]
+fn element_bits(block_seed: u32, lo: u32) -> u32 {
+    hash32(lo ^ block_seed)
+}
+
+/// f32 to bf16 bits, stochastically: rounds the magnitude up with probability equal to the
+/// dropped fraction (`r`'s low 16 bits are the uniform draw), so the expected value is exact.
+#[inline(always)]
+fn bf16_stochastic(x: f32, r: u32) -> u16 {
+    (x.to_bits().wrapping_add(r & 0xffff) >> 16) as u16
+}
+
+/// f32 to bf16 bits, round to nearest, ties to even (NaN stays a quiet NaN).
+#[inline(always)]
+pub(crate) fn bf16_nearest_even(x: f32) -> u16 {
+    let b = x.to_bits();
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    if x.is_nan() {
+        ((b >> 16) as u16) | 0x0040
+    } else {
+        rounded
+    }
+}
+
+/// bf16 bits to f32 (exact).
+#[inline(always)]
+pub(crate) fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+/// Elements of one kernel call: the update of a block and its half copy stay in L1.
+pub(crate) const BLOCK: usize = 2048;
+
+/// The moments of one block, in their storage type.
+pub(crate) enum MomentsMut<'a> {
+    /// fp32 state.
+    F32(&'a mut [f32], &'a mut [f32]),
+    /// bf16 state (bits), stochastically rounded; `base` is the block's first element index
+    /// in the shard, the key of its random bits (a block never crosses a multiple of 2^32).
+    Bf16 {
+        m: &'a mut [u16],
+        v: &'a mut [u16],
+        base: u64,
+    },
+}
+
+/// Updates one block (at most [`BLOCK`] elements) and writes its half copy.
+pub(crate) fn update_block(
+    c: &Coeffs,
+    keep: f32,
+    p: &mut [f32],
+    g: &[f32],
+    moments: MomentsMut<'_>,
+    half: Option<(&mut [u16], HalfKind)>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU supports AVX-512 F/BW/VL, AVX2, FMA and F16C (checked by
+        // `has_avx512` at run time), the only requirement of this `target_feature` function.
+        unsafe { update_block_avx512(c, keep, p, g, moments, half) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU supports AVX2, FMA and F16C (checked by `has_avx2` at run time),
+        // the only requirement of these `target_feature` functions.
+        unsafe { update_block_avx2(c, keep, p, g, moments, half) };
+        return;
+    }
+    update_block_generic(c, keep, p, g, moments, half);
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx512() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        std::env::var_os("ZRUN_NO_AVX512").is_none()
+            && has_avx2()
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn update_block_avx512(
+    c: &Coeffs,
+    keep: f32,
+    p: &mut [f32],
+    g: &[f32],
+    moments: MomentsMut<'_>,
+    half: Option<(&mut [u16], HalfKind)>,
+) {
+    update_block_body(c, keep, p, g, moments);
+    match half {
+        Some((out, HalfKind::Fp16)) => {
+            // SAFETY: this function runs only where F16C is present (see `update_block`).
+            unsafe { fp16_f16c(p, out) }
+        }
+        Some((out, HalfKind::Bf16)) => bf16_body(p, out),
+        None => {}
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn update_block_avx2(
+    c: &Coeffs,
+    keep: f32,
+    p: &mut [f32],
+    g: &[f32],
+    moments: MomentsMut<'_>,
+    half: Option<(&mut [u16], HalfKind)>,
+) {
+    update_block_body(c, keep, p, g, moments);
+    match half {
+        Some((out, HalfKind::Fp16)) => {
+            // SAFETY: this function runs only where F16C is present (see `update_block`).
+            unsafe { fp16_f16c(p, out) }
+        }
+        Some((out, HalfKind::Bf16)) => bf16_body(p, out),
+        None => {}
+    }
+}
+
+fn update_block_generic(
+    c: &Coeffs,
+    keep: f32,
+    p: &mut [f32],
+    g: &[f32],
+    moments: MomentsMut<'_>,
+    half: Option<(&mut [u16], HalfKind)>,
+) {
+    update_block_body(c, keep, p, g, moments);
+    match half {
+        Some((out, HalfKind::Fp16)) => {
+            for (o, &x) in out.iter_mut().zip(p.iter()) {
+                *o = half::f16::from_f32(x).to_bits();
+            }
+        }
+        Some((out, HalfKind::Bf16)) => bf16_body(p, out),
+        None => {}
+    }
+}
+
+/// Elements per inner step of the update loops (four cache lines of f32).
+const STEP: usize = 64;
+/// How far ahead (elements) the update loops prefetch their inputs.
+const AHEAD: usize = 1024;
+
+/// Asks for the cache line at `p` ahead of use; any address is allowed (no fault).
+#[inline(always)]
+fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is a hint that never faults or changes memory, whatever the address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// Prefetches `STEP` elements of `x` starting `AHEAD` past `i` (one call per cache line).
+#[inline(always)]
+fn prefetch_ahead<T>(x: &[T], i: usize) {
+    let base = x.as_ptr().wrapping_add(i + AHEAD);
+    let per_line = 64 / std::mem::size_of::<T>();
+    let mut k = 0;
+    while k < STEP {
+        prefetch(base.wrapping_add(k));
+        k += per_line;
+    }
+}
+
+/// The update loops; inlined into each compiled copy so they vectorise with its features.
+/// They walk `STEP` elements at a time, prefetching `AHEAD` elements ahead (the next block's
+/// lines are in flight while this one computes).
+#[inline(always)]
+fn update_block_body(c: &Coeffs, keep: f32, p: &mut [f32], g: &[f32], moments: MomentsMut<'_>) {
+    let n = p.len();
+    let g = &g[..n];
+    match moments {
+        MomentsMut::F32(m, v) => {
+            let (m, v) = (&mut m[..n], &mut v[..n]);
+            let mut i = 0;
+            while i < n {
+                let e = (i + STEP).min(n);
+                prefetch_ahead(p, i);
+                prefetch_ahead(g, i);
+                prefetch_ahead(m, i);
+                prefetch_ahead(v, i);
+                let (p, g, m, v) = (&mut p[i..e], &g[i..e], &mut m[i..e], &mut v[i..e]);
+                for j in 0..p.len() {
+                    let (pj, mj, vj) = adam(c, keep, p[j], g[j], m[j], v[j]);
+                    p[j] = pj;
+                    m[j] = mj;
+                    v[j] = vj;
+                }
+                i = e;
+            }
+        }
+        MomentsMut::Bf16 { m, v, base } => {
+            let (m, v) = (&mut m[..n], &mut v[..n]);
+            let block_seed = c.seed ^ hash32(((base >> 32) as u32).wrapping_mul(0x9e37_79b9));
+            let lo = base as u32;
+            let mut i = 0;
+            while i < n {
+                let e = (i + STEP).min(n);
+                prefetch_ahead(p, i);
+                prefetch_ahead(g, i);
+                prefetch_ahead(m, i);
+                prefetch_ahead(v, i);
+                let (p, g, m, v) = (&mut p[i..e], &g[i..e], &mut m[i..e], &mut v[i..e]);
+                let lo = lo.wrapping_add(i as u32);
+                for j in 0..p.len() {
+                    let (pj, mj, vj) =
+                        adam(c, keep, p[j], g[j], bf16_to_f32(m[j]), bf16_to_f32(v[j]));
+                    let r = element_bits(block_seed, lo.wrapping_add(j as u32));
+                    p[j] = pj;
+                    m[j] = bf16_stochastic(mj, r);
+                    v[j] = bf16_stochastic(vj, r >> 16);
+                }
+                i = e;
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn bf16_body(p: &[f32], out: &mut [u16]) {
+    let out = &mut out[..p.len()];
+    for (o, &x) in out.iter_mut().zip(p.iter()) {
+        *o = bf16_nearest_even(x);
+    }
+}
+
+/// fp16 round to nearest even with the F16C instruction, eight at a time.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fp16_f16c(p: &[f32], out: &mut [u16]) {
+    use std::arch::x86_64::{
+        __m128i, _mm256_cvtps_ph, _mm256_loadu_ps, _mm_storeu_si128, _MM_FROUND_TO_NEAREST_INT,
+    };
+    let out = &mut out[..p.len()];
+    let mut pc = p.chunks_exact(8);
+    let mut oc = out.chunks_exact_mut(8);
+    for (src, dst) in (&mut pc).zip(&mut oc) {
+        // SAFETY: `src` holds 8 f32 and `dst` 8 u16 (chunks_exact); unaligned load/store.
+        unsafe {
+            let x = _mm256_loadu_ps(src.as_ptr());
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x);
+            _mm_storeu_si128(dst.as_mut_ptr() as *mut __m128i, h);
+        }
+    }
+    for (o, &x) in oc.into_remainder().iter_mut().zip(pc.remainder()) {
+        *o = half::f16::from_f32(x).to_bits();
+    }
+}
