@@ -106,10 +106,11 @@ fn main() {
         Ok(t) => t,
         Err(msg) => panic!("zrun-torch-ext: {msg}"),
     };
-    // A CUDA build of libtorch: keep libtorch_cuda.so linked (see the anchor in csrc/). It
-    // costs about 230 MiB of RSS per process even without a GPU;
-    // ZRUN_TORCH_EXT_NO_CUDA=1 builds CPU-only binaries without it.
-    let torch_cuda = torch.lib_dir.join("libtorch_cuda.so").exists()
+    // With feature `cuda` and a CUDA build of libtorch: keep libtorch_cuda.so linked (see
+    // the anchor in csrc/), so libtorch sees the GPUs. It costs about 230 MiB of RSS per
+    // process, so CPU builds (no feature) leave it out; ZRUN_TORCH_EXT_NO_CUDA=1 also does.
+    let torch_cuda = std::env::var_os("CARGO_FEATURE_CUDA").is_some()
+        && torch.lib_dir.join("libtorch_cuda.so").exists()
         && !matches!(env_rerun("ZRUN_TORCH_EXT_NO_CUDA").as_deref(), Some(v) if v != "0");
     let mut build = cc::Build::new();
     if torch_cuda {

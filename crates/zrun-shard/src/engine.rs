@@ -14,14 +14,15 @@
 
 use crate::init::{init_buffer, Extent};
 use crate::layout::{ShardLayout, UnitLayout};
+use crate::offload::{self, HostOptimizer};
 use crate::scaler::LossScaler;
 use crate::state::Mover;
-use crate::{Context, Error, MemoryLedger, Precision, ReduceDtype, Result, Stage};
+use crate::{Context, Error, MemoryLedger, Offload, Precision, ReduceDtype, Result, Stage};
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 use zrun_comm::Communicator;
 use zrun_models::Model;
-use zrun_optim::{clip_coefficient, AdamW, AdamWConfig};
+use zrun_optim::{clip_coefficient, AdamW, AdamWConfig, StateDtype};
 
 /// What the engine needs to know, resolved from the config once.
 #[derive(Clone, Copy, Debug)]
@@ -40,6 +41,12 @@ pub struct EngineConfig {
     pub initial_loss_scale: f64,
     /// fp16: clean steps before the loss scale doubles.
     pub loss_scale_window: u64,
+    /// Where the fp32 master and AdamW state live (stages 1-3 may offload to the host).
+    pub offload: Offload,
+    /// dtype of the offloaded AdamW moments.
+    pub optimizer_state_dtype: StateDtype,
+    /// Threads of the CPU AdamW (this rank's share of the node's cores).
+    pub optimizer_threads: usize,
     /// Device of compute and state.
     pub device: Device,
     /// Seed of the deterministic parameter init.
@@ -59,6 +66,9 @@ impl EngineConfig {
             prefetch: 1,
             initial_loss_scale: 65536.0,
             loss_scale_window: 1000,
+            offload: Offload::None,
+            optimizer_state_dtype: StateDtype::Fp32,
+            optimizer_threads: 1,
             device,
             seed,
             adamw,
@@ -79,6 +89,14 @@ pub struct StepStats {
     pub loss_scale: f64,
 }
 
+/// Where the AdamW step runs.
+pub(crate) enum Optimizer {
+    /// On the compute device, libtorch kernels over the owned shard.
+    Device(AdamW),
+    /// In host memory, the CPU AdamW (offload).
+    Host(HostOptimizer),
+}
+
 /// Drives one rank's training step unit by unit.
 pub struct Engine {
     pub(crate) model: Arc<dyn Model>,
@@ -90,7 +108,7 @@ pub struct Engine {
     pub(crate) master: Option<Tensor>,
     /// Reduce dtype. Stages 0-1: full gradients. Stages 2-3: this rank's reduced shard.
     pub(crate) grads: Tensor,
-    pub(crate) optimizer: AdamW,
+    pub(crate) optimizer: Optimizer,
     pub(crate) scaler: LossScaler,
 }
 
@@ -119,7 +137,14 @@ impl Engine {
         let init = |extent| init_buffer(model.as_ref(), &layout, cfg.seed, extent);
         let params =
             to_dev(init(param_extent)?, cfg.precision.kind()).ctx("place parameters", "-")?;
+        let offloaded = cfg.offload == Offload::Cpu;
+        if offloaded && !offload::supported(cfg.stage) {
+            return Err(Error::Unsupported(
+                "zero.offload_optimizer = \"cpu\" needs a sharded optimizer: set zero.stage to 1, 2 or 3".into(),
+            ));
+        }
         let master = match cfg.precision {
+            _ if offloaded => None,
             Precision::Fp32 => None,
             _ => Some(
                 to_dev(init(master_extent)?, Kind::Float).ctx("place master parameters", "-")?,
@@ -135,7 +160,20 @@ impl Engine {
             Extent::Full => (layout.full_numel(), layout.full_decay_ranges()),
             Extent::Shard => (layout.shard_numel(), layout.shard_decay_ranges()),
         };
-        let optimizer = AdamW::new(opt_numel, dev, cfg.adamw, decay)?;
+        let optimizer = if offloaded {
+            let host = HostOptimizer::new(
+                &layout,
+                init(Extent::Shard)?,
+                cfg.adamw,
+                cfg.optimizer_state_dtype,
+                cfg.optimizer_threads,
+                cfg.precision,
+                dev,
+            )?;
+            Optimizer::Host(host)
+        } else {
+            Optimizer::Device(AdamW::new(opt_numel, dev, cfg.adamw, decay)?)
+        };
         let scaler = LossScaler::new(
             cfg.precision == Precision::Fp16,
             cfg.initial_loss_scale,
@@ -176,12 +214,17 @@ impl Engine {
     /// Bytes this rank holds, by category, counted from the buffers actually allocated.
     pub fn memory(&self) -> MemoryLedger {
         let bytes = |t: &Tensor| t.numel() as i64 * t.kind().elt_size_in_bytes() as i64;
+        let (optimizer, host, host_buffers, scratch) = match &self.optimizer {
+            Optimizer::Device(a) => (a.state_bytes(), 0, 0, a.scratch_bytes()),
+            Optimizer::Host(h) => (0, h.state_bytes(), h.buffer_bytes(), 0),
+        };
         MemoryLedger {
             params: bytes(&self.params),
             grads: bytes(&self.grads),
             master: self.master.as_ref().map_or(0, bytes),
-            optimizer: self.optimizer.state_bytes(),
-            buffers: self.optimizer.scratch_bytes() + self.mover.peak_in_flight,
+            optimizer,
+            host,
+            buffers: scratch + host_buffers + self.mover.peak_in_flight,
         }
     }
 
@@ -268,17 +311,32 @@ impl Engine {
         let clip_coef = clip_coefficient(grad_norm, max_norm);
         self.scaler.update(applied);
         if applied {
-            let factor = clip_coef / loss_scale;
-            if factor != 1.0 {
-                for g in &grads {
-                    g.shallow_clone()
-                        .f_mul_scalar_(factor)
-                        .done("scale gradients", "-")?;
+            if let Optimizer::Host(h) = &mut self.optimizer {
+                // The CPU AdamW unscales and clips while it reads the staged gradients.
+                let (mover, params, stage) = (&self.mover, &self.params, self.cfg.stage);
+                let params_of = |u| match stage {
+                    Stage::Zero3 => mover.shard_of(params, u),
+                    _ => mover.owned(params, u),
+                };
+                h.step(&mover.layout, &grads, lr, clip_coef / loss_scale, params_of)?;
+                if matches!(stage, Stage::Zero1 | Stage::Zero2) {
+                    self.mover.all_gather_units(&self.params)?;
                 }
+            } else {
+                let factor = clip_coef / loss_scale;
+                if factor != 1.0 {
+                    for g in &grads {
+                        g.shallow_clone()
+                            .f_mul_scalar_(factor)
+                            .done("scale gradients", "-")?;
+                    }
+                }
+                let master = self.owned_master()?;
+                if let Optimizer::Device(a) = &mut self.optimizer {
+                    a.step_segments(&master, &grads, lr)?;
+                }
+                self.refresh_params()?;
             }
-            let master = self.owned_master()?;
-            self.optimizer.step_segments(&master, &grads, lr)?;
-            self.refresh_params()?;
         }
         self.grads.f_zero_().done("zero gradients", "-")?;
         Ok(StepStats {
@@ -295,10 +353,15 @@ impl Engine {
         let _guard = tch::no_grad_guard();
         // The fp32 source: the separate master, else the parameters themselves; it is a
         // shard (to gather) except for stage 0's master and stages 0-2's fp32 parameters.
-        let source = self.master.as_ref().unwrap_or(&self.params).shallow_clone();
-        let is_shard = match &self.master {
-            Some(_) => self.cfg.stage != Stage::Zero0,
-            None => self.cfg.stage == Stage::Zero3,
+        let (source, is_shard) = match (&self.optimizer, &self.master) {
+            (Optimizer::Host(h), _) => (
+                h.master()
+                    .f_to_device(self.cfg.device)
+                    .ctx("copy host master", "-")?,
+                true,
+            ),
+            (_, Some(m)) => (m.shallow_clone(), self.cfg.stage != Stage::Zero0),
+            (_, None) => (self.params.shallow_clone(), self.cfg.stage == Stage::Zero3),
         };
         let mut out = Vec::new();
         for u in 0..self.units_len() {

@@ -10,6 +10,7 @@ mod init;
 pub mod layout;
 mod memory;
 mod micro;
+mod offload;
 mod policy;
 mod scaler;
 mod state;
@@ -17,7 +18,8 @@ mod state;
 pub use engine::{Engine, EngineConfig, StepStats};
 pub use layout::{ShardLayout, UnitLayout, View};
 pub use memory::MemoryLedger;
-pub use policy::{Precision, ReduceDtype, Stage};
+pub use policy::{Offload, Precision, ReduceDtype, Stage};
+pub use zrun_optim::StateDtype;
 
 /// Errors of the engine.
 #[derive(Debug, thiserror::Error)]

@@ -11,16 +11,24 @@ pub struct MemoryLedger {
     pub grads: i64,
     /// fp32 master parameters, when separate from the compute parameters.
     pub master: i64,
-    /// Optimizer state (AdamW m and v).
+    /// Optimizer state (AdamW m and v) on the compute device.
     pub optimizer: i64,
+    /// fp32 master and AdamW state offloaded to host memory.
+    pub host: i64,
     /// Scratch and in-flight buffers (gathers, optimizer scratch).
     pub buffers: i64,
 }
 
 impl MemoryLedger {
-    /// Model states: parameters, gradients, master and optimizer state (the ZeRO formula's terms).
+    /// Model states: parameters, gradients, master and optimizer state (the ZeRO formula's
+    /// terms), wherever they live.
     pub fn model_states(&self) -> i64 {
-        self.params + self.grads + self.master + self.optimizer
+        self.params + self.grads + self.master + self.optimizer + self.host
+    }
+
+    /// Model states held on the compute device (all of them unless offloaded).
+    pub fn device_model_states(&self) -> i64 {
+        self.model_states() - self.host
     }
 
     /// Everything recorded, buffers included.
@@ -58,6 +66,7 @@ impl MemoryLedger {
                 4 * owned
             },
             optimizer: 8 * owned,
+            host: 0,
             buffers: 0,
         }
     }

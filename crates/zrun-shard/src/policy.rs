@@ -123,3 +123,23 @@ impl fmt::Display for ReduceDtype {
         })
     }
 }
+
+/// Where the fp32 master and the optimizer state live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Offload {
+    /// On the compute device.
+    #[default]
+    None,
+    /// In host memory, updated by the CPU AdamW.
+    Cpu,
+}
+
+impl fmt::Display for Offload {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Offload::None => "none",
+            Offload::Cpu => "cpu",
+        })
+    }
+}

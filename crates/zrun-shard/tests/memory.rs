@@ -7,7 +7,7 @@ use tch::{Device, Tensor};
 use zrun_comm::{Backend, Communicator, Error, ReduceOp, Work};
 use zrun_models::{Gpt, GptConfig, Model};
 use zrun_optim::AdamWConfig;
-use zrun_shard::{Engine, EngineConfig, Precision, ReduceDtype, Stage};
+use zrun_shard::{Engine, EngineConfig, Offload, Precision, ReduceDtype, Stage, StateDtype};
 
 /// Rank and world size only: building an engine allocates but never communicates.
 struct Placement {
@@ -247,4 +247,53 @@ fn the_static_plan_matches_what_the_engine_allocates() {
             );
         }
     }
+}
+
+#[test]
+fn offloaded_optimizer_bytes_are_on_the_host_and_none_on_the_device() {
+    let gpt = Gpt::new(GptConfig::preset("tiny").unwrap()).unwrap();
+    let model: Arc<dyn Model> = Arc::new(gpt);
+    let adamw = AdamWConfig {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+        for (precision, state, moment_bytes) in [
+            (Precision::Fp32, StateDtype::Fp32, 8),
+            (Precision::Bf16, StateDtype::Bf16, 4),
+        ] {
+            let comm = Arc::new(Placement { rank: 1, world: 2 });
+            let cfg = EngineConfig {
+                precision,
+                offload: Offload::Cpu,
+                optimizer_state_dtype: state,
+                ..EngineConfig::fp32(stage, Device::Cpu, 1, adamw)
+            };
+            let e = Engine::new(model.clone(), comm, cfg).unwrap();
+            let m = e.memory();
+            let s = e.layout().shard_numel();
+            let what = format!("stage {stage} {precision} state {state}");
+            assert_eq!(
+                (m.optimizer, m.master),
+                (0, 0),
+                "{what}: nothing of the optimizer on the device"
+            );
+            assert_eq!(
+                m.host,
+                4 * s + moment_bytes * s,
+                "{what}: fp32 master + moments on the host"
+            );
+            assert_eq!(m.device_model_states(), m.params + m.grads, "{what}");
+        }
+    }
+    // Stage 0 has nothing sharded to offload: a clear error.
+    let comm = Arc::new(Placement { rank: 0, world: 2 });
+    let cfg = EngineConfig {
+        offload: Offload::Cpu,
+        ..EngineConfig::fp32(Stage::Zero0, Device::Cpu, 1, adamw)
+    };
+    let err = Engine::new(model, comm, cfg).err().unwrap().to_string();
+    assert!(err.contains("zero.stage to 1, 2 or 3"), "{err}");
 }

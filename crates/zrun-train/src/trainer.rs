@@ -59,7 +59,7 @@ impl Run {
             local_world_size,
         };
         let base_rss = rss_bytes().0;
-        set_threads(cfg.train.threads, rank.local_world_size);
+        let threads = set_threads(cfg.train.threads, rank.local_world_size);
         let gpt = cfg.gpt()?;
         let dataset = Arc::new(Dataset::open(&data_options(
             cfg,
@@ -79,6 +79,9 @@ impl Run {
                 prefetch: cfg.zero.prefetch,
                 initial_loss_scale: cfg.zero.initial_loss_scale,
                 loss_scale_window: cfg.zero.loss_scale_window,
+                offload: cfg.zero.offload_optimizer,
+                optimizer_state_dtype: cfg.zero.optimizer_state_dtype,
+                optimizer_threads: threads,
                 device: device(cfg.dist.device)?,
                 seed: t.seed,
                 adamw: AdamWConfig {
@@ -187,16 +190,17 @@ impl Run {
         let tokens_per_step =
             (t.grad_accum * r.world_size * t.micro_batch) as f64 * self.model.seq_len() as f64;
         let mem = self.engine.memory();
-        if r.rank == 0 {
-            tracing::info!(
-                params = self.model.param_count(),
-                model_state_mib = mem.model_states() >> 20,
-                loss_floor = ?self.loss_floor(),
-                "training {} steps of {} tokens",
-                t.steps,
-                tokens_per_step
-            );
-        }
+        // Every rank announces itself with its own bytes; rank 0 then speaks for the job.
+        tracing::info!(
+            params = self.model.param_count(),
+            model_state_mib = mem.model_states() >> 20,
+            loss_floor = ?self.loss_floor(),
+            "rank {}/{}: training {} steps of {} tokens",
+            r.rank,
+            r.world_size,
+            t.steps,
+            tokens_per_step
+        );
         let mut rates = Vec::new();
         let mut last_loss = f64::NAN;
         let mut eval_loss = None;
@@ -350,7 +354,7 @@ fn device(choice: DeviceChoice) -> Result<Device, Error> {
 
 /// libtorch intra-op threads: `train.threads`, else OMP_NUM_THREADS, else this rank's
 /// share of the node's cores.
-fn set_threads(configured: usize, local_world_size: usize) {
+fn set_threads(configured: usize, local_world_size: usize) -> usize {
     let from_env = std::env::var("OMP_NUM_THREADS")
         .ok()
         .and_then(|v| v.parse::<usize>().ok());
@@ -361,6 +365,7 @@ fn set_threads(configured: usize, local_world_size: usize) {
         (n, _) => n,
     };
     tch::set_num_threads(n as i32);
+    n
 }
 
 fn torch(e: tch::TchError) -> Error {

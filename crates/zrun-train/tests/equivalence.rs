@@ -59,9 +59,7 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 fn overrides(dir: &Path, stage: u8, micro_batch: usize, accum: usize) -> Vec<String> {
-    let ckpt = std::env::var("ZRUN_EQ_CKPT").is_ok_and(|v| v == "1");
     vec![
-        format!("zero.activation_checkpointing={ckpt}"),
         format!("zero.stage={stage}"),
         format!("train.micro_batch={micro_batch}"),
         format!("train.grad_accum={accum}"),
@@ -154,23 +152,25 @@ fn reference(name: &str, micro_batch: usize, accum: usize) -> Trained {
 
 /// `world` real processes over tcp, the store hosted here.
 fn distributed(name: &str, world: usize, stage: u8, micro_batch: usize, accum: usize) -> Trained {
-    distributed_with(name, world, stage, micro_batch, accum, false)
+    distributed_with(name, world, stage, micro_batch, accum, &[])
 }
 
-/// As `distributed`, optionally with activation checkpointing in every rank.
+/// As `distributed`, with `extra` config overrides in every rank.
 fn distributed_with(
     name: &str,
     world: usize,
     stage: u8,
     micro_batch: usize,
     accum: usize,
-    ckpt: bool,
+    extra: &[&str],
 ) -> Trained {
     let dir = scratch(name);
     let config = config_file(&dir);
     let token = format!("eq-{}-{name}", std::process::id());
     let store = StoreServer::start("127.0.0.1:0", &token).unwrap();
-    let sets = overrides(&dir, stage, micro_batch, accum).join("\n");
+    let mut sets = overrides(&dir, stage, micro_batch, accum);
+    sets.extend(extra.iter().map(|s| s.to_string()));
+    let sets = sets.join("\n");
     let mut children = Vec::new();
     for rank in 0..world {
         let child = Command::new(std::env::current_exe().unwrap())
@@ -194,7 +194,6 @@ fn distributed_with(
             .env("ZRUN_JOB_TOKEN", &token)
             .env("ZRUN_STORE_EXTERNAL", "1")
             .env("OMP_NUM_THREADS", "1")
-            .env("ZRUN_EQ_CKPT", if ckpt { "1" } else { "0" })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -281,6 +280,14 @@ fn check_stage(stage: u8) {
         &got,
         &want,
     );
+    // Activation checkpointing on every rank.
+    let ckpt = ["zero.activation_checkpointing=true"];
+    let got = distributed_with(&format!("s{stage}-ckpt"), 3, stage, 4, 1, &ckpt);
+    assert_same(
+        &format!("stage {stage}, 3 ranks, activation checkpointing"),
+        &got,
+        &want,
+    );
 }
 
 #[test]
@@ -309,6 +316,26 @@ fn accumulation_at_one_rank_matches_one_big_batch() {
     let want = reference("acc-ref", GLOBAL_BATCH, 1);
     let got = reference("acc-4x3", 3, 4);
     assert_same("1 rank, 4 micro-steps", &got, &want);
+}
+
+#[test]
+fn cpu_offload_trains_like_the_device_optimizer() {
+    // fp32, 2 ranks, stages 1-3: the CPU AdamW in host memory against libtorch's on the device.
+    for stage in [1u8, 2, 3] {
+        let want = distributed(&format!("off-ref-s{stage}"), 2, stage, 6, 1);
+        let offload = ["zero.offload_optimizer=\"cpu\""];
+        let got = distributed_with(&format!("off-s{stage}"), 2, stage, 6, 1, &offload);
+        for (step, (a, b)) in got.losses.iter().zip(&want.losses).enumerate() {
+            let rel = (a - b).abs() / b.abs();
+            assert!(
+                rel <= 1e-6,
+                "stage {stage}, offload: step {} loss {a} vs {b} ({rel:e})",
+                step + 1
+            );
+        }
+        assert_eq!(got.losses.len(), STEPS);
+        assert_same(&format!("stage {stage}, offload"), &got, &want);
+    }
 }
 
 /// One rank of a distributed run (started by the tests above, not on its own).

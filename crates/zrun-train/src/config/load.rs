@@ -4,7 +4,7 @@ use super::{Config, ConfigError, DataKind};
 use std::fmt::Display;
 use std::path::Path;
 use zrun_models::GptConfig;
-use zrun_shard::{Precision, ReduceDtype};
+use zrun_shard::{Offload, Precision, ReduceDtype, Stage, StateDtype};
 
 impl Config {
     /// Reads `path`, applies `overrides` (`key.path=value`, value in TOML syntax or a bare
@@ -206,6 +206,20 @@ impl Config {
                 "zero.initial_loss_scale",
                 z.initial_loss_scale,
                 "must be a finite number >= 1",
+            );
+        }
+        if z.offload_optimizer == Offload::Cpu && z.stage == Stage::Zero0 {
+            return bad(
+                "zero.offload_optimizer",
+                "\"cpu\"",
+                "needs a sharded optimizer: set zero.stage to 1, 2 or 3",
+            );
+        }
+        if z.optimizer_state_dtype == StateDtype::Bf16 && z.offload_optimizer != Offload::Cpu {
+            return bad(
+                "zero.optimizer_state_dtype",
+                "\"bf16\"",
+                "bf16 moments are kept by the CPU AdamW only: set zero.offload_optimizer = \"cpu\"",
             );
         }
         if z.loss_scale_window == 0 {

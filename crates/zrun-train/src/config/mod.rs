@@ -9,7 +9,7 @@ mod load;
 
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
-use zrun_shard::{Precision, ReduceDtype, Stage};
+use zrun_shard::{Offload, Precision, ReduceDtype, Stage, StateDtype};
 
 /// A config that cannot be used: one line, naming where, which key and what to do.
 #[derive(Debug, thiserror::Error)]
@@ -199,6 +199,10 @@ pub struct ZeroConfig {
     pub initial_loss_scale: f64,
     /// fp16: clean steps before the loss scale doubles.
     pub loss_scale_window: u64,
+    /// Where the fp32 master and AdamW state live: none (device) or cpu (host memory).
+    pub offload_optimizer: Offload,
+    /// dtype of the offloaded AdamW moments: fp32 or bf16.
+    pub optimizer_state_dtype: StateDtype,
 }
 
 impl Default for ZeroConfig {
@@ -211,6 +215,8 @@ impl Default for ZeroConfig {
             prefetch: 1,
             initial_loss_scale: 65536.0,
             loss_scale_window: 1000,
+            offload_optimizer: Offload::None,
+            optimizer_state_dtype: StateDtype::Fp32,
         }
     }
 }
