@@ -7,6 +7,7 @@
 //!     zrun --dry-run --nproc 8 train.toml                      # layout and bytes per rank
 //!     zrun exec --nproc 2 -- sh -c 'echo $RANK'                # any program as the ranks
 //!     zrun bench comm --nproc 2                                # collective bandwidth
+//!     zrun bench adam --params 50M --threads 2                 # CPU AdamW Gparam/s
 //!
 //! Launcher or rank: a process whose environment holds rank variables (zrun's and torchrun's
 //! `RANK`/`WORLD_SIZE`, OpenMPI's, PMI's or Slurm's) trains as that one rank; without them it
@@ -18,6 +19,7 @@
 //! 128+N when the launcher was stopped by signal N.
 
 mod bench;
+mod bench_adam;
 mod launch;
 mod worker;
 
@@ -78,6 +80,8 @@ struct ExecArgs {
 enum BenchCmd {
     /// Collective bandwidth and correctness, nccl-tests style.
     Comm(bench::CommArgs),
+    /// Throughput of the CPU AdamW of optimizer offload (Gparam/s).
+    Adam(bench_adam::AdamArgs),
 }
 
 fn main() -> ExitCode {
@@ -85,6 +89,7 @@ fn main() -> ExitCode {
     init_logging();
     let result = match cli.command {
         Some(Cmd::Bench(BenchCmd::Comm(ref args))) => bench::run_comm(args).map(|()| 0),
+        Some(Cmd::Bench(BenchCmd::Adam(ref args))) => bench_adam::run_adam(args).map(|()| 0),
         Some(Cmd::Exec(ref e)) => exec(e),
         None => train(&cli),
     };
