@@ -97,6 +97,17 @@ fn collect(mut r: impl Read + Send + 'static) -> (Arc<Mutex<String>>, std::threa
     (buf, reader)
 }
 
+/// A test that fails midway must not leave its job running: kill zrun (its ranks follow
+/// through their parent-death signal).
+impl Drop for Job {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 impl Job {
     /// Starts `zrun` with `args` and extra `env`.
     pub fn start(args: &[&str], env: &[(&str, &str)]) -> Job {
