@@ -45,9 +45,19 @@ fn engine(m: Arc<dyn Model>) -> Engine {
     engine_at(m, Stage::Zero0)
 }
 
+/// Token ids from a local generator: libtorch's global one is shared by the tests running
+/// in parallel threads, so it cannot reproduce a batch.
 fn batch(seed: i64, b: i64, t: i64, v: i64) -> (Tensor, Tensor) {
-    tch::manual_seed(seed);
-    let all = Tensor::randint(v, [b, t + 1], (Kind::Int64, Device::Cpu));
+    let mut state = seed as u64 ^ 0x9e37_79b9_7f4a_7c15;
+    let ids: Vec<i64> = (0..b * (t + 1))
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) % v as u64) as i64
+        })
+        .collect();
+    let all = Tensor::from_slice(&ids).view([b, t + 1]);
     (all.narrow(1, 0, t), all.narrow(1, 1, t))
 }
 
