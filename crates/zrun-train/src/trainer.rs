@@ -219,7 +219,6 @@ impl Run {
             }
             let lr = schedule.at(step);
             let stats = self.engine.step(lr, t.grad_clip)?;
-            let loss = self.average(loss)?; // the global batch's mean loss
             let overflow_skip = !stats.applied && self.cfg.zero.precision == Precision::Fp16;
             if overflow_skip {
                 skipped += 1;
@@ -229,7 +228,8 @@ impl Run {
                     stats.loss_scale,
                     self.engine.loss_scale()
                 );
-            } else if !stats.applied || !loss.is_finite() {
+            } else if !stats.applied {
+                // The gradient norm is global: every rank stops here together.
                 return Err(Error::NonFinite {
                     step: step + 1,
                     loss,
@@ -240,7 +240,6 @@ impl Run {
             if step > 0 || t.steps == 1 {
                 rates.push(tokens_per_step / dt);
             }
-            last_loss = loss;
             let done = step + 1;
             let evaluate = t.eval_every > 0 && done % t.eval_every == 0 || done == t.steps;
             eval_loss = if evaluate {
@@ -248,7 +247,10 @@ impl Run {
             } else {
                 None
             };
+            // Only logged steps need the job's mean loss: one small all-reduce, not every step.
             if done % every == 0 || done == t.steps || eval_loss.is_some() {
+                let loss = self.average(loss)?;
+                last_loss = loss;
                 let (rss, peak) = rss_bytes();
                 let mem = self.engine.memory();
                 let tokens_per_s = tokens_per_step / dt;
@@ -261,12 +263,8 @@ impl Run {
                     step_time_s: dt,
                     mfu: peak_flops
                         .map(|p| tokens_per_s / r.world_size as f64 * flops_per_token / p),
-                    loss_scale: overflow_skip.then_some(stats.loss_scale).or((self
-                        .cfg
-                        .zero
-                        .precision
-                        == Precision::Fp16)
-                        .then_some(stats.loss_scale)),
+                    loss_scale: (self.cfg.zero.precision == Precision::Fp16)
+                        .then_some(stats.loss_scale),
                     skipped: overflow_skip,
                     model_state_bytes: mem.model_states(),
                     engine_bytes: mem.total(),
