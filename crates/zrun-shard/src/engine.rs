@@ -97,6 +97,17 @@ pub(crate) enum Optimizer {
     Host(HostOptimizer),
 }
 
+/// An optimizer update that runs during the last micro-step's backward (CPU offload).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum EarlyStep {
+    /// The step's update waits for [`Engine::step`].
+    Off,
+    /// The next micro-step's backward updates each unit as its gradient shard is final.
+    Armed { lr: f64, max_norm: f64 },
+    /// The last backward has submitted its units' updates.
+    Submitted { lr: f64, max_norm: f64 },
+}
+
 /// Drives one rank's training step unit by unit.
 pub struct Engine {
     pub(crate) model: Arc<dyn Model>,
@@ -110,6 +121,7 @@ pub struct Engine {
     pub(crate) grads: Tensor,
     pub(crate) optimizer: Optimizer,
     pub(crate) scaler: LossScaler,
+    pub(crate) early: EarlyStep,
 }
 
 impl Engine {
@@ -188,6 +200,7 @@ impl Engine {
             grads,
             optimizer,
             scaler,
+            early: EarlyStep::Off,
         })
     }
 
@@ -283,12 +296,46 @@ impl Engine {
         Ok(())
     }
 
+    /// Whether a step's update can overlap the last backward: with the optimizer on the host
+    /// and gradients reduced per unit (stages 2-3), when the update needs no figure of the
+    /// whole gradient (no clipping, no fp16 loss scale and its overflow check).
+    pub fn can_overlap_step(&self, max_norm: f64) -> bool {
+        matches!(self.optimizer, Optimizer::Host(_))
+            && matches!(self.cfg.stage, Stage::Zero2 | Stage::Zero3)
+            && max_norm <= 0.0
+            && self.cfg.precision != Precision::Fp16
+    }
+
+    /// Announces that the next [`Engine::forward_backward`] is the last micro-step before
+    /// `step(lr, max_norm)`. Where [`Engine::can_overlap_step`], that backward then hands each
+    /// unit's final gradient shard to the CPU AdamW, which updates the unit on its own thread
+    /// while backward goes on with earlier units; returns whether it will. Results are
+    /// bitwise those of updating at `step`.
+    pub fn prepare_step(&mut self, lr: f64, max_norm: f64) -> bool {
+        let overlap = self.can_overlap_step(max_norm);
+        self.early = if overlap {
+            EarlyStep::Armed { lr, max_norm }
+        } else {
+            EarlyStep::Off
+        };
+        overlap
+    }
+
     /// Finishes the gradient reduction of the step, unscales (fp16), clips to `max_norm`
     /// (<= 0: off) by the global norm, applies AdamW with `lr`, refreshes the compute
     /// parameters and clears the gradients. A step whose gradients are not finite on any
     /// rank is skipped (and with fp16 the loss scale halves).
     pub fn step(&mut self, lr: f64, max_norm: f64) -> Result<StepStats> {
         let _guard = tch::no_grad_guard();
+        let early = std::mem::replace(&mut self.early, EarlyStep::Off);
+        if let EarlyStep::Submitted { lr: l, max_norm: m } = early {
+            if (l, m) != (lr, max_norm) {
+                return Err(Error::Unsupported(format!(
+                    "step(lr {lr}, max_norm {max_norm}) after prepare_step(lr {l}, max_norm {m}): they must agree"
+                )));
+            }
+        }
+        let overlapped = matches!(early, EarlyStep::Submitted { .. });
         match self.cfg.stage {
             Stage::Zero0 => self.mover.all_reduce_units(&self.grads)?,
             Stage::Zero1 => self.mover.reduce_scatter_units(&self.grads)?,
@@ -310,7 +357,15 @@ impl Engine {
         let applied = grad_norm.is_finite();
         let clip_coef = clip_coefficient(grad_norm, max_norm);
         self.scaler.update(applied);
-        if applied {
+        if overlapped {
+            // Every unit was updated during backward; wait for the last of them.
+            if let Optimizer::Host(h) = &mut self.optimizer {
+                h.finish()?;
+            }
+            if self.cfg.stage == Stage::Zero2 {
+                self.mover.all_gather_units(&self.params)?;
+            }
+        } else if applied {
             if let Optimizer::Host(h) = &mut self.optimizer {
                 // The CPU AdamW unscales and clips while it reads the staged gradients.
                 let (mover, params, stage) = (&self.mover, &self.params, self.cfg.stage);
@@ -351,6 +406,9 @@ impl Engine {
     /// ranks where sharded: every rank must call).
     pub fn full_parameters(&mut self) -> Result<Vec<(String, Tensor)>> {
         let _guard = tch::no_grad_guard();
+        if let Optimizer::Host(h) = &mut self.optimizer {
+            h.finish()?;
+        }
         // The fp32 source: the separate master, else the parameters themselves; it is a
         // shard (to gather) except for stage 0's master and stages 0-2's fp32 parameters.
         let (source, is_shard) = match (&self.optimizer, &self.master) {

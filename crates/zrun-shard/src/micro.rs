@@ -5,7 +5,7 @@
 //! Stages 2-3 reduce each unit's gradient as soon as its backward is done. Activation
 //! checkpointing keeps only unit inputs and recomputes each unit's forward in its backward.
 
-use crate::engine::{views, Engine};
+use crate::engine::{views, EarlyStep, Engine, Optimizer};
 use crate::state::{Mover, Pending};
 use crate::{Context, Error, Result, Stage};
 use std::collections::VecDeque;
@@ -95,6 +95,12 @@ impl Engine {
             self.cfg.stage,
             self.cfg.activation_checkpointing,
         );
+        if let EarlyStep::Armed { lr, max_norm } = self.early {
+            if let Optimizer::Host(h) = &mut self.optimizer {
+                h.begin_step()?;
+                self.early = EarlyStep::Submitted { lr, max_norm };
+            }
+        }
         let mut x = inputs
             .f_to_device(dev)
             .ctx("move inputs to the device", "-")?;
@@ -254,7 +260,21 @@ impl Engine {
         acc.f_add_(&shard).done(
             "accumulate gradient shard",
             &self.mover.layout.units[u].unit,
-        )
+        )?;
+        if let EarlyStep::Submitted { lr, .. } = self.early {
+            // The unit's gradient is final: its update overlaps the rest of backward. The
+            // parameters are written through an alias with its own version counter: autograd
+            // still holds views of the earlier units, which share the parameters' counter.
+            let dst = match self.cfg.stage {
+                Stage::Zero3 => self.mover.shard_of(&self.params, u)?,
+                _ => self.mover.owned(&self.params, u)?,
+            }
+            .data();
+            if let Optimizer::Host(h) = &mut self.optimizer {
+                h.submit(&self.mover.layout, u, &acc, lr, dst)?;
+            }
+        }
+        Ok(())
     }
 
     /// This rank's mean loss of a batch, without gradients.

@@ -1,23 +1,78 @@
 //! CPU offload of the optimizer: the fp32 master shard and AdamW m, v live in host memory
-//! (pinned where CUDA is present); the rank's reduced gradient shard is copied to the host,
-//! the CPU AdamW updates each unit's slice and writes the new parameters back in the compute
+//! (pinned where CUDA is present); each unit's reduced gradient shard is copied to the host,
+//! the CPU AdamW updates that unit's slice and writes the new parameters back in the compute
 //! dtype (straight into the parameters when they are in host memory too).
+//!
+//! Updates run either inline at the optimizer step, or on a worker thread while backward goes
+//! on with earlier units ([`HostOptimizer::submit`]); both run the same [`run`] per unit, so
+//! their results are bitwise the same.
 
 use crate::layout::ShardLayout;
 use crate::{Context, Error, Precision, Result, Stage};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
 use tch::{Device, Kind, Tensor};
 use zrun_optim::{AdamWConfig, CpuAdamW, HalfKind, StateDtype};
 
 /// The optimizer side of a rank whose optimizer state is offloaded to the host.
 pub(crate) struct HostOptimizer {
-    adam: CpuAdamW,
+    /// The AdamW state; lent to the worker thread while updates are in flight.
+    adam: Option<CpuAdamW>,
     /// fp32 master shard, units back to back in `shard_offsets` order.
     master: Tensor,
     /// fp32 gradient shard staged on the host, same layout.
     grads: Tensor,
     /// 16-bit copy of the new parameters when they must travel to a device.
     staging: Option<Tensor>,
-    precision: Precision,
+    half: Option<HalfKind>,
+    worker: Option<Worker>,
+}
+
+/// One unit's update: where its elements are and where the new parameters go.
+struct Job {
+    unit: String,
+    off: usize,
+    len: usize,
+    lr: f64,
+    grad_scale: f32,
+    /// This rank's slice of the unit in the compute parameters.
+    dst: Tensor,
+    /// How the new parameters reach `dst`.
+    route: Route,
+}
+
+/// How a job's new parameters reach the compute parameters.
+enum Route {
+    /// `dst` is contiguous host memory of the compute dtype: written by the update itself.
+    Direct,
+    /// Through the 16-bit host staging slice, then a copy to `dst` (on a device).
+    Staged(Tensor),
+    /// fp32 parameters on a device: a copy from the master.
+    FromMaster,
+}
+
+/// A copy into the compute parameters that the thread driving the model makes: libtorch
+/// state that autograd watches is only touched there.
+struct Transfer {
+    unit: String,
+    dst: Tensor,
+    src: Tensor,
+}
+
+impl Transfer {
+    fn apply(mut self) -> Result<()> {
+        self.dst
+            .f_copy_(&self.src)
+            .ctx("copy parameters to the device", &self.unit)
+    }
+}
+
+/// The thread that runs submitted updates in order.
+struct Worker {
+    jobs: mpsc::Sender<Job>,
+    results: mpsc::Receiver<Result<Option<Transfer>>>,
+    handle: JoinHandle<CpuAdamW>,
+    pending: usize,
 }
 
 /// A host tensor, pinned when CUDA is present so device copies are asynchronous DMA.
@@ -38,6 +93,65 @@ fn host_tensor(numel: i64, kind: Kind, device: Device) -> Result<Tensor> {
 unsafe fn slice_mut<'a, T>(base: *mut std::ffi::c_void, off: usize, len: usize) -> &'a mut [T] {
     // SAFETY: guaranteed by the caller (see above).
     unsafe { std::slice::from_raw_parts_mut((base as *mut T).add(off), len) }
+}
+
+/// Updates one unit's slice of the shard and writes its new parameters where they live in
+/// host memory; returns the copy still to make when they live on a device. Touches no
+/// libtorch state, only the memory of the buffers, so it may run on any thread.
+///
+/// The master and gradient ranges of a job belong to its unit alone: the caller stages the
+/// unit's gradients before the job starts and touches neither range until it has finished.
+fn run(
+    adam: &mut CpuAdamW,
+    master: &Tensor,
+    grads: &Tensor,
+    half: Option<HalfKind>,
+    job: Job,
+) -> Result<Option<Transfer>> {
+    let Job {
+        unit,
+        off,
+        len,
+        lr,
+        grad_scale,
+        dst,
+        route,
+    } = job;
+    // SAFETY: master and grads are contiguous fp32 host tensors of the shard size, and
+    // [off, off + len) is this job's unit, which nothing else touches while it runs (see
+    // above); a 16-bit target is the contiguous staging slice or the contiguous host slice
+    // `dst` of this unit (`Route::Direct`), likewise untouched by others meanwhile.
+    let (m, g) = unsafe {
+        (
+            slice_mut::<f32>(master.data_ptr(), off, len),
+            slice_mut::<f32>(grads.data_ptr(), off, len),
+        )
+    };
+    let out = match (half, &route) {
+        (Some(kind), Route::Staged(st)) => {
+            Some((unsafe { slice_mut::<u16>(st.data_ptr(), 0, len) }, kind))
+        }
+        (Some(kind), Route::Direct) => {
+            Some((unsafe { slice_mut::<u16>(dst.data_ptr(), 0, len) }, kind))
+        }
+        _ => None,
+    };
+    adam.update(off, m, g, lr, grad_scale, out)?;
+    Ok(match (half, route) {
+        (None, Route::Direct) => {
+            // SAFETY: `dst` is this unit's contiguous fp32 host slice of `len` elements.
+            unsafe { slice_mut::<f32>(dst.data_ptr(), 0, len) }.copy_from_slice(m);
+            None
+        }
+        (Some(_), Route::Direct) => None, // written by the update
+        (_, Route::Staged(src)) => Some(Transfer { unit, dst, src }),
+        (_, Route::FromMaster) => {
+            let src = master
+                .f_narrow(0, off as i64, len as i64)
+                .ctx("slice master", &unit)?;
+            Some(Transfer { unit, dst, src })
+        }
+    })
 }
 
 impl HostOptimizer {
@@ -67,23 +181,34 @@ impl HostOptimizer {
             _ if device.is_cuda() => Some(host_tensor(n, precision.kind(), device)?),
             _ => None,
         };
+        let half = match precision {
+            Precision::Fp32 => None,
+            Precision::Bf16 => Some(HalfKind::Bf16),
+            Precision::Fp16 => Some(HalfKind::Fp16),
+        };
         Ok(HostOptimizer {
-            adam: CpuAdamW::new(n as usize, cfg, decay, state, threads.max(1)),
+            adam: Some(CpuAdamW::new(n as usize, cfg, decay, state, threads.max(1))),
             master,
             grads: host_tensor(n, Kind::Float, device)?,
             staging,
-            precision,
+            half,
+            worker: None,
         })
     }
 
-    /// The host fp32 master shard.
+    /// The host fp32 master shard (complete once [`HostOptimizer::finish`] has returned).
     pub(crate) fn master(&self) -> &Tensor {
         &self.master
     }
 
     /// Host bytes of master and optimizer state.
     pub(crate) fn state_bytes(&self) -> i64 {
-        4 * self.master.numel() as i64 + self.adam.state_bytes() as i64
+        let n = self.master.numel() as i64;
+        let per_element = match self.adam.as_ref().map(CpuAdamW::state_dtype) {
+            Some(StateDtype::Bf16) => 4,
+            _ => 8,
+        };
+        4 * n + per_element * n
     }
 
     /// Host bytes of staging buffers.
@@ -92,8 +217,71 @@ impl HostOptimizer {
         bytes(&self.grads) + self.staging.as_ref().map_or(0, bytes)
     }
 
-    /// One AdamW step: stages the owned gradient `segments` (any dtype and device, laid end
-    /// to end in shard order) on the host, updates every unit's slice with `lr` and
+    fn adam(&mut self) -> Result<&mut CpuAdamW> {
+        self.adam.as_mut().ok_or_else(|| {
+            Error::Unsupported("the CPU AdamW is busy: finish the submitted updates first".into())
+        })
+    }
+
+    /// Starts an optimizer step (its bias corrections); updates of it may follow.
+    pub(crate) fn begin_step(&mut self) -> Result<()> {
+        self.adam()?.begin_step();
+        Ok(())
+    }
+
+    /// Copies `grad` (any dtype and device) into the host gradients at shard offset `at`.
+    fn stage(&mut self, at: i64, grad: &Tensor, unit: &str) -> Result<()> {
+        let mut dst = self
+            .grads
+            .f_narrow(0, at, grad.numel() as i64)
+            .ctx("stage gradients", unit)?;
+        dst.f_copy_(grad).ctx("copy gradients to the host", unit)
+    }
+
+    /// The job of unit `u`, its parameters going to `dst`.
+    fn job(
+        &self,
+        layout: &ShardLayout,
+        u: usize,
+        lr: f64,
+        grad_scale: f64,
+        dst: Tensor,
+    ) -> Result<Job> {
+        let l = &layout.units[u];
+        let (off, len) = (layout.shard_offsets[u], l.shard_len());
+        // Host parameters are written in place, device ones through a copy.
+        let kind = match self.half {
+            None => Kind::Float,
+            Some(HalfKind::Bf16) => Kind::BFloat16,
+            Some(HalfKind::Fp16) => Kind::Half,
+        };
+        let direct = dst.device() == Device::Cpu && dst.is_contiguous() && dst.kind() == kind;
+        let route = match (self.half, direct, &self.staging) {
+            (_, true, _) => Route::Direct,
+            (None, false, _) => Route::FromMaster,
+            (Some(_), false, Some(st)) => {
+                Route::Staged(st.f_narrow(0, off, len).ctx("slice staging", &l.unit)?)
+            }
+            (Some(_), false, None) => {
+                return Err(Error::Unsupported(format!(
+                    "unit `{}`: 16-bit parameters off the host need a staging buffer",
+                    l.unit
+                )))
+            }
+        };
+        Ok(Job {
+            unit: l.unit.clone(),
+            off: off as usize,
+            len: len as usize,
+            lr,
+            grad_scale: grad_scale as f32,
+            dst,
+            route,
+        })
+    }
+
+    /// One whole AdamW step at the optimizer step: stages the owned gradient `segments`
+    /// (laid end to end in shard order) on the host, updates every unit's slice with `lr` and
     /// `grad_scale` (unscaling and clipping), and writes the new compute-dtype parameters into
     /// `params_of(u)`, this rank's slice of unit `u` in the compute parameters.
     pub(crate) fn step(
@@ -106,72 +294,117 @@ impl HostOptimizer {
     ) -> Result<()> {
         let mut at = 0;
         for g in segments {
-            let n = g.numel() as i64;
-            let mut dst = self.grads.f_narrow(0, at, n).ctx("stage gradients", "-")?;
-            dst.f_copy_(g).ctx("copy gradients to the host", "-")?;
-            at += n;
+            self.stage(at, g, "-")?;
+            at += g.numel() as i64;
         }
-        self.adam.begin_step();
-        let half = match self.precision {
-            Precision::Fp32 => None,
-            Precision::Bf16 => Some(HalfKind::Bf16),
-            Precision::Fp16 => Some(HalfKind::Fp16),
-        };
-        for (u, l) in layout.units.iter().enumerate() {
-            let (off, len) = (layout.shard_offsets[u] as usize, l.shard_len() as usize);
-            let mut dst = params_of(u)?;
-            // Where the 16-bit copy goes: straight into CPU parameters, else a host staging slice.
-            let direct = dst.device() == Device::Cpu && dst.is_contiguous();
-            let staged = match (half, direct) {
-                (Some(_), false) => {
-                    let st = self
-                        .staging
-                        .as_ref()
-                        .ok_or_else(|| Error::Unsupported("no staging buffer".into()))?;
-                    Some(
-                        st.f_narrow(0, off as i64, len as i64)
-                            .ctx("slice staging", &l.unit)?,
-                    )
-                }
-                _ => None,
-            };
-            {
-                // SAFETY: master and grads are contiguous fp32 host tensors of the shard size owned
-                // here; `dst` (direct) is this rank's contiguous 16-bit CPU slice of unit `u`, and
-                // the staging slice a contiguous 16-bit host tensor; nothing else touches them
-                // during the update.
-                let (m, g) = unsafe {
-                    (
-                        slice_mut::<f32>(self.master.data_ptr(), off, len),
-                        slice_mut::<f32>(self.grads.data_ptr(), off, len),
-                    )
-                };
-                let out = match (half, &staged) {
-                    (Some(kind), Some(st)) => {
-                        Some((unsafe { slice_mut::<u16>(st.data_ptr(), 0, len) }, kind))
-                    }
-                    (Some(kind), None) => {
-                        Some((unsafe { slice_mut::<u16>(dst.data_ptr(), 0, len) }, kind))
-                    }
-                    (None, _) => None,
-                };
-                self.adam.update(off, m, g, lr, grad_scale as f32, out)?;
-            }
-            match (half, staged) {
-                (None, _) => {
-                    let src = self
-                        .master
-                        .f_narrow(0, off as i64, len as i64)
-                        .ctx("slice master", &l.unit)?;
-                    dst.f_copy_(&src).ctx("write parameters", &l.unit)?;
-                }
-                (Some(_), Some(st)) => dst
-                    .f_copy_(&st)
-                    .ctx("copy parameters to the device", &l.unit)?,
-                (Some(_), None) => {} // written in place
+        self.begin_step()?;
+        for u in 0..layout.units.len() {
+            let job = self.job(layout, u, lr, grad_scale, params_of(u)?)?;
+            let half = self.half;
+            let adam = self.adam.as_mut().expect("begin_step checked it is here");
+            if let Some(t) = run(adam, &self.master, &self.grads, half, job)? {
+                t.apply()?;
             }
         }
         Ok(())
+    }
+
+    /// Stages unit `u`'s final reduced gradient shard `grad` and hands its update to the
+    /// worker thread, which runs it while the caller goes on (backward of earlier units).
+    /// The step must have begun; [`HostOptimizer::finish`] waits for every submitted update.
+    pub(crate) fn submit(
+        &mut self,
+        layout: &ShardLayout,
+        u: usize,
+        grad: &Tensor,
+        lr: f64,
+        dst: Tensor,
+    ) -> Result<()> {
+        self.stage(layout.shard_offsets[u], grad, &layout.units[u].unit)?;
+        let job = self.job(layout, u, lr, 1.0, dst)?;
+        if self.worker.is_none() {
+            let adam = self.adam.take().ok_or_else(|| {
+                Error::Unsupported("the CPU AdamW is lent to another update".into())
+            })?;
+            self.worker = Some(self.start_worker(adam)?);
+        }
+        let w = self.worker.as_mut().expect("started above");
+        w.jobs
+            .send(job)
+            .map_err(|_| Error::Unsupported("the CPU AdamW worker stopped".into()))?;
+        w.pending += 1;
+        // Device copies of the units already updated go out while backward continues.
+        while let Ok(r) = w.results.try_recv() {
+            w.pending -= 1;
+            if let Some(t) = r? {
+                t.apply()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn start_worker(&self, mut adam: CpuAdamW) -> Result<Worker> {
+        let (jobs, inbox) = mpsc::channel::<Job>();
+        let (outbox, results) = mpsc::channel();
+        let (master, grads, half) = (
+            self.master.shallow_clone(),
+            self.grads.shallow_clone(),
+            self.half,
+        );
+        let handle = std::thread::Builder::new()
+            .name("zrun-cpu-adamw".into())
+            .spawn(move || {
+                for job in inbox {
+                    let r = run(&mut adam, &master, &grads, half, job);
+                    if outbox.send(r).is_err() {
+                        break;
+                    }
+                }
+                adam
+            })
+            .map_err(|e| Error::Unsupported(format!("start the CPU AdamW thread: {e}")))?;
+        Ok(Worker {
+            jobs,
+            results,
+            handle,
+            pending: 0,
+        })
+    }
+
+    /// Waits for every submitted update; returns the first error among them.
+    pub(crate) fn finish(&mut self) -> Result<()> {
+        let Some(w) = self.worker.take() else {
+            return Ok(());
+        };
+        let mut first = Ok(());
+        for _ in 0..w.pending {
+            let r = w.results.recv().unwrap_or_else(|_| {
+                Err(Error::Unsupported(
+                    "the CPU AdamW thread stopped mid-step".into(),
+                ))
+            });
+            let r = r.and_then(|t| t.map_or(Ok(()), Transfer::apply));
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        drop(w.jobs);
+        match w.handle.join() {
+            Ok(adam) => self.adam = Some(adam),
+            Err(_) => {
+                return Err(Error::Unsupported(
+                    "the CPU AdamW thread panicked; its state is lost".into(),
+                ))
+            }
+        }
+        first
+    }
+}
+
+impl Drop for HostOptimizer {
+    fn drop(&mut self) {
+        // The worker holds views of the host buffers: let it finish before they go.
+        let _ = self.finish();
     }
 }
 

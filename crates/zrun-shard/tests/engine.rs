@@ -30,14 +30,17 @@ fn single() -> Arc<dyn zrun_comm::Communicator> {
     Arc::from(comm.unwrap())
 }
 
-fn engine_at(m: Arc<dyn Model>, stage: Stage) -> Engine {
-    let adamw = AdamWConfig {
+fn adamw() -> AdamWConfig {
+    AdamWConfig {
         beta1: 0.9,
         beta2: 0.95,
         eps: 1e-8,
         weight_decay: 0.1,
-    };
-    let cfg = EngineConfig::fp32(stage, Device::Cpu, SEED, adamw);
+    }
+}
+
+fn engine_at(m: Arc<dyn Model>, stage: Stage) -> Engine {
+    let cfg = EngineConfig::fp32(stage, Device::Cpu, SEED, adamw());
     Engine::new(m, single(), cfg).unwrap()
 }
 
@@ -201,13 +204,7 @@ fn train_losses(mut e: Engine, steps: i64) -> (Vec<f64>, Vec<(String, Tensor)>) 
 }
 
 fn with(stage: Stage, f: impl FnOnce(&mut EngineConfig)) -> Engine {
-    let adamw = AdamWConfig {
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-    };
-    let mut cfg = EngineConfig::fp32(stage, Device::Cpu, SEED, adamw);
+    let mut cfg = EngineConfig::fp32(stage, Device::Cpu, SEED, adamw());
     f(&mut cfg);
     Engine::new(model(), single(), cfg).unwrap()
 }
@@ -321,4 +318,84 @@ fn stage3_keeps_only_the_units_in_flight_gathered() {
         "{in_flight} bytes in flight, biggest unit {biggest}"
     );
     assert!(in_flight < all / 2, "{in_flight} bytes in flight of {all}");
+}
+
+/// Losses and final parameters of `steps` optimizer steps of two micro-steps each, without
+/// clipping; `overlap` announces each step so the offloaded update runs during backward.
+fn offload_run(mut e: Engine, steps: usize, overlap: bool) -> (Vec<f64>, Vec<(String, Tensor)>) {
+    let (x1, y1) = batch(50, 4, 64, 256);
+    let (x2, y2) = batch(51, 4, 64, 256);
+    let mut losses = Vec::new();
+    for _ in 0..steps {
+        losses.push(e.forward_backward(&x1, &y1, 0.5).unwrap());
+        if overlap {
+            assert!(e.prepare_step(2e-3, 0.0), "the update can overlap");
+        }
+        losses.push(e.forward_backward(&x2, &y2, 0.5).unwrap());
+        assert!(e.step(2e-3, 0.0).unwrap().applied);
+    }
+    (losses, e.full_parameters().unwrap())
+}
+
+#[test]
+fn offloaded_update_during_backward_equals_the_update_at_the_step() {
+    use zrun_shard::Offload;
+    for precision in [Precision::Fp32, Precision::Bf16] {
+        for stage in [Stage::Zero2, Stage::Zero3] {
+            // Units of 0.8M parameters: large enough that libtorch parallelises the copies.
+            let wide = GptConfig {
+                vocab_size: 256,
+                seq_len: 64,
+                n_layer: 3,
+                n_head: 4,
+                d_model: 256,
+                init_std: 0.02,
+            };
+            let make = || {
+                let mut cfg = EngineConfig::fp32(stage, Device::Cpu, SEED, adamw());
+                cfg.precision = precision;
+                cfg.offload = Offload::Cpu;
+                cfg.optimizer_threads = 2;
+                Engine::new(Arc::new(Gpt::new(wide.clone()).unwrap()), single(), cfg).unwrap()
+            };
+            let (want_l, want_p) = offload_run(make(), 4, false);
+            let (got_l, got_p) = offload_run(make(), 4, true);
+            assert_eq!(got_l, want_l, "{stage} {precision}: losses");
+            assert!(
+                want_l[7] < want_l[1],
+                "{stage} {precision}: trained {want_l:?}"
+            );
+            for ((n, a), (_, b)) in got_p.iter().zip(&want_p) {
+                assert!(a.equal(b), "{stage} {precision}: {n} differs");
+            }
+        }
+    }
+    // Where the update needs the whole gradient first, it waits for the step.
+    let mut e = with(Stage::Zero2, |c| c.offload = Offload::Cpu);
+    assert!(!e.prepare_step(1e-2, 1.0), "clipping needs the global norm");
+    let mut e1 = with(Stage::Zero1, |c| c.offload = Offload::Cpu);
+    assert!(
+        !e1.prepare_step(1e-2, 0.0),
+        "stage 1 reduces after backward"
+    );
+    let mut e16 = with(Stage::Zero3, |c| {
+        c.offload = Offload::Cpu;
+        c.precision = Precision::Fp16;
+    });
+    assert!(
+        !e16.prepare_step(1e-2, 0.0),
+        "fp16 checks for overflow first"
+    );
+    let mut dev = with(Stage::Zero2, |_| {});
+    assert!(
+        !dev.prepare_step(1e-2, 0.0),
+        "no offload, nothing to overlap"
+    );
+    // A step that disagrees with what was announced is refused.
+    let (x, y) = batch(52, 2, 24, 97);
+    e = with(Stage::Zero2, |c| c.offload = Offload::Cpu);
+    assert!(e.prepare_step(1e-2, 0.0));
+    e.forward_backward(&x, &y, 1.0).unwrap();
+    let err = e.step(2e-2, 0.0).unwrap_err().to_string();
+    assert!(err.contains("must agree"), "{err}");
 }

@@ -10,7 +10,7 @@ use tch::Device;
 use zrun_comm::{Communicator, ReduceOp};
 use zrun_models::{Gpt, Model};
 use zrun_optim::{AdamWConfig, LrSchedule};
-use zrun_shard::{Engine, EngineConfig, Precision};
+use zrun_shard::{Engine, EngineConfig, Offload, Precision};
 
 /// Where this process sits in the job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -201,6 +201,16 @@ impl Run {
             t.steps,
             tokens_per_step
         );
+        if r.rank == 0 && self.cfg.zero.offload_optimizer == Offload::Cpu {
+            if self.engine.can_overlap_step(t.grad_clip) {
+                tracing::info!("CPU AdamW: each unit updates during backward, once its gradient shard is reduced");
+            } else {
+                tracing::info!(
+                    "CPU AdamW: updates at the optimizer step, after the global gradient norm \
+                     (overlap with backward needs stage 2 or 3, grad_clip = 0 and no fp16)"
+                );
+            }
+        }
         let mut rates = Vec::new();
         let mut last_loss = f64::NAN;
         let mut eval_loss = None;
@@ -210,14 +220,17 @@ impl Run {
         for step in 0..t.steps {
             let t0 = Instant::now();
             let mut loss = 0.0;
-            for _ in 0..t.grad_accum {
+            let lr = schedule.at(step);
+            for micro in 0..t.grad_accum {
+                if micro + 1 == t.grad_accum {
+                    self.engine.prepare_step(lr, t.grad_clip);
+                }
                 let (x, y) = loader.next_micro_batch()?;
                 loss += self
                     .engine
                     .forward_backward(&x, &y, 1.0 / t.grad_accum as f64)?
                     / t.grad_accum as f64;
             }
-            let lr = schedule.at(step);
             let stats = self.engine.step(lr, t.grad_clip)?;
             let overflow_skip = !stats.applied && self.cfg.zero.precision == Precision::Fp16;
             if overflow_skip {

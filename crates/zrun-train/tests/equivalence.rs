@@ -320,21 +320,25 @@ fn accumulation_at_one_rank_matches_one_big_batch() {
 
 #[test]
 fn cpu_offload_trains_like_the_device_optimizer() {
-    // fp32, 2 ranks, stages 1-3: the CPU AdamW in host memory against libtorch's on the device.
-    for stage in [1u8, 2, 3] {
-        let want = distributed(&format!("off-ref-s{stage}"), 2, stage, 6, 1);
-        let offload = ["zero.offload_optimizer=\"cpu\""];
-        let got = distributed_with(&format!("off-s{stage}"), 2, stage, 6, 1, &offload);
+    // fp32, 2 ranks, stages 1-3: the CPU AdamW in host memory against libtorch's on the device;
+    // with clipping it updates at the step, without (stages 2-3) during backward.
+    let runs = [(1u8, "0.5"), (2, "0.5"), (3, "0.5"), (2, "0"), (3, "0")];
+    for (stage, clip) in runs {
+        let clip_set = format!("train.grad_clip={clip}");
+        let name = format!("s{stage}-clip{clip}");
+        let want = distributed_with(&format!("off-ref-{name}"), 2, stage, 6, 1, &[&clip_set]);
+        let offload = ["zero.offload_optimizer=\"cpu\"", &clip_set];
+        let got = distributed_with(&format!("off-{name}"), 2, stage, 6, 1, &offload);
         for (step, (a, b)) in got.losses.iter().zip(&want.losses).enumerate() {
             let rel = (a - b).abs() / b.abs();
             assert!(
                 rel <= 1e-6,
-                "stage {stage}, offload: step {} loss {a} vs {b} ({rel:e})",
+                "stage {stage}, clip {clip}, offload: step {} loss {a} vs {b} ({rel:e})",
                 step + 1
             );
         }
         assert_eq!(got.losses.len(), STEPS);
-        assert_same(&format!("stage {stage}, offload"), &got, &want);
+        assert_same(&format!("stage {stage}, clip {clip}, offload"), &got, &want);
     }
 }
 
