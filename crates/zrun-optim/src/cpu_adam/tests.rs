@@ -96,12 +96,24 @@ fn matches_torch_adamw_formulas_in_f64_over_100_steps() {
         if step == 19 {
             let (rel, abs) = errors(&params, &reference.p);
             assert!(rel < 1e-6, "max relative error after 20 steps {rel}");
+            eprintln!("after 20 steps: max relative error {rel:e}");
             assert!(abs < 1e-7, "max absolute error after 20 steps {abs}");
         }
     }
-    // After 100 steps f32 rounding of p alone (0.5 ulp a step, a random walk) reaches
-    // ~1e-6: torch.optim.AdamW in fp32 is 2.0e-6 relative from its own fp64 run on this
-    // setup, so the bound is 2e-6 here; the 20-step check below holds the 1e-6 bound.
+    // After 100 steps: relative error of the whole parameter vector within 1e-6. Element by
+    // element, f32 rounding of p alone (0.5 ulp a step, a random walk over 100 steps) reaches
+    // ~1e-6 on the worst of 260K elements: torch.optim.AdamW in fp32 is itself 2.0e-6 from
+    // its own fp64 run on this setup, so the per-element bound is 2e-6.
+    let norm_rel = {
+        let (mut diff, mut norm) = (0f64, 0f64);
+        for (&a, &b) in params.iter().zip(&reference.p) {
+            diff += (a as f64 - b).powi(2);
+            norm += b * b;
+        }
+        (diff / norm).sqrt()
+    };
+    eprintln!("after 100 steps: relative error {norm_rel:e}");
+    assert!(norm_rel < 1e-6, "relative error of the parameters {norm_rel}");
     let (rel, abs) = errors(&params, &reference.p);
     assert!(rel < 2e-6, "max relative error {rel}");
     assert!(abs < 2e-7, "max absolute error {abs}");
