@@ -12,14 +12,26 @@ use std::collections::VecDeque;
 use tch::Tensor;
 use zrun_models::lm_loss;
 
+
+#[allow(dead_code, missing_docs)]
+pub fn probe(label: &str, inflight: i64) {
+    if std::env::var_os("ZRUN_PROBE").is_none() || std::env::var("RANK").as_deref() != Ok("0") {
+        return;
+    }
+    let st = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let f = |n: &str| st.lines().find_map(|l| l.strip_prefix(n)).and_then(|r| r.trim().trim_end_matches("kB").trim().parse::<i64>().ok()).unwrap_or(0) / 1024;
+    eprintln!("PROBE {label:<28} rss {:>6} hwm {:>6} inflight {:>6}", f("VmRSS:"), f("VmHWM:"), inflight >> 20);
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
 /// What one unit's forward leaves for its backward.
 struct Saved {
     /// The unit's input: a leaf (to get its gradient), or token ids for the first unit, or
     /// with checkpointing the plain input to recompute from.
     input: Tensor,
-    /// Without checkpointing: the flat parameter leaf, the output and (stage 3) the
-    /// gathered buffer, whose storage is released until the backward.
-    graph: Option<(Tensor, Tensor, Option<Tensor>)>,
+    /// Without checkpointing: the parameter leaves, the output and (stage 3) the gathered
+    /// buffer, whose storage is released until the backward.
+    graph: Option<(Vec<Tensor>, Tensor, Option<Tensor>)>,
 }
 
 /// Stage 3's gathers, issued `depth` units ahead of the unit computing, in a given order;
@@ -76,6 +88,17 @@ impl Gathers {
     }
 }
 
+/// The parameters of a unit as autograd leaves: views of its flat buffer (`flat`'s storage,
+/// so a re-gathered buffer is what backward reads), each its own leaf, so each gets its own
+/// gradient (no unit-sized zero-filled gradient per parameter, as views of one leaf would).
+fn param_leaves(layout: &crate::layout::UnitLayout, flat: &Tensor) -> Result<Vec<Tensor>> {
+    let base = flat.f_detach().ctx("detach", &layout.unit)?;
+    Ok(views(layout, &base)?
+        .into_iter()
+        .map(|v| v.set_requires_grad(true))
+        .collect())
+}
+
 impl Engine {
     /// One micro-step: forward unit by unit, then backward unit by unit in reverse, adding
     /// `weight` times each unit's gradient into this rank's gradients (averaged over the
@@ -87,6 +110,7 @@ impl Engine {
         targets: &Tensor,
         weight: f64,
     ) -> Result<f64> {
+        probe("start (since last)", self.mover.in_flight);
         let model = self.model.clone();
         let units = model.units();
         let n = units.len();
@@ -124,21 +148,22 @@ impl Engine {
                 });
                 continue;
             }
-            let leaf = flat.f_detach().ctx("detach", name)?.set_requires_grad(true);
+            let leaves = param_leaves(&self.mover.layout.units[u], &flat)?;
             let input = if u == 0 {
                 x.shallow_clone()
             } else {
                 x.f_detach().ctx("detach", name)?.set_requires_grad(true)
             };
-            let out = unit.forward(&views(&self.mover.layout.units[u], &leaf)?, &input)?;
+            let out = unit.forward(&leaves, &input)?;
             if gathered {
                 // Autograd keeps views of the gathered parameters: release their memory now.
                 self.mover.free(&flat)?;
             }
             x = out.shallow_clone();
+            probe(&format!("fwd {u}"), self.mover.in_flight);
             saved.push(Saved {
                 input,
-                graph: Some((leaf, out, gathered.then_some(flat))),
+                graph: Some((leaves, out, gathered.then_some(flat))),
             });
         }
         let loss = {
@@ -148,6 +173,7 @@ impl Engine {
         let value = loss.f_double_value(&[]).ctx("read loss", "head")?;
         let loss_seed = weight * self.scaler.scale();
         drop(x);
+        probe("loss", self.mover.in_flight);
 
         let order: Vec<usize> = (0..n).rev().collect();
         let refill = stage == Stage::Zero3 && !ckpt;
@@ -166,26 +192,26 @@ impl Engine {
         for u in (0..n).rev() {
             let s = saved.pop().expect("one saved entry per unit");
             let name = units[u].name();
-            let (leaf, input, output, gathered) = match s.graph {
-                Some((leaf, output, gathered)) => {
+            let (leaves, input, output, gathered) = match s.graph {
+                Some((leaves, output, gathered)) => {
                     if refill {
                         drop(gathers.take(&mut self.mover, &self.params, stage)?);
+                        probe(&format!("bwd {u} gathered"), self.mover.in_flight);
                         // parameters are back
                     }
-                    (leaf, s.input, output, gathered)
+                    (leaves, s.input, output, gathered)
                 }
                 None => {
                     // Checkpointed: gather again if sharded, recompute the forward with grad.
                     let (flat, gathered) = gathers.take(&mut self.mover, &self.params, stage)?;
-                    let leaf = flat.f_detach().ctx("detach", name)?.set_requires_grad(true);
+                    let leaves = param_leaves(&self.mover.layout.units[u], &flat)?;
                     let input = if u == 0 {
                         s.input
                     } else {
                         s.input.set_requires_grad(true)
                     };
-                    let out =
-                        units[u].forward(&views(&self.mover.layout.units[u], &leaf)?, &input)?;
-                    (leaf, input, out, gathered.then_some(flat))
+                    let out = units[u].forward(&leaves, &input)?;
+                    (leaves, input, out, gathered.then_some(flat))
                 }
             };
             // Backward of this unit alone: from the weighted (and scaled) loss for the last
@@ -203,19 +229,19 @@ impl Engine {
                     (loss, seed)
                 }
             };
-            let mut wrt = vec![&leaf];
+            let mut wrt: Vec<&Tensor> = leaves.iter().collect();
             if u > 0 {
                 wrt.push(&input);
             }
             let mut g = zrun_torch_ext::grad(&[&root], &[&seed], &wrt)
                 .map_err(|e| Error::Storage(name.into(), e))?;
+            probe(&format!("bwd {u} grad"), self.mover.in_flight);
             upstream = if u > 0 { g.pop() } else { None };
-            let unit_grad = g.swap_remove(0);
-            drop((root, seed, leaf, input));
+            drop((root, seed, leaves, input));
             if let Some(full) = gathered {
                 self.mover.free(&full)?;
             }
-            self.absorb_gradient(u, unit_grad, &mut reducing)?;
+            self.absorb_gradient(u, g, &mut reducing)?;
         }
         while let Some(p) = reducing.pop_front() {
             self.accumulate_shard(p)?;
@@ -223,28 +249,41 @@ impl Engine {
         Ok(value)
     }
 
-    /// Adds unit `u`'s gradient into the full gradients (stages 0-1) or starts its
-    /// reduce-scatter (stages 2-3), finishing older reductions so one stays in flight.
+    /// Adds unit `u`'s parameter gradients (in the unit's parameter order) into the full
+    /// gradients (stages 0-1), or lays them out in one flat buffer of the reduce dtype and
+    /// starts its reduce-scatter (stages 2-3), finishing older reductions so one stays in
+    /// flight.
     fn absorb_gradient(
         &mut self,
         u: usize,
-        unit_grad: Tensor,
+        grads: Vec<Tensor>,
         reducing: &mut VecDeque<Pending>,
     ) -> Result<()> {
-        let name = self.mover.layout.units[u].unit.clone();
+        let layout = &self.mover.layout.units[u];
+        let name = layout.unit.clone();
         match self.cfg.stage {
             Stage::Zero0 | Stage::Zero1 => {
-                let mut acc = self.mover.unit_full(&self.grads, u)?;
-                acc.f_add_(&unit_grad).done("accumulate gradient", &name)
+                let acc = self.mover.unit_full(&self.grads, u)?;
+                for (mut dst, g) in views(layout, &acc)?.into_iter().zip(&grads) {
+                    dst.f_add_(g).done("accumulate gradient", &name)?;
+                }
+                Ok(())
             }
             Stage::Zero2 | Stage::Zero3 => {
                 let kind = self.cfg.reduce_dtype.kind();
-                let g = if unit_grad.kind() == kind {
-                    unit_grad
-                } else {
-                    unit_grad.f_to_kind(kind).ctx("cast gradient", &name)?
-                };
-                reducing.push_back(self.mover.start_reduce_scatter(g, u)?);
+                let flat = Tensor::f_empty([layout.padded], (kind, self.cfg.device))
+                    .ctx("allocate unit gradient", &name)?;
+                // Each parameter's gradient straight into its place (cast on the way).
+                for (mut dst, g) in views(layout, &flat)?.into_iter().zip(&grads) {
+                    dst.f_copy_(g).ctx("lay out gradient", &name)?;
+                }
+                if layout.padded > layout.numel {
+                    flat.f_narrow(0, layout.numel, layout.padded - layout.numel)
+                        .and_then(|mut pad| pad.f_zero_())
+                        .done("zero gradient padding", &name)?;
+                }
+                drop(grads);
+                reducing.push_back(self.mover.start_reduce_scatter(flat, u)?);
                 if reducing.len() > 1 {
                     let p = reducing.pop_front().expect("two in flight");
                     self.accumulate_shard(p)?;
