@@ -102,6 +102,11 @@ pub(crate) enum Optimizer {
 pub(crate) enum EarlyStep {
     /// The step's update waits for [`Engine::step`].
     Off,
+    /// The next micro-step's backward copies each unit's final gradient shard to the host as
+    /// its reduction completes; the update waits for the step (it needs the whole gradient).
+    StageArmed,
+    /// The last backward has staged its units' gradients on the host.
+    Staged,
     /// The next micro-step's backward updates each unit as its gradient shard is final.
     Armed { lr: f64, max_norm: f64 },
     /// The last backward has submitted its units' updates.
@@ -313,8 +318,11 @@ impl Engine {
     /// bitwise those of updating at `step`.
     pub fn prepare_step(&mut self, lr: f64, max_norm: f64) -> bool {
         let overlap = self.can_overlap_step(max_norm);
+        let host = matches!(self.optimizer, Optimizer::Host(_));
         self.early = if overlap {
             EarlyStep::Armed { lr, max_norm }
+        } else if host && matches!(self.cfg.stage, Stage::Zero2 | Stage::Zero3) {
+            EarlyStep::StageArmed
         } else {
             EarlyStep::Off
         };
@@ -373,7 +381,15 @@ impl Engine {
                     Stage::Zero3 => mover.shard_of(params, u),
                     _ => mover.owned(params, u),
                 };
-                h.step(&mover.layout, &grads, lr, clip_coef / loss_scale, params_of)?;
+                // Gradients staged during backward need no second copy.
+                let segments = (early != EarlyStep::Staged).then_some(&grads[..]);
+                h.step(
+                    &mover.layout,
+                    segments,
+                    lr,
+                    clip_coef / loss_scale,
+                    params_of,
+                )?;
                 if matches!(stage, Stage::Zero1 | Stage::Zero2) {
                     self.mover.all_gather_units(&self.params)?;
                 }

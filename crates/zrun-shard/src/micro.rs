@@ -12,15 +12,25 @@ use std::collections::VecDeque;
 use tch::Tensor;
 use zrun_models::lm_loss;
 
-
 #[allow(dead_code, missing_docs)]
 pub fn probe(label: &str, inflight: i64) {
     if std::env::var_os("ZRUN_PROBE").is_none() || std::env::var("RANK").as_deref() != Ok("0") {
         return;
     }
     let st = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let f = |n: &str| st.lines().find_map(|l| l.strip_prefix(n)).and_then(|r| r.trim().trim_end_matches("kB").trim().parse::<i64>().ok()).unwrap_or(0) / 1024;
-    eprintln!("PROBE {label:<28} rss {:>6} hwm {:>6} inflight {:>6}", f("VmRSS:"), f("VmHWM:"), inflight >> 20);
+    let f = |n: &str| {
+        st.lines()
+            .find_map(|l| l.strip_prefix(n))
+            .and_then(|r| r.trim().trim_end_matches("kB").trim().parse::<i64>().ok())
+            .unwrap_or(0)
+            / 1024
+    };
+    eprintln!(
+        "PROBE {label:<28} rss {:>6} hwm {:>6} inflight {:>6}",
+        f("VmRSS:"),
+        f("VmHWM:"),
+        inflight >> 20
+    );
     let _ = std::fs::write("/proc/self/clear_refs", "5");
 }
 
@@ -119,11 +129,15 @@ impl Engine {
             self.cfg.stage,
             self.cfg.activation_checkpointing,
         );
-        if let EarlyStep::Armed { lr, max_norm } = self.early {
-            if let Optimizer::Host(h) = &mut self.optimizer {
-                h.begin_step()?;
-                self.early = EarlyStep::Submitted { lr, max_norm };
+        match self.early {
+            EarlyStep::Armed { lr, max_norm } => {
+                if let Optimizer::Host(h) = &mut self.optimizer {
+                    h.begin_step()?;
+                    self.early = EarlyStep::Submitted { lr, max_norm };
+                }
             }
+            EarlyStep::StageArmed => self.early = EarlyStep::Staged,
+            _ => {}
         }
         let mut x = inputs
             .f_to_device(dev)
@@ -300,6 +314,11 @@ impl Engine {
             "accumulate gradient shard",
             &self.mover.layout.units[u].unit,
         )?;
+        if self.early == EarlyStep::Staged {
+            if let Optimizer::Host(h) = &mut self.optimizer {
+                h.stage_unit(&self.mover.layout, u, &acc)?;
+            }
+        }
         if let EarlyStep::Submitted { lr, .. } = self.early {
             // The unit's gradient is final: its update overlaps the rest of backward. The
             // parameters are written through an alias with its own version counter: autograd

@@ -280,20 +280,31 @@ impl HostOptimizer {
         })
     }
 
+    /// Copies unit `u`'s final reduced gradient shard `grad` to the host, ahead of the step.
+    pub(crate) fn stage_unit(
+        &mut self,
+        layout: &ShardLayout,
+        u: usize,
+        grad: &Tensor,
+    ) -> Result<()> {
+        self.stage(layout.shard_offsets[u], grad, &layout.units[u].unit)
+    }
+
     /// One whole AdamW step at the optimizer step: stages the owned gradient `segments`
-    /// (laid end to end in shard order) on the host, updates every unit's slice with `lr` and
+    /// (laid end to end in shard order; `None`: staged already, unit by unit during
+    /// backward) on the host, updates every unit's slice with `lr` and
     /// `grad_scale` (unscaling and clipping), and writes the new compute-dtype parameters into
     /// `params_of(u)`, this rank's slice of unit `u` in the compute parameters.
     pub(crate) fn step(
         &mut self,
         layout: &ShardLayout,
-        segments: &[Tensor],
+        segments: Option<&[Tensor]>,
         lr: f64,
         grad_scale: f64,
         params_of: impl Fn(usize) -> Result<Tensor>,
     ) -> Result<()> {
         let mut at = 0;
-        for g in segments {
+        for g in segments.unwrap_or_default() {
             self.stage(at, g, "-")?;
             at += g.numel() as i64;
         }

@@ -320,19 +320,27 @@ fn stage3_keeps_only_the_units_in_flight_gathered() {
     assert!(in_flight < all / 2, "{in_flight} bytes in flight of {all}");
 }
 
-/// Losses and final parameters of `steps` optimizer steps of two micro-steps each, without
-/// clipping; `overlap` announces each step so the offloaded update runs during backward.
-fn offload_run(mut e: Engine, steps: usize, overlap: bool) -> (Vec<f64>, Vec<(String, Tensor)>) {
+/// Losses and final parameters of `steps` optimizer steps of two micro-steps each, clipped
+/// to `max_norm` (0: off); `announce` calls `prepare_step` before the last micro-step, so the
+/// offloaded update runs during backward (no clipping) or its gradients are staged then.
+fn offload_run(
+    mut e: Engine,
+    steps: usize,
+    announce: bool,
+    max_norm: f64,
+) -> (Vec<f64>, Vec<(String, Tensor)>) {
     let (x1, y1) = batch(50, 4, 64, 256);
     let (x2, y2) = batch(51, 4, 64, 256);
     let mut losses = Vec::new();
     for _ in 0..steps {
         losses.push(e.forward_backward(&x1, &y1, 0.5).unwrap());
-        if overlap {
-            assert!(e.prepare_step(2e-3, 0.0), "the update can overlap");
+        if announce {
+            assert_eq!(e.prepare_step(2e-3, max_norm), max_norm <= 0.0);
         }
         losses.push(e.forward_backward(&x2, &y2, 0.5).unwrap());
-        assert!(e.step(2e-3, 0.0).unwrap().applied);
+        let s = e.step(2e-3, max_norm).unwrap();
+        assert!(s.applied);
+        assert!(max_norm <= 0.0 || s.clip_coef < 1.0, "clipped: {s:?}");
     }
     (losses, e.full_parameters().unwrap())
 }
@@ -358,15 +366,17 @@ fn offloaded_update_during_backward_equals_the_update_at_the_step() {
                 cfg.optimizer_threads = 2;
                 Engine::new(Arc::new(Gpt::new(wide.clone()).unwrap()), single(), cfg).unwrap()
             };
-            let (want_l, want_p) = offload_run(make(), 4, false);
-            let (got_l, got_p) = offload_run(make(), 4, true);
-            assert_eq!(got_l, want_l, "{stage} {precision}: losses");
-            assert!(
-                want_l[7] < want_l[1],
-                "{stage} {precision}: trained {want_l:?}"
-            );
-            for ((n, a), (_, b)) in got_p.iter().zip(&want_p) {
-                assert!(a.equal(b), "{stage} {precision}: {n} differs");
+            // Without clipping the update overlaps backward; with it (a norm of 0.5 clips
+            // here) the gradients are staged during backward and the update waits.
+            for max_norm in [0.0, 0.5] {
+                let what = format!("{stage} {precision} max_norm {max_norm}");
+                let (want_l, want_p) = offload_run(make(), 4, false, max_norm);
+                let (got_l, got_p) = offload_run(make(), 4, true, max_norm);
+                assert_eq!(got_l, want_l, "{what}: losses");
+                assert!(want_l[7] < want_l[1], "{what}: trained {want_l:?}");
+                for ((n, a), (_, b)) in got_p.iter().zip(&want_p) {
+                    assert!(a.equal(b), "{what}: {n} differs");
+                }
             }
         }
     }
