@@ -168,9 +168,63 @@ unsafe fn update_block_avx512(
             // SAFETY: this function runs only where F16C is present (see `update_block`).
             unsafe { fp16_f16c(p, out) }
         }
-        Some((out, HalfKind::Bf16)) => bf16_body(p, out),
+        Some((out, HalfKind::Bf16)) => {
+            // SAFETY: this function runs only where AVX-512 F/BW is present (see `update_block`).
+            unsafe { bf16_stream_avx512(p, out) }
+        }
         None => {}
     }
+}
+
+/// bf16 round to nearest even (as [`bf16_nearest_even`]) sixteen at a time, written with
+/// non-temporal stores: the copy is not read again on this core, so its cache lines are not
+/// fetched before being overwritten (2 bytes of the 30 per element, but a whole read stream).
+/// The caller orders the stores with [`store_fence`] before the copy is used.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+unsafe fn bf16_stream_avx512(p: &[f32], out: &mut [u16]) {
+    use std::arch::x86_64::*;
+    let out = &mut out[..p.len()];
+    // Scalar head up to a 32-byte aligned output address.
+    let mis = (out.as_ptr() as usize % 32) / 2;
+    let head = if mis == 0 { 0 } else { (16 - mis).min(p.len()) };
+    for (o, &x) in out[..head].iter_mut().zip(&p[..head]) {
+        *o = bf16_nearest_even(x);
+    }
+    let (p, out) = (&p[head..], &mut out[head..]);
+    let mut pc = p.chunks_exact(16);
+    let mut oc = out.chunks_exact_mut(16);
+    let bias = _mm512_set1_epi32(0x7fff);
+    let one = _mm512_set1_epi32(1);
+    let quiet = _mm512_set1_epi32(0x40);
+    for (src, dst) in (&mut pc).zip(&mut oc) {
+        // SAFETY: `src` holds 16 f32 (unaligned load) and `dst` 16 u16 starting 32-byte aligned
+        // (the head above), as the streaming store requires.
+        unsafe {
+            let x = _mm512_loadu_ps(src.as_ptr());
+            let b = _mm512_castps_si512(x);
+            let hi = _mm512_srli_epi32::<16>(b);
+            let r = _mm512_add_epi32(b, _mm512_add_epi32(bias, _mm512_and_si512(hi, one)));
+            let r = _mm512_srli_epi32::<16>(r);
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+            let r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, quiet));
+            _mm256_stream_si256(dst.as_mut_ptr() as *mut __m256i, _mm512_cvtepi32_epi16(r));
+        }
+    }
+    for (o, &x) in oc.into_remainder().iter_mut().zip(pc.remainder()) {
+        *o = bf16_nearest_even(x);
+    }
+}
+
+/// Orders earlier non-temporal stores before later loads and stores of any thread that
+/// synchronises with this one.
+#[inline]
+pub(crate) fn store_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `sfence` only orders stores; SSE is part of the x86_64 baseline.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -381,6 +381,8 @@ impl Job<'_> {
             kernel::update_block(self.coeffs, keep, &mut p[lo..hi], &g[lo..hi], moments, h);
             i = stop;
         }
+        // The half copy may have gone out with non-temporal stores.
+        kernel::store_fence();
     }
 }
 

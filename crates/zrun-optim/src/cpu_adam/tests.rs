@@ -113,7 +113,10 @@ fn matches_torch_adamw_formulas_in_f64_over_100_steps() {
         (diff / norm).sqrt()
     };
     eprintln!("after 100 steps: relative error {norm_rel:e}");
-    assert!(norm_rel < 1e-6, "relative error of the parameters {norm_rel}");
+    assert!(
+        norm_rel < 1e-6,
+        "relative error of the parameters {norm_rel}"
+    );
     let (rel, abs) = errors(&params, &reference.p);
     assert!(rel < 2e-6, "max relative error {rel}");
     assert!(abs < 2e-7, "max absolute error {abs}");
@@ -252,6 +255,49 @@ fn half_copy_is_the_parameter_rounded_to_nearest_even() {
         assert_eq!(kernel::bf16_nearest_even(x), want, "bf16 of {x:e}");
     }
     assert!(kernel::bf16_to_f32(kernel::bf16_nearest_even(f32::NAN)).is_nan());
+}
+
+#[test]
+fn vector_half_copy_rounds_special_values_like_the_scalar_one() {
+    // lr 0, no decay, zero gradients: the parameters stay as they are, so the copy of every
+    // special value is checked at every alignment of the (vectorised, streamed) loop.
+    let specials = [
+        f32::from_bits(0x3f80_8000),
+        f32::from_bits(0x3f81_8000),
+        f32::from_bits(0x3fff_ffff),
+        f32::MAX,
+        -1e-40,
+        f32::INFINITY,
+        f32::NAN,
+        -f32::NAN,
+        -0.0,
+        1.5,
+        f32::from_bits(0x7f80_0001), // signalling NaN: comes out quiet
+    ];
+    let n = 3000;
+    let values: Vec<f32> = (0..n)
+        .map(|i| specials[(i * 7 + i / 11) % specials.len()])
+        .collect();
+    for start in 0..17 {
+        let mut params = values[start..].to_vec();
+        let g = vec![0f32; params.len()];
+        let mut half = vec![0u16; params.len() + 1];
+        let mut opt = CpuAdamW::new(params.len(), cfg(0.0), vec![], StateDtype::Fp32, 1);
+        opt.begin_step();
+        // Output offset by one element too: both alignments of the 16-bit copy.
+        let out = &mut half[start % 2..start % 2 + params.len()];
+        opt.update(0, &mut params, &g, 0.0, 1.0, Some((out, HalfKind::Bf16)))
+            .unwrap();
+        for (i, (&x, &h)) in values[start..].iter().zip(out.iter()).enumerate() {
+            let want = kernel::bf16_nearest_even(x);
+            assert_eq!(
+                h,
+                want,
+                "start {start}: element {i} ({x:e}, bits {:#x})",
+                x.to_bits()
+            );
+        }
+    }
 }
 
 #[test]
