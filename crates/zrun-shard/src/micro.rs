@@ -12,28 +12,6 @@ use std::collections::VecDeque;
 use tch::Tensor;
 use zrun_models::lm_loss;
 
-#[allow(dead_code, missing_docs)]
-pub fn probe(label: &str, inflight: i64) {
-    if std::env::var_os("ZRUN_PROBE").is_none() || std::env::var("RANK").as_deref() != Ok("0") {
-        return;
-    }
-    let st = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let f = |n: &str| {
-        st.lines()
-            .find_map(|l| l.strip_prefix(n))
-            .and_then(|r| r.trim().trim_end_matches("kB").trim().parse::<i64>().ok())
-            .unwrap_or(0)
-            / 1024
-    };
-    eprintln!(
-        "PROBE {label:<28} rss {:>6} hwm {:>6} inflight {:>6}",
-        f("VmRSS:"),
-        f("VmHWM:"),
-        inflight >> 20
-    );
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
-}
-
 /// What one unit's forward leaves for its backward.
 struct Saved {
     /// The unit's input: a leaf (to get its gradient), or token ids for the first unit, or
@@ -120,7 +98,6 @@ impl Engine {
         targets: &Tensor,
         weight: f64,
     ) -> Result<f64> {
-        probe("start (since last)", self.mover.in_flight);
         let model = self.model.clone();
         let units = model.units();
         let n = units.len();
@@ -174,7 +151,6 @@ impl Engine {
                 self.mover.free(&flat)?;
             }
             x = out.shallow_clone();
-            probe(&format!("fwd {u}"), self.mover.in_flight);
             saved.push(Saved {
                 input,
                 graph: Some((leaves, out, gathered.then_some(flat))),
@@ -187,7 +163,11 @@ impl Engine {
         let value = loss.f_double_value(&[]).ctx("read loss", "head")?;
         let loss_seed = weight * self.scaler.scale();
         drop(x);
-        probe("loss", self.mover.in_flight);
+        // The last unit's backward starts from the loss, which saved what it needs (the
+        // log-probabilities): the logits (B, T, V) themselves can go now.
+        if let Some((_, out, _)) = saved.last_mut().and_then(|s| s.graph.as_mut()) {
+            *out = Tensor::new();
+        }
 
         let order: Vec<usize> = (0..n).rev().collect();
         let refill = stage == Stage::Zero3 && !ckpt;
@@ -210,7 +190,6 @@ impl Engine {
                 Some((leaves, output, gathered)) => {
                     if refill {
                         drop(gathers.take(&mut self.mover, &self.params, stage)?);
-                        probe(&format!("bwd {u} gathered"), self.mover.in_flight);
                         // parameters are back
                     }
                     (leaves, s.input, output, gathered)
@@ -249,7 +228,6 @@ impl Engine {
             }
             let mut g = zrun_torch_ext::grad(&[&root], &[&seed], &wrt)
                 .map_err(|e| Error::Storage(name.into(), e))?;
-            probe(&format!("bwd {u} grad"), self.mover.in_flight);
             upstream = if u > 0 { g.pop() } else { None };
             drop((root, seed, leaves, input));
             if let Some(full) = gathered {
