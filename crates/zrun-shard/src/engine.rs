@@ -338,8 +338,15 @@ impl Engine {
         let early = std::mem::replace(&mut self.early, EarlyStep::Off);
         if let EarlyStep::Submitted { lr: l, max_norm: m } = early {
             if (l, m) != (lr, max_norm) {
+                // The update already ran with what was announced: finish it and clear the
+                // gradients, so the engine stays consistent, then say so.
+                if let Optimizer::Host(h) = &mut self.optimizer {
+                    h.finish()?;
+                }
+                self.grads.f_zero_().done("zero gradients", "-")?;
                 return Err(Error::Unsupported(format!(
-                    "step(lr {lr}, max_norm {max_norm}) after prepare_step(lr {l}, max_norm {m}): they must agree"
+                    "step(lr {lr}, max_norm {max_norm}) after prepare_step(lr {l}, max_norm {m}): \
+                     they must agree (this step was applied with lr {l})"
                 )));
             }
         }

@@ -114,7 +114,12 @@ impl Engine {
                 }
             }
             EarlyStep::StageArmed => self.early = EarlyStep::Staged,
-            _ => {}
+            EarlyStep::Submitted { .. } | EarlyStep::Staged => {
+                return Err(Error::Unsupported(
+                    "forward_backward after the micro-step announced as the last by prepare_step: call step first".into(),
+                ))
+            }
+            EarlyStep::Off => {}
         }
         let mut x = inputs
             .f_to_device(dev)

@@ -329,8 +329,8 @@ fn offload_run(
     announce: bool,
     max_norm: f64,
 ) -> (Vec<f64>, Vec<(String, Tensor)>) {
-    let (x1, y1) = batch(50, 4, 64, 256);
-    let (x2, y2) = batch(51, 4, 64, 256);
+    let (x1, y1) = batch(50, 4, 32, 256);
+    let (x2, y2) = batch(51, 4, 32, 256);
     let mut losses = Vec::new();
     for _ in 0..steps {
         losses.push(e.forward_backward(&x1, &y1, 0.5).unwrap());
@@ -350,13 +350,13 @@ fn offloaded_update_during_backward_equals_the_update_at_the_step() {
     use zrun_shard::Offload;
     for precision in [Precision::Fp32, Precision::Bf16] {
         for stage in [Stage::Zero2, Stage::Zero3] {
-            // Units of 0.8M parameters: large enough that libtorch parallelises the copies.
+            // A model of 0.5M parameters, wide enough to learn in four steps.
             let wide = GptConfig {
                 vocab_size: 256,
-                seq_len: 64,
-                n_layer: 3,
+                seq_len: 32,
+                n_layer: 2,
                 n_head: 4,
-                d_model: 256,
+                d_model: 128,
                 init_std: 0.02,
             };
             let make = || {
@@ -408,4 +408,10 @@ fn offloaded_update_during_backward_equals_the_update_at_the_step() {
     e.forward_backward(&x, &y, 1.0).unwrap();
     let err = e.step(2e-2, 0.0).unwrap_err().to_string();
     assert!(err.contains("must agree"), "{err}");
+    // So is a micro-step after the one announced as the last.
+    assert!(e.prepare_step(1e-2, 0.0));
+    e.forward_backward(&x, &y, 1.0).unwrap();
+    let err = e.forward_backward(&x, &y, 1.0).unwrap_err().to_string();
+    assert!(err.contains("call step first"), "{err}");
+    assert!(e.step(1e-2, 0.0).unwrap().applied);
 }
