@@ -305,10 +305,14 @@ impl Engine {
     /// and gradients reduced per unit (stages 2-3), when the update needs no figure of the
     /// whole gradient (no clipping, no fp16 loss scale and its overflow check).
     pub fn can_overlap_step(&self, max_norm: f64) -> bool {
+        self.host_gets_unit_gradients() && max_norm <= 0.0 && self.cfg.precision != Precision::Fp16
+    }
+
+    /// Whether each unit's final gradient shard can go to a host optimizer during backward:
+    /// offload at a stage that reduces unit by unit (2-3).
+    fn host_gets_unit_gradients(&self) -> bool {
         matches!(self.optimizer, Optimizer::Host(_))
             && matches!(self.cfg.stage, Stage::Zero2 | Stage::Zero3)
-            && max_norm <= 0.0
-            && self.cfg.precision != Precision::Fp16
     }
 
     /// Announces that the next [`Engine::forward_backward`] is the last micro-step before
@@ -318,10 +322,9 @@ impl Engine {
     /// bitwise those of updating at `step`.
     pub fn prepare_step(&mut self, lr: f64, max_norm: f64) -> bool {
         let overlap = self.can_overlap_step(max_norm);
-        let host = matches!(self.optimizer, Optimizer::Host(_));
         self.early = if overlap {
             EarlyStep::Armed { lr, max_norm }
-        } else if host && matches!(self.cfg.stage, Stage::Zero2 | Stage::Zero3) {
+        } else if self.host_gets_unit_gradients() {
             EarlyStep::StageArmed
         } else {
             EarlyStep::Off

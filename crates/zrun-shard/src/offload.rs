@@ -24,7 +24,10 @@ pub(crate) struct HostOptimizer {
     grads: Tensor,
     /// 16-bit copy of the new parameters when they must travel to a device.
     staging: Option<Tensor>,
-    half: Option<HalfKind>,
+    /// Compute precision: the dtype the new parameters are written in.
+    precision: Precision,
+    /// Host bytes of master and moments (fixed at construction; the AdamW may be lent out).
+    state_bytes: i64,
     worker: Option<Worker>,
 }
 
@@ -181,17 +184,14 @@ impl HostOptimizer {
             _ if device.is_cuda() => Some(host_tensor(n, precision.kind(), device)?),
             _ => None,
         };
-        let half = match precision {
-            Precision::Fp32 => None,
-            Precision::Bf16 => Some(HalfKind::Bf16),
-            Precision::Fp16 => Some(HalfKind::Fp16),
-        };
+        let adam = CpuAdamW::new(n as usize, cfg, decay, state, threads.max(1));
         Ok(HostOptimizer {
-            adam: Some(CpuAdamW::new(n as usize, cfg, decay, state, threads.max(1))),
+            state_bytes: 4 * n + adam.state_bytes() as i64,
+            adam: Some(adam),
             master,
             grads: host_tensor(n, Kind::Float, device)?,
             staging,
-            half,
+            precision,
             worker: None,
         })
     }
@@ -203,12 +203,16 @@ impl HostOptimizer {
 
     /// Host bytes of master and optimizer state.
     pub(crate) fn state_bytes(&self) -> i64 {
-        let n = self.master.numel() as i64;
-        let per_element = match self.adam.as_ref().map(CpuAdamW::state_dtype) {
-            Some(StateDtype::Bf16) => 4,
-            _ => 8,
-        };
-        4 * n + per_element * n
+        self.state_bytes
+    }
+
+    /// The 16-bit kind the update writes the parameters in (none in fp32).
+    fn half(&self) -> Option<HalfKind> {
+        match self.precision {
+            Precision::Fp32 => None,
+            Precision::Bf16 => Some(HalfKind::Bf16),
+            Precision::Fp16 => Some(HalfKind::Fp16),
+        }
     }
 
     /// Host bytes of staging buffers.
@@ -250,13 +254,10 @@ impl HostOptimizer {
         let l = &layout.units[u];
         let (off, len) = (layout.shard_offsets[u], l.shard_len());
         // Host parameters are written in place, device ones through a copy.
-        let kind = match self.half {
-            None => Kind::Float,
-            Some(HalfKind::Bf16) => Kind::BFloat16,
-            Some(HalfKind::Fp16) => Kind::Half,
-        };
-        let direct = dst.device() == Device::Cpu && dst.is_contiguous() && dst.kind() == kind;
-        let route = match (self.half, direct, &self.staging) {
+        let direct = dst.device() == Device::Cpu
+            && dst.is_contiguous()
+            && dst.kind() == self.precision.kind();
+        let route = match (self.half(), direct, &self.staging) {
             (_, true, _) => Route::Direct,
             (None, false, _) => Route::FromMaster,
             (Some(_), false, Some(st)) => {
@@ -311,7 +312,7 @@ impl HostOptimizer {
         self.begin_step()?;
         for u in 0..layout.units.len() {
             let job = self.job(layout, u, lr, grad_scale, params_of(u)?)?;
-            let half = self.half;
+            let half = self.half();
             let adam = self.adam.as_mut().expect("begin_step checked it is here");
             if let Some(t) = run(adam, &self.master, &self.grads, half, job)? {
                 t.apply()?;
@@ -331,7 +332,7 @@ impl HostOptimizer {
         lr: f64,
         dst: Tensor,
     ) -> Result<()> {
-        self.stage(layout.shard_offsets[u], grad, &layout.units[u].unit)?;
+        self.stage_unit(layout, u, grad)?;
         let job = self.job(layout, u, lr, 1.0, dst)?;
         if self.worker.is_none() {
             let adam = self.adam.take().ok_or_else(|| {
@@ -360,7 +361,7 @@ impl HostOptimizer {
         let (master, grads, half) = (
             self.master.shallow_clone(),
             self.grads.shallow_clone(),
-            self.half,
+            self.half(),
         );
         let handle = std::thread::Builder::new()
             .name("zrun-cpu-adamw".into())

@@ -272,7 +272,7 @@ fn vector_half_copy_rounds_special_values_like_the_scalar_one() {
         -f32::NAN,
         -0.0,
         1.5,
-        f32::from_bits(0x7f80_0001), // signalling NaN: comes out quiet
+        f32::from_bits(0x7f80_0001), // signalling NaN (the update's arithmetic quiets it)
     ];
     let n = 3000;
     let values: Vec<f32> = (0..n)
