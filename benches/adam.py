@@ -1,10 +1,15 @@
 """torch.optim.AdamW throughput on one flat fp32 tensor, and a STREAM-style triad bandwidth.
 
-    python benches/adam.py [--params 10M,50M] [--threads 1,2] [--iters 10] [--json]
+    python benches/adam.py [--params 10M,50M] [--threads 1,2] [--iters 10] [--half bf16] [--json]
 
-Rows: impl (fused, foreach), params, threads, gparams_per_s (best of --iters steps, after one
-untimed step), plus one `triad` row per thread count: a = b + s*c over fp32 arrays of the
-largest size, GB/s counting 12 bytes per element (STREAM's convention, no write-allocate).
+Rows: impl, params, threads, gparams_per_s (best of --iters steps, after one untimed step):
+  torch_fused        AdamW(fused=True).step()
+  torch_fused_copy   the same step, then the half-precision copy of the parameters that a
+                     mixed-precision trainer computes in (`half.copy_(p)`, --half's dtype);
+                     the work `zrun bench adam` does in its one pass (no row with --half none)
+  torch_foreach      AdamW(foreach=True).step()
+plus one `triad` row per thread count: a = b + s*c over fp32 arrays of the largest size, GB/s
+counting 12 bytes per element (STREAM's convention, no write-allocate).
 Same hyper-parameters as `zrun bench adam` (betas 0.9/0.95, eps 1e-8, weight decay 0.1).
 """
 
@@ -13,6 +18,8 @@ import json
 import time
 
 import torch
+
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_counts(s):
@@ -24,16 +31,20 @@ def parse_counts(s):
     return out
 
 
-def adam_row(impl, n, threads, iters):
+def adam_row(impl, n, threads, iters, half):
     torch.set_num_threads(threads)
     p = torch.nn.Parameter(((torch.arange(n) % 1013).float() - 506.0) * 1e-3)
     p.grad = ((torch.arange(n) % 997).float() - 498.0) * 1e-4
-    kw = {"fused": True} if impl == "fused" else {"foreach": True}
+    kw = {"foreach": True} if impl == "foreach" else {"fused": True}
     opt = torch.optim.AdamW([p], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, **kw)
+    copy = torch.empty(n, dtype=HALF[half]) if impl == "fused_copy" else None
     best = float("inf")
     for i in range(iters + 1):
         t0 = time.perf_counter()
         opt.step()
+        if copy is not None:
+            with torch.no_grad():
+                copy.copy_(p)
         dt = time.perf_counter() - t0
         if i > 0:
             best = min(best, dt)
@@ -60,6 +71,7 @@ def main():
     ap.add_argument("--params", default="10M,50M")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--half", default="bf16", choices=["bf16", "fp16", "none"])
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     sizes, threads = parse_counts(a.params), parse_counts(a.threads)
@@ -68,15 +80,16 @@ def main():
         rows.append(triad_row(max(sizes), t, a.iters))
     for n in sizes:
         for t in threads:
-            for impl in ("fused", "foreach"):
-                rows.append(adam_row(impl, n, t, a.iters))
+            impls = ("fused", "foreach") if a.half == "none" else ("fused", "fused_copy", "foreach")
+            for impl in impls:
+                rows.append(adam_row(impl, n, t, a.iters, a.half))
     for r in rows:
         if a.json:
             print(json.dumps(r))
         elif r["impl"] == "triad":
             print(f"triad {r['params']:>10} x fp32, {r['threads']} threads: {r['gb_per_s']:.2f} GB/s")
         else:
-            print(f"{r['impl']:>14} {r['params']:>10} {r['threads']:>3} {r['gparams_per_s']:.3f} Gparam/s")
+            print(f"{r['impl']:>17} {r['params']:>10} {r['threads']:>3} {r['gparams_per_s']:.3f} Gparam/s")
 
 
 if __name__ == "__main__":
