@@ -14,7 +14,7 @@
 
 use crate::init::{init_buffer, Extent};
 use crate::layout::{ShardLayout, UnitLayout};
-use crate::offload::{self, HostOptimizer};
+use crate::offload::{self, HostOptimizer, HostSetup};
 use crate::scaler::LossScaler;
 use crate::state::Mover;
 use crate::{Context, Error, MemoryLedger, Offload, Precision, ReduceDtype, Result, Stage};
@@ -178,15 +178,18 @@ impl Engine {
             Extent::Shard => (layout.shard_numel(), layout.shard_decay_ranges()),
         };
         let optimizer = if offloaded {
-            let host = HostOptimizer::new(
-                &layout,
-                init(Extent::Shard)?,
-                cfg.adamw,
-                cfg.optimizer_state_dtype,
-                cfg.optimizer_threads,
-                cfg.precision,
-                dev,
-            )?;
+            // At stages 2-3 on the host, the gradient shard is already host memory in shard
+            // order: the CPU AdamW reads it in place (fp32) rather than from a second copy.
+            let in_place = matches!(cfg.stage, Stage::Zero2 | Stage::Zero3) && dev == Device::Cpu;
+            let setup = HostSetup {
+                adamw: cfg.adamw,
+                state: cfg.optimizer_state_dtype,
+                threads: cfg.optimizer_threads,
+                precision: cfg.precision,
+                device: dev,
+            };
+            let grads_in_place = in_place.then(|| grads.shallow_clone());
+            let host = HostOptimizer::new(&layout, init(Extent::Shard)?, setup, grads_in_place)?;
             Optimizer::Host(host)
         } else {
             Optimizer::Device(AdamW::new(opt_numel, dev, cfg.adamw, decay)?)

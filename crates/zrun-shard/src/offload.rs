@@ -14,14 +14,30 @@ use std::thread::JoinHandle;
 use tch::{Device, Kind, Tensor};
 use zrun_optim::{AdamWConfig, CpuAdamW, HalfKind, StateDtype};
 
+/// What the host optimizer is made of, from the engine's configuration.
+pub(crate) struct HostSetup {
+    pub adamw: AdamWConfig,
+    /// Storage of m and v.
+    pub state: StateDtype,
+    /// Threads of the CPU AdamW.
+    pub threads: usize,
+    /// Compute precision: the dtype the new parameters are written in.
+    pub precision: Precision,
+    /// Where the compute parameters live (pinned host buffers when it is CUDA).
+    pub device: Device,
+}
+
 /// The optimizer side of a rank whose optimizer state is offloaded to the host.
 pub(crate) struct HostOptimizer {
     /// The AdamW state; lent to the worker thread while updates are in flight.
     adam: Option<CpuAdamW>,
     /// fp32 master shard, units back to back in `shard_offsets` order.
     master: Tensor,
-    /// fp32 gradient shard staged on the host, same layout.
+    /// fp32 gradient shard on the host, same layout: staged copies, or the engine's own
+    /// gradient shard read in place when that is already fp32 host memory in this layout.
     grads: Tensor,
+    /// Whether `grads` is a buffer of its own (not the engine's gradients read in place).
+    owns_grads: bool,
     /// 16-bit copy of the new parameters when they must travel to a device.
     staging: Option<Tensor>,
     /// Compute precision: the dtype the new parameters are written in.
@@ -102,8 +118,9 @@ unsafe fn slice_mut<'a, T>(base: *mut std::ffi::c_void, off: usize, len: usize) 
 /// host memory; returns the copy still to make when they live on a device. Touches no
 /// libtorch state, only the memory of the buffers, so it may run on any thread.
 ///
-/// The master and gradient ranges of a job belong to its unit alone: the caller stages the
-/// unit's gradients before the job starts and touches neither range until it has finished.
+/// The master and gradient ranges of a job belong to its unit alone: the unit's gradients are
+/// final before the job starts (staged, or the engine's own shard read in place), and the
+/// caller touches neither range until the job has finished.
 fn run(
     adam: &mut CpuAdamW,
     master: &Tensor,
@@ -159,15 +176,22 @@ fn run(
 
 impl HostOptimizer {
     /// Host state for `layout`'s rank, the master initialised from `master_init` (fp32 CPU).
+    /// `grads_in_place`: the engine's gradient shard, when it is already contiguous fp32 host
+    /// memory laid out as the shard (stages 2-3 on the host); updates read it where it is
+    /// instead of from a staged copy.
     pub(crate) fn new(
         layout: &ShardLayout,
         master_init: Tensor,
-        cfg: AdamWConfig,
-        state: StateDtype,
-        threads: usize,
-        precision: Precision,
-        device: Device,
+        setup: HostSetup,
+        grads_in_place: Option<Tensor>,
     ) -> Result<HostOptimizer> {
+        let HostSetup {
+            adamw: cfg,
+            state,
+            threads,
+            precision,
+            device,
+        } = setup;
         let n = layout.shard_numel();
         let master = host_tensor(n, Kind::Float, device)?;
         master
@@ -185,11 +209,23 @@ impl HostOptimizer {
             _ => None,
         };
         let adam = CpuAdamW::new(n as usize, cfg, decay, state, threads.max(1));
+        let in_place = grads_in_place.filter(|g| {
+            g.device() == Device::Cpu
+                && g.kind() == Kind::Float
+                && g.is_contiguous()
+                && g.numel() as i64 == n
+        });
+        let owns_grads = in_place.is_none();
+        let grads = match in_place {
+            Some(g) => g,
+            None => host_tensor(n, Kind::Float, device)?,
+        };
         Ok(HostOptimizer {
             state_bytes: 4 * n + adam.state_bytes() as i64,
             adam: Some(adam),
             master,
-            grads: host_tensor(n, Kind::Float, device)?,
+            grads,
+            owns_grads,
             staging,
             precision,
             worker: None,
@@ -218,7 +254,12 @@ impl HostOptimizer {
     /// Host bytes of staging buffers.
     pub(crate) fn buffer_bytes(&self) -> i64 {
         let bytes = |t: &Tensor| t.numel() as i64 * t.kind().elt_size_in_bytes() as i64;
-        bytes(&self.grads) + self.staging.as_ref().map_or(0, bytes)
+        let grads = if self.owns_grads {
+            bytes(&self.grads)
+        } else {
+            0
+        };
+        grads + self.staging.as_ref().map_or(0, bytes)
     }
 
     fn adam(&mut self) -> Result<&mut CpuAdamW> {
@@ -233,12 +274,20 @@ impl HostOptimizer {
         Ok(())
     }
 
-    /// Copies `grad` (any dtype and device) into the host gradients at shard offset `at`.
+    /// Copies `grad` (any dtype and device) into the host gradients at shard offset `at`;
+    /// nothing to do when `grad` is that very memory (gradients read in place).
     fn stage(&mut self, at: i64, grad: &Tensor, unit: &str) -> Result<()> {
         let mut dst = self
             .grads
             .f_narrow(0, at, grad.numel() as i64)
             .ctx("stage gradients", unit)?;
+        if !self.owns_grads
+            && grad.device() == Device::Cpu
+            && grad.kind() == Kind::Float
+            && grad.data_ptr() == dst.data_ptr()
+        {
+            return Ok(());
+        }
         dst.f_copy_(grad).ctx("copy gradients to the host", unit)
     }
 

@@ -286,6 +286,10 @@ fn offloaded_optimizer_bytes_are_on_the_host_and_none_on_the_device() {
                 "{what}: fp32 master + moments on the host"
             );
             assert_eq!(m.device_model_states(), m.params + m.grads, "{what}");
+            // Stage 1 stages the owned slices of its full gradient buffer on the host; at
+            // stages 2-3 on the host the gradient shard itself is read in place, no copy.
+            let staged = if stage == Stage::Zero1 { 4 * s } else { 0 };
+            assert_eq!(m.buffers, staged, "{what}: host gradient staging");
         }
     }
     // Stage 0 has nothing sharded to offload: a clear error.
