@@ -179,38 +179,7 @@ impl From<tch::TchError> for Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// torch.optim.AdamW's update written out element by element in f64.
-    struct Reference {
-        p: Vec<f64>,
-        m: Vec<f64>,
-        v: Vec<f64>,
-        t: i32,
-    }
-
-    impl Reference {
-        fn step(&mut self, g: &[f64], lr: f64, c: &AdamWConfig, decay: &dyn Fn(usize) -> bool) {
-            self.t += 1;
-            let bc1 = 1.0 - c.beta1.powi(self.t);
-            let bc2 = 1.0 - c.beta2.powi(self.t);
-            for (i, &g) in g.iter().enumerate() {
-                let (p, m, v) = (&mut self.p[i], &mut self.m[i], &mut self.v[i]);
-                if decay(i) {
-                    *p *= 1.0 - lr * c.weight_decay;
-                }
-                *m = c.beta1 * *m + (1.0 - c.beta1) * g;
-                *v = c.beta2 * *v + (1.0 - c.beta2) * g * g;
-                *p -= lr * (*m / bc1) / ((*v / bc2).sqrt() + c.eps);
-            }
-        }
-    }
-
-    fn lcg(state: &mut u64) -> f64 {
-        *state = state
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((*state >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
-    }
+    use crate::reference::{errors, lcg, Reference};
 
     #[test]
     fn matches_reference_adamw_with_decay_ranges_over_many_steps() {
@@ -230,12 +199,7 @@ mod tests {
         };
         let mut seed = 7u64;
         let p0: Vec<f64> = (0..n).map(|_| lcg(&mut seed)).collect();
-        let mut reference = Reference {
-            p: p0.clone(),
-            m: vec![0.0; n],
-            v: vec![0.0; n],
-            t: 0,
-        };
+        let mut reference = Reference::new(p0.clone());
         let p32: Vec<f32> = p0.iter().map(|&x| x as f32).collect();
         let param = Tensor::from_slice(&p32);
         let mut opt = AdamW::new(n as i64, Device::Cpu, cfg, ranges.clone()).unwrap();
@@ -248,16 +212,7 @@ mod tests {
             opt.step(&param, &Tensor::from_slice(&g32), lr).unwrap();
         }
         let got = Vec::<f32>::try_from(&param).unwrap();
-        // Relative error where the value is not tiny; absolute error (fp32 rounding) elsewhere.
-        let (mut worst_rel, mut worst_abs) = (0f64, 0f64);
-        for (a, b) in got.iter().zip(&reference.p) {
-            let err = (*a as f64 - b).abs();
-            if b.abs() >= 0.1 {
-                worst_rel = worst_rel.max(err / b.abs());
-            } else {
-                worst_abs = worst_abs.max(err);
-            }
-        }
+        let (worst_rel, worst_abs) = errors(&got, &reference.p);
         assert!(worst_rel < 1e-6, "max relative error {worst_rel}");
         assert!(worst_abs < 1e-7, "max absolute error {worst_abs}");
         assert_eq!(opt.steps(), 20);

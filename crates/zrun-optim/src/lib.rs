@@ -7,6 +7,8 @@
 mod adamw;
 mod clip;
 mod cpu_adam;
+#[cfg(test)]
+mod reference;
 mod schedule;
 mod segments;
 

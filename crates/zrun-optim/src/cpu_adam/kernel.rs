@@ -1,9 +1,10 @@
 //! The element-wise AdamW kernels and the bf16/fp16 roundings.
 //!
 //! Every kernel is a plain loop over equal-length slices that LLVM vectorises; it is compiled
-//! twice, once generic and once with AVX2 + FMA + F16C enabled, and the AVX2 copy is picked at
-//! run time. Both copies compute the same IEEE operations (`mul_add` is a fused multiply-add
-//! either way; `sqrt` and `/` are correctly rounded), so results are bitwise identical across
+//! three times, generic, with AVX2 + FMA + F16C, and with AVX-512 (whose bf16 copy is written
+//! with explicit non-temporal stores), and the widest copy the CPU supports is picked at run
+//! time. All copies compute the same IEEE operations (`mul_add` is a fused multiply-add
+//! everywhere; `sqrt` and `/` are correctly rounded), so results are bitwise identical across
 //! machines, instruction sets and thread counts.
 
 use super::HalfKind;

@@ -1,13 +1,7 @@
 use super::*;
+use crate::reference::{errors, lcg, Reference};
 use crate::AdamW;
 use tch::{Device, Tensor};
-
-fn lcg(state: &mut u64) -> f64 {
-    *state = state
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    ((*state >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
-}
 
 fn randn32(n: usize, seed: &mut u64, scale: f64) -> Vec<f32> {
     (0..n).map(|_| (lcg(seed) * scale) as f32).collect()
@@ -20,46 +14,6 @@ fn cfg(wd: f64) -> AdamWConfig {
         eps: 1e-8,
         weight_decay: wd,
     }
-}
-
-/// torch.optim.AdamW (single-tensor path) written out element by element in f64.
-struct Reference {
-    p: Vec<f64>,
-    m: Vec<f64>,
-    v: Vec<f64>,
-    t: i32,
-}
-
-impl Reference {
-    fn step(&mut self, g: &[f64], lr: f64, c: &AdamWConfig, decay: &dyn Fn(usize) -> bool) {
-        self.t += 1;
-        let bc1 = 1.0 - c.beta1.powi(self.t);
-        let bc2 = 1.0 - c.beta2.powi(self.t);
-        for (i, &g) in g.iter().enumerate() {
-            let (p, m, v) = (&mut self.p[i], &mut self.m[i], &mut self.v[i]);
-            if decay(i) {
-                *p *= 1.0 - lr * c.weight_decay;
-            }
-            *m += (1.0 - c.beta1) * (g - *m);
-            *v = c.beta2 * *v + (1.0 - c.beta2) * g * g;
-            let denom = (*v).sqrt() / bc2.sqrt() + c.eps;
-            *p -= lr / bc1 * *m / denom;
-        }
-    }
-}
-
-/// Worst relative error where |want| >= 0.1, worst absolute error elsewhere.
-fn errors(got: &[f32], want: &[f64]) -> (f64, f64) {
-    let (mut rel, mut abs) = (0f64, 0f64);
-    for (&a, &b) in got.iter().zip(want) {
-        let err = (a as f64 - b).abs();
-        if b.abs() >= 0.1 {
-            rel = rel.max(err / b.abs());
-        } else {
-            abs = abs.max(err);
-        }
-    }
-    (rel, abs)
 }
 
 #[test]
@@ -76,12 +30,7 @@ fn matches_torch_adamw_formulas_in_f64_over_100_steps() {
     let c = cfg(0.1);
     let mut seed = 3u64;
     let p32 = randn32(n, &mut seed, 1.0);
-    let mut reference = Reference {
-        p: p32.iter().map(|&x| x as f64).collect(),
-        m: vec![0.0; n],
-        v: vec![0.0; n],
-        t: 0,
-    };
+    let mut reference = Reference::new(p32.iter().map(|&x| x as f64).collect());
     let mut params = p32;
     let mut opt = CpuAdamW::new(n, c, ranges.clone(), StateDtype::Fp32, 2);
     let scale = 0.5f32;
