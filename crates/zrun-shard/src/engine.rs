@@ -390,10 +390,7 @@ impl Engine {
             if let Optimizer::Host(h) = &mut self.optimizer {
                 // The CPU AdamW unscales and clips while it reads the staged gradients.
                 let (mover, params, stage) = (&self.mover, &self.params, self.cfg.stage);
-                let params_of = |u| match stage {
-                    Stage::Zero3 => mover.shard_of(params, u),
-                    _ => mover.owned(params, u),
-                };
+                let params_of = |u| mover.owned_params(params, u, stage);
                 // Gradients staged during backward need no second copy.
                 let segments = (early != EarlyStep::Staged).then_some(&grads[..]);
                 h.step(

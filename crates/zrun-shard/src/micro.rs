@@ -306,11 +306,10 @@ impl Engine {
             // The unit's gradient is final: its update overlaps the rest of backward. The
             // parameters are written through an alias with its own version counter: autograd
             // still holds views of the earlier units, which share the parameters' counter.
-            let dst = match self.cfg.stage {
-                Stage::Zero3 => self.mover.shard_of(&self.params, u)?,
-                _ => self.mover.owned(&self.params, u)?,
-            }
-            .data();
+            let dst = self
+                .mover
+                .owned_params(&self.params, u, self.cfg.stage)?
+                .data();
             if let Optimizer::Host(h) = &mut self.optimizer {
                 h.submit(&self.mover.layout, u, &acc, lr, dst)?;
             }

@@ -359,9 +359,9 @@ impl HostOptimizer {
             at += g.numel() as i64;
         }
         self.begin_step()?;
+        let half = self.half();
         for u in 0..layout.units.len() {
             let job = self.job(layout, u, lr, grad_scale, params_of(u)?)?;
-            let half = self.half();
             let adam = self.adam.as_mut().expect("begin_step checked it is here");
             if let Some(t) = run(adam, &self.master, &self.grads, half, job)? {
                 t.apply()?;

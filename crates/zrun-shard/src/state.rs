@@ -2,7 +2,7 @@
 //! move them: gathers of parameters, reductions of gradients.
 
 use crate::layout::ShardLayout;
-use crate::{Context, Error, Result};
+use crate::{Context, Error, Result, Stage};
 use std::sync::Arc;
 use tch::{Kind, Tensor};
 use zrun_comm::{Communicator, ReduceOp, Work};
@@ -218,6 +218,15 @@ impl Mover {
         let (start, len) = l.shard_range(self.layout.rank);
         buf.f_narrow(0, self.layout.full_offsets[u] + start, len)
             .ctx("slice owned range", &l.unit)
+    }
+
+    /// This rank's slice of unit `u` in the compute parameters `params`: a slice of the
+    /// shard buffer at stage 3, the owned range of the full buffer at the other stages.
+    pub(crate) fn owned_params(&self, params: &Tensor, u: usize, stage: Stage) -> Result<Tensor> {
+        match stage {
+            Stage::Zero3 => self.shard_of(params, u),
+            _ => self.owned(params, u),
+        }
     }
 
     /// Unit `u`'s slice of a contiguous shard buffer.
