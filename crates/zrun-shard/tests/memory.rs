@@ -42,6 +42,20 @@ impl Communicator for Placement {
     }
 }
 
+/// Hyper-parameters do not change any byte count: one AdamW config for every test here.
+fn adamw() -> AdamWConfig {
+    AdamWConfig {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    }
+}
+
+fn tiny() -> Arc<dyn Model> {
+    Arc::new(Gpt::new(GptConfig::preset("tiny").unwrap()).unwrap())
+}
+
 #[test]
 fn model_state_bytes_per_rank_equal_the_zero_formula() {
     // Odd sizes so that units need padding at every world size.
@@ -55,12 +69,7 @@ fn model_state_bytes_per_rank_equal_the_zero_formula() {
     })
     .unwrap();
     let model: Arc<dyn Model> = Arc::new(gpt);
-    let adamw = AdamWConfig {
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-    };
+    let adamw = adamw();
     let mut padded_somewhere = false;
     for world in 1..=4i64 {
         // Ψ with padding: every unit rounded up to a multiple of W; Ψ/W is exact.
@@ -214,14 +223,8 @@ fn model_state_bytes_per_rank_equal_the_zero_formula() {
 
 #[test]
 fn the_static_plan_matches_what_the_engine_allocates() {
-    let gpt = Gpt::new(GptConfig::preset("tiny").unwrap()).unwrap();
-    let model: Arc<dyn Model> = Arc::new(gpt);
-    let adamw = AdamWConfig {
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.0,
-    };
+    let model = tiny();
+    let adamw = adamw();
     for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
         for (precision, reduce_dtype) in [
             (Precision::Fp32, ReduceDtype::Fp32),
@@ -251,14 +254,8 @@ fn the_static_plan_matches_what_the_engine_allocates() {
 
 #[test]
 fn offloaded_optimizer_bytes_are_on_the_host_and_none_on_the_device() {
-    let gpt = Gpt::new(GptConfig::preset("tiny").unwrap()).unwrap();
-    let model: Arc<dyn Model> = Arc::new(gpt);
-    let adamw = AdamWConfig {
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-    };
+    let model = tiny();
+    let adamw = adamw();
     for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
         for (precision, state, moment_bytes) in [
             (Precision::Fp32, StateDtype::Fp32, 8),
