@@ -54,28 +54,34 @@ fn parse_backend(s: &str) -> Result<Backend, String> {
     s.parse()
 }
 
-/// Parses `1M,16M,64M` into element counts.
-fn parse_sizes(s: &str) -> anyhow::Result<Vec<usize>> {
+/// Parses a comma-separated list of counts like `1M,16M,3` for `flag`. K, M and G are powers
+/// of `unit` (1024 for tensor sizes, 1000 for parameter counts); fractions are allowed
+/// (`0.5M`), zero and negative counts are not.
+pub(crate) fn parse_counts(s: &str, flag: &str, unit: f64) -> anyhow::Result<Vec<usize>> {
     s.split(',')
         .map(|p| {
             let p = p.trim().to_ascii_uppercase();
-            let (num, mult) = match p.chars().last() {
-                Some('K') => (&p[..p.len() - 1], 1usize << 10),
-                Some('M') => (&p[..p.len() - 1], 1 << 20),
-                Some('G') => (&p[..p.len() - 1], 1 << 30),
-                _ => (&p[..], 1),
+            let (num, power) = match p.chars().last() {
+                Some('K') => (&p[..p.len() - 1], 1),
+                Some('M') => (&p[..p.len() - 1], 2),
+                Some('G') => (&p[..p.len() - 1], 3),
+                _ => (&p[..], 0),
             };
-            let n: usize = num
+            let n: f64 = num
                 .parse()
-                .with_context(|| format!("--sizes: `{p}` is not a count like 64M"))?;
-            Ok(n * mult)
+                .with_context(|| format!("{flag}: `{p}` is not a count like 64M"))?;
+            let count = (n * unit.powi(power)).round();
+            if count.is_nan() || count < 1.0 {
+                bail!("{flag}: `{p}` must be a positive count");
+            }
+            Ok(count as usize)
         })
         .collect()
 }
 
 /// Runs `zrun bench comm`.
 pub fn run_comm(args: &CommArgs) -> anyhow::Result<()> {
-    let sizes = parse_sizes(&args.sizes)?;
+    let sizes = parse_counts(&args.sizes, "--sizes", 1024.0)?;
     let topo = Topology::from_env().context("reading the rank variables")?;
     let is_rank = std::env::var(WORKER_ENV).is_ok() || topo.world_size > 1;
     if is_rank || args.nproc <= 1 {
@@ -361,9 +367,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn sizes_parse_with_binary_suffixes_and_reject_junk() {
-        assert_eq!(parse_sizes("1M,16M,3").unwrap(), vec![1 << 20, 16 << 20, 3]);
-        assert_eq!(parse_sizes("2k").unwrap(), vec![2048]);
-        assert!(parse_sizes("lots").is_err());
+    fn counts_parse_with_binary_or_decimal_suffixes_and_reject_junk() {
+        let sizes = |s| parse_counts(s, "--sizes", 1024.0);
+        assert_eq!(sizes("1M,16M,3").unwrap(), vec![1 << 20, 16 << 20, 3]);
+        assert_eq!(sizes("2k").unwrap(), vec![2048]);
+        let params = |s| parse_counts(s, "--params", 1000.0);
+        assert_eq!(
+            params("10M, 0.5M,2G").unwrap(),
+            vec![10_000_000, 500_000, 2_000_000_000]
+        );
+        for bad in ["lots", "0", "-3M", "", "NaN"] {
+            let err = params(bad).unwrap_err().to_string();
+            assert!(err.starts_with("--params: "), "{bad}: {err}");
+        }
     }
 }

@@ -10,7 +10,7 @@
 
 use std::time::Instant;
 
-use anyhow::{bail, Context};
+use crate::bench::parse_counts;
 use zrun_optim::{AdamWConfig, CpuAdamW, HalfKind, StateDtype};
 
 /// Flags of `zrun bench adam`.
@@ -36,32 +36,10 @@ pub struct AdamArgs {
     pub json: bool,
 }
 
-/// Parses `10M,50M` (powers of ten, as parameter counts are written).
-fn parse_counts(s: &str, flag: &str) -> anyhow::Result<Vec<usize>> {
-    s.split(',')
-        .map(|p| {
-            let p = p.trim().to_ascii_uppercase();
-            let (num, mult) = match p.chars().last() {
-                Some('K') => (&p[..p.len() - 1], 1e3),
-                Some('M') => (&p[..p.len() - 1], 1e6),
-                Some('G') => (&p[..p.len() - 1], 1e9),
-                _ => (&p[..], 1.0),
-            };
-            let n: f64 = num
-                .parse()
-                .with_context(|| format!("{flag}: `{p}` is not a count like 50M"))?;
-            if n.is_nan() || n <= 0.0 {
-                bail!("{flag}: `{p}` must be positive");
-            }
-            Ok((n * mult) as usize)
-        })
-        .collect()
-}
-
 /// Runs `zrun bench adam`.
 pub fn run_adam(args: &AdamArgs) -> anyhow::Result<()> {
-    let sizes = parse_counts(&args.params, "--params")?;
-    let threads = parse_counts(&args.threads, "--threads")?;
+    let sizes = parse_counts(&args.params, "--params", 1000.0)?;
+    let threads = parse_counts(&args.threads, "--threads", 1000.0)?;
     let state: StateDtype = args
         .state_dtype
         .parse()
