@@ -41,6 +41,14 @@ def ensure_zrun(work=None):
     return ZRUN_BIN
 
 
+def clean_up(work, keep):
+    """Removes the work directory (rank logs, summaries), or with `keep` says where it is."""
+    if keep:
+        print(f"# logs in {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def torch_env():
     """LD_LIBRARY_PATH with the .venv's libtorch first (what scripts/env.sh sets), so the
     scripts also run when env.sh was not sourced."""

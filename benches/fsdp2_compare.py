@@ -339,12 +339,7 @@ def main():
     if args.json:
         for k in ORDER:
             print(json.dumps(rows[k]))
-    if args.keep:
-        print(f"# logs in {work}")
-    else:
-        import shutil
-
-        shutil.rmtree(work, ignore_errors=True)
+    common.clean_up(work, args.keep)
 
 
 if __name__ == "__main__":

@@ -136,12 +136,7 @@ def main():
     if args.json:
         for r in rows:
             print(json.dumps(r))
-    if args.keep:
-        print(f"# logs in {work}")
-    else:
-        import shutil
-
-        shutil.rmtree(work, ignore_errors=True)
+    common.clean_up(work, args.keep)
 
 
 if __name__ == "__main__":
