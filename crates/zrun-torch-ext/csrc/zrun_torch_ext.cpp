@@ -8,7 +8,9 @@
 // - no C++ exception ever crosses this boundary: every body runs inside GUARD.
 
 #include <ATen/Context.h>
+#include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/DeviceGuard.h>
@@ -19,6 +21,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -88,6 +91,38 @@ size_t extent_bytes(const at::Tensor& t) {
     last += (t.size(d) - 1) * t.stride(d);
   }
   return static_cast<size_t>(last + 1) * t.element_size();
+}
+
+// The generators' devices as src/rng.rs passes them.
+constexpr int ZR_DEVICE_CPU = 0;
+constexpr int ZR_DEVICE_CUDA = 1;
+
+// Resolves (kind, index) to a device whose default generator exists here, or refuses with a
+// message naming the device. Needs no CUDA header: CUDA is asked through ATen's hooks, which
+// answer "absent" where libtorch_cuda is not loaded.
+int rng_device(int kind, int64_t index, c10::Device* device, char** err) {
+  if (kind == ZR_DEVICE_CPU) {
+    *device = c10::Device(c10::kCPU);
+    return ZR_OK;
+  }
+  if (kind != ZR_DEVICE_CUDA) {
+    return refuse(err, "unknown device kind " + std::to_string(kind) +
+                           "; only the cpu and cuda:N default generators are supported");
+  }
+  const std::string name = "cuda:" + std::to_string(index);
+  if (!at::globalContext().hasCUDA()) {
+    return refuse(err, name +
+                           " has no generator here: CUDA is not available (libtorch's CUDA "
+                           "part is not linked, i.e. not built with feature `cuda` against a "
+                           "CUDA libtorch, or the machine has no GPU); use Device::Cpu");
+  }
+  const int64_t count = at::detail::getCUDAHooks().deviceCount();
+  if (index < 0 || index >= count) {
+    return refuse(err, name + " does not exist: this machine has " + std::to_string(count) +
+                           " CUDA devices (cuda:0 to cuda:" + std::to_string(count - 1) + ")");
+  }
+  *device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+  return ZR_OK;
 }
 
 }  // namespace
@@ -216,6 +251,76 @@ int zrun_ext_reset_cuda_peak(int64_t device, char** err) {
     }
     at::globalContext().lazyInitDevice(c10::kCUDA);
     c10::getDeviceAllocator(c10::kCUDA)->resetPeakStats(static_cast<c10::DeviceIndex>(device));
+    return ZR_OK;
+  });
+}
+
+// The default generator's state of (kind, index) (see rng_device), as torch.get_rng_state()
+// / torch.cuda.get_rng_state(i) return it: *out receives a new torch::Tensor*, a contiguous
+// uint8 CPU tensor.
+int zrun_ext_rng_state(int kind, int64_t index, at::Tensor** out, char** err) {
+  return guard(err, [&] {
+    c10::Device device(c10::kCPU);
+    if (const int status = rng_device(kind, index, &device, err); status != ZR_OK) {
+      return status;
+    }
+    at::Generator gen = at::globalContext().defaultGenerator(device);
+    at::Tensor state;
+    {
+      // As PyTorch does: see its Note [Acquire lock when using random generators].
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      state = gen.get_state();
+    }
+    if (!state.defined() || state.scalar_type() != at::kByte || !state.device().is_cpu()) {
+      return refuse(err, "the " + device.str() +
+                             " generator's state is not a uint8 CPU tensor; this libtorch "
+                             "is not one this shim knows");
+    }
+    *out = new at::Tensor(state.contiguous());
+    return ZR_OK;
+  });
+}
+
+// Restores the default generator of (kind, index) from `n` bytes that zrun_ext_rng_state
+// returned (torch.set_rng_state / torch.cuda.set_rng_state(state, i)). A state libtorch
+// rejects (wrong size or content) comes back as ZR_TORCH with a message naming the device,
+// the generator put back as it was.
+int zrun_ext_rng_set_state(int kind, int64_t index, const uint8_t* bytes, size_t n,
+                           char** err) {
+  return guard(err, [&] {
+    c10::Device device(c10::kCPU);
+    if (const int status = rng_device(kind, index, &device, err); status != ZR_OK) {
+      return status;
+    }
+    at::Tensor state = at::empty({static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte));
+    if (n != 0) {
+      std::memcpy(state.data_ptr<uint8_t>(), bytes, n);
+    }
+    at::Generator gen = at::globalContext().defaultGenerator(device);
+    // As PyTorch does: see its Note [Acquire lock when using random generators].
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    // CUDA's set_state sets the seed before it checks the offset: put a rejected state's
+    // partial change back.
+    const at::Tensor before = gen.get_state();
+    try {
+      gen.set_state(state);
+    } catch (const c10::Error& e) {
+      std::string rollback;
+      try {
+        gen.set_state(before);
+      } catch (const c10::Error& again) {
+        rollback = "; putting the previous state back failed too, so the generator may have "
+                   "changed (" + std::string(again.what_without_backtrace()) + ")";
+      }
+      *err = dup_message("the " + device.str() + " generator rejected a state of " +
+                         std::to_string(n) + " bytes (its own state is " +
+                         std::to_string(before.numel()) +
+                         " bytes): the state is from another libtorch version or another "
+                         "generator (device), or corrupt; restore it with the libtorch and on "
+                         "the device kind it was saved with (libtorch: " +
+                         e.what_without_backtrace() + ")" + rollback);
+      return ZR_TORCH;
+    }
     return ZR_OK;
   });
 }

@@ -4,6 +4,11 @@
 use crate::Error;
 use std::ffi::{c_char, c_int, c_void, CStr};
 
+/// `kind` of the CPU generator in the `zrun_ext_rng_*` calls.
+pub(crate) const ZR_DEVICE_CPU: c_int = 0;
+/// `kind` of a CUDA generator in the `zrun_ext_rng_*` calls (with the device index).
+pub(crate) const ZR_DEVICE_CUDA: c_int = 1;
+
 /// Success.
 const ZR_OK: c_int = 0;
 /// libtorch raised an exception.
@@ -39,6 +44,19 @@ extern "C" {
         err: *mut *mut c_char,
     ) -> c_int;
     pub(crate) fn zrun_ext_reset_cuda_peak(device: i64, err: *mut *mut c_char) -> c_int;
+    pub(crate) fn zrun_ext_rng_state(
+        kind: c_int,
+        index: i64,
+        out: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    pub(crate) fn zrun_ext_rng_set_state(
+        kind: c_int,
+        index: i64,
+        bytes: *const u8,
+        n: usize,
+        err: *mut *mut c_char,
+    ) -> c_int;
 }
 
 /// Turns a shim status and its message into a `Result`, freeing the message.

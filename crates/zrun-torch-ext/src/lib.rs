@@ -5,7 +5,9 @@
 //!   after a unit's forward (autograd's saved views included) and bring it back before its
 //!   backward, as FSDP does with `untyped_storage().resize_()`;
 //! - [`grad`]: `torch.autograd.grad` with explicit output gradients;
-//! - [`cuda_memory`] / [`reset_cuda_peak`]: the CUDA caching allocator's figures.
+//! - [`cuda_memory`] / [`reset_cuda_peak`]: the CUDA caching allocator's figures;
+//! - [`rng::state`] / [`rng::set_state`]: the default CPU / CUDA generators' state, for
+//!   checkpoints that resume with the same random draws.
 //!
 //! No C++ exception crosses into Rust: the shim turns each into an [`Error`].
 
@@ -13,6 +15,7 @@ mod autograd;
 mod cuda;
 mod error;
 mod ffi;
+pub mod rng;
 mod storage;
 
 pub use autograd::grad;
