@@ -1,0 +1,124 @@
+//! `zrun consolidate`: one safetensors file of full, named parameters from a sharded
+//! checkpoint, streamed parameter by parameter (peak memory near the largest parameter).
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use crate::write::{header, Dtype, TensorSpec};
+use crate::{Checkpoint, Error, Part, Result};
+
+/// Element type of a consolidated file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutDtype {
+    /// The fp32 master weights as they are.
+    F32,
+    /// Rounded to bfloat16 (nearest, ties to even).
+    Bf16,
+    /// Rounded to IEEE half (nearest, ties to even).
+    F16,
+}
+
+impl std::str::FromStr for OutDtype {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "fp32" => Ok(OutDtype::F32),
+            "bf16" => Ok(OutDtype::Bf16),
+            "fp16" => Ok(OutDtype::F16),
+            _ => Err(format!("dtype `{s}` is not one of: fp32, bf16, fp16")),
+        }
+    }
+}
+
+impl OutDtype {
+    fn dtype(self) -> Dtype {
+        match self {
+            OutDtype::F32 => Dtype::F32,
+            OutDtype::Bf16 => Dtype::Bf16,
+            OutDtype::F16 => Dtype::F16,
+        }
+    }
+}
+
+/// What a consolidation wrote.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Consolidated {
+    /// The file.
+    pub path: PathBuf,
+    /// Tensors in it.
+    pub tensors: usize,
+    /// Parameters in it.
+    pub params: u64,
+    /// Bytes of the file.
+    pub bytes: u64,
+    /// The step of the checkpoint.
+    pub step: u64,
+}
+
+/// Writes every parameter of the checkpoint in `dir` as one full tensor named as the model
+/// names it, in `dtype`, into the safetensors file `out` (written to `out.tmp`, fsynced, then
+/// renamed). Every rank file is verified before its first use.
+pub fn consolidate(dir: &Path, out: &Path, dtype: OutDtype) -> Result<Consolidated> {
+    let ckpt = Checkpoint::open(dir)?;
+    let m = &ckpt.manifest;
+    let d = dtype.dtype();
+    let specs: Vec<TensorSpec> = m
+        .units
+        .iter()
+        .flat_map(|u| &u.views)
+        .map(|v| TensorSpec {
+            name: v.name.clone(),
+            dtype: d,
+            shape: v.shape.iter().map(|&s| s as usize).collect(),
+        })
+        .collect();
+    let mut meta = std::collections::HashMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    let head = header(&specs, Some(meta))?;
+    let mut tmp_name = out.as_os_str().to_owned();
+    tmp_name.push(".tmp");
+    let tmp = PathBuf::from(tmp_name);
+    let f = File::create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
+    let mut w = BufWriter::with_capacity(8 << 20, f);
+    let put =
+        |w: &mut BufWriter<File>, b: &[u8]| w.write_all(b).map_err(|e| Error::io("write", &tmp, e));
+    put(&mut w, &head)?;
+    let mut reader = ckpt.reader();
+    let (mut buf, mut bytes) = (Vec::<f32>::new(), Vec::<u8>::new());
+    let mut params = 0u64;
+    for (i, u) in m.units.iter().enumerate() {
+        for v in &u.views {
+            buf.clear();
+            buf.resize(v.numel as usize, 0.0);
+            reader.read(i, Part::Master, v.offset, &mut buf)?;
+            bytes.clear();
+            match dtype {
+                OutDtype::F32 => bytes.extend(buf.iter().flat_map(|x| x.to_le_bytes())),
+                OutDtype::Bf16 => bytes.extend(
+                    buf.iter()
+                        .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()),
+                ),
+                OutDtype::F16 => bytes.extend(
+                    buf.iter()
+                        .flat_map(|&x| half::f16::from_f32(x).to_le_bytes()),
+                ),
+            }
+            put(&mut w, &bytes)?;
+            params += v.numel;
+        }
+    }
+    let f = w
+        .into_inner()
+        .map_err(|e| Error::io("write", &tmp, e.into_error()))?;
+    f.sync_all().map_err(|e| Error::io("sync", &tmp, e))?;
+    let size = f.metadata().map_err(|e| Error::io("stat", &tmp, e))?.len();
+    std::fs::rename(&tmp, out).map_err(|e| Error::io("rename into place", &tmp, e))?;
+    Ok(Consolidated {
+        path: out.to_path_buf(),
+        tensors: specs.len(),
+        params,
+        bytes: size,
+        step: m.step,
+    })
+}

@@ -1,0 +1,117 @@
+//! The checkpoint directory: `step-00000500/` per complete checkpoint, `step-00000500.tmp/`
+//! while one is being written.
+
+use std::path::{Path, PathBuf};
+
+use crate::{Error, Result};
+
+/// The manifest's file name; its presence makes a checkpoint complete.
+pub const MANIFEST: &str = "manifest.json";
+const PREFIX: &str = "step-";
+const TMP: &str = ".tmp";
+
+/// `dir/step-00000500`: where the checkpoint of `step` lives once complete.
+pub fn step_dir(dir: &Path, step: u64) -> PathBuf {
+    dir.join(format!("{PREFIX}{step:08}"))
+}
+
+/// `dir/step-00000500.tmp`: where it is written.
+pub fn tmp_dir(dir: &Path, step: u64) -> PathBuf {
+    dir.join(format!("{PREFIX}{step:08}{TMP}"))
+}
+
+/// The step of a `step-NNNNNNNN` name (without `.tmp`).
+fn step_of(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix(PREFIX)?;
+    (!digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| digits.parse().ok())
+        .flatten()
+}
+
+/// The complete checkpoints in `dir` (those with a manifest), oldest first; none when `dir`
+/// does not exist.
+pub fn complete(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let mut out = Vec::new();
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(Error::io("list", dir, e)),
+    };
+    for entry in entries {
+        let entry = entry.map_err(|e| Error::io("list", dir, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(step) = step_of(&name) {
+            let path = entry.path();
+            if path.join(MANIFEST).is_file() {
+                out.push((step, path));
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Removes what interrupted saves left in `dir`: `step-*.tmp` directories, and step
+/// directories without a manifest (an interrupted deletion). Returns what it removed.
+pub fn remove_leftovers(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(removed),
+        Err(e) => return Err(Error::io("list", dir, e)),
+    };
+    for entry in entries {
+        let entry = entry.map_err(|e| Error::io("list", dir, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let path = entry.path();
+        let leftover = match name.strip_suffix(TMP) {
+            Some(base) => step_of(base).is_some(),
+            None => step_of(&name).is_some() && !path.join(MANIFEST).exists(),
+        };
+        if leftover && path.is_dir() {
+            std::fs::remove_dir_all(&path).map_err(|e| Error::io("remove", &path, e))?;
+            removed.push(path);
+        }
+    }
+    Ok(removed)
+}
+
+/// fsyncs a directory, so a rename or removal inside it is durable.
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
+    std::fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| Error::io("sync", dir, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lists_complete_checkpoints_and_removes_leftovers() {
+        let root = tempfile::tempdir().unwrap();
+        let d = root.path();
+        assert!(complete(&d.join("absent")).unwrap().is_empty());
+        for (step, manifest) in [(20u64, true), (5, true), (100, false)] {
+            let s = step_dir(d, step);
+            std::fs::create_dir_all(&s).unwrap();
+            if manifest {
+                std::fs::write(s.join(MANIFEST), b"{}").unwrap();
+            }
+        }
+        std::fs::create_dir_all(tmp_dir(d, 30)).unwrap();
+        std::fs::create_dir_all(d.join("notes")).unwrap();
+        std::fs::create_dir_all(d.join("step-12x")).unwrap();
+        let found = complete(d).unwrap();
+        assert_eq!(
+            found.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+            vec![5, 20]
+        );
+        assert_eq!(found[1].1, d.join("step-00000020"));
+        let removed = remove_leftovers(d).unwrap();
+        assert_eq!(removed.len(), 2, "{removed:?}");
+        assert!(!tmp_dir(d, 30).exists() && !step_dir(d, 100).exists());
+        assert!(d.join("notes").exists() && d.join("step-12x").exists());
+        assert!(step_dir(d, 5).exists());
+    }
+}

@@ -1,0 +1,359 @@
+//! `manifest.json`: what a checkpoint holds and how to read it. Written last by rank 0; a
+//! checkpoint without it is incomplete.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+/// The `format` field of every manifest.
+pub const FORMAT: &str = "zrun-checkpoint";
+/// The manifest layout this version writes; it reads this one and every earlier one.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// Everything about a checkpoint except the tensors.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Always [`FORMAT`].
+    pub format: String,
+    /// The layout version of this manifest ([`FORMAT_VERSION`] when written).
+    pub format_version: u32,
+    /// The zrun version that wrote it.
+    pub zrun_version: String,
+    /// Optimizer steps completed (the run resumes with step `step + 1`).
+    pub step: u64,
+    /// Training tokens consumed so far, over all ranks.
+    pub tokens_seen: u64,
+    /// Where the data stream stands.
+    pub data: DataPosition,
+    /// The model's configuration, as the trainer describes it (`{"arch": "gpt", ...}`).
+    pub model: serde_json::Value,
+    /// Ranks that wrote the checkpoint.
+    pub world_size: usize,
+    /// ZeRO stage of the run that wrote it.
+    pub stage: u8,
+    /// Compute precision of that run: `fp32`, `bf16` or `fp16`.
+    pub precision: String,
+    /// Where its optimizer state lived: `none` or `cpu`.
+    pub offload: String,
+    /// The optimizer's counters and hyper-parameters.
+    pub optimizer: OptimizerState,
+    /// The learning-rate schedule and where it stands.
+    pub schedule: ScheduleState,
+    /// The fp16 loss scaler.
+    pub loss_scaler: ScalerState,
+    /// Every unit's flat layout and which ranks wrote which part of it, in model order.
+    pub units: Vec<UnitEntry>,
+    /// One entry per rank, in rank order.
+    pub ranks: Vec<RankEntry>,
+    /// Every data file with its size and content hash.
+    pub files: Vec<FileEntry>,
+}
+
+/// The data stream's position, in global samples (independent of the world size).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DataPosition {
+    /// The first sample of the next step.
+    pub next_sample: u64,
+    /// Samples per step (micro batch x accumulation x world size) of the run that wrote it.
+    pub global_batch: u64,
+    /// Tokens per sample.
+    pub seq_len: u64,
+}
+
+/// AdamW's counters and hyper-parameters.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OptimizerState {
+    /// `adamw`.
+    pub name: String,
+    /// Updates applied (the bias corrections use it; fp16 overflow steps do not count).
+    pub steps: u64,
+    /// Storage type of the moments in the rank files: `fp32` or `bf16`.
+    pub state_dtype: String,
+    /// First-moment decay.
+    pub beta1: f64,
+    /// Second-moment decay.
+    pub beta2: f64,
+    /// Denominator epsilon.
+    pub eps: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+}
+
+/// The learning-rate schedule (linear warmup, cosine decay).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScheduleState {
+    /// Steps taken on it.
+    pub step: u64,
+    /// The learning rate of the last step taken.
+    pub lr: f64,
+    /// Peak learning rate.
+    pub peak: f64,
+    /// Final learning rate.
+    pub min: f64,
+    /// Warmup steps.
+    pub warmup_steps: u64,
+    /// Step at which the decay ends.
+    pub total_steps: u64,
+}
+
+/// The dynamic loss scaler of fp16.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScalerState {
+    /// Whether the run scaled its loss (fp16).
+    pub enabled: bool,
+    /// The current scale.
+    pub scale: f64,
+    /// Clean steps since the scale last changed.
+    pub clean_steps: u64,
+}
+
+/// One unit: its view table, and the element range each rank wrote.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct UnitEntry {
+    /// Unit name (`embed`, `h.0`, ..., `head`).
+    pub name: String,
+    /// Elements of the unit's flat buffer (no padding).
+    pub numel: u64,
+    /// The parameters inside the flat buffer.
+    pub views: Vec<ViewEntry>,
+    /// `shards[r]`: the range rank r wrote (possibly empty).
+    pub shards: Vec<Shard>,
+}
+
+/// A contiguous element range of a unit's flat buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Shard {
+    /// First element.
+    pub start: u64,
+    /// Elements.
+    pub len: u64,
+}
+
+/// One named parameter inside a unit's flat buffer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ViewEntry {
+    /// The model's parameter name (`h.3.attn.qkv.weight`).
+    pub name: String,
+    /// Its shape.
+    pub shape: Vec<u64>,
+    /// First element inside the unit's flat buffer.
+    pub offset: u64,
+    /// Elements (the product of `shape`).
+    pub numel: u64,
+    /// Whether weight decay applies to it.
+    pub decay: bool,
+}
+
+/// One rank's file and what else it holds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RankEntry {
+    /// The rank.
+    pub rank: usize,
+    /// Its file, relative to the checkpoint directory.
+    pub file: String,
+    /// Devices whose random-generator state the file holds (`cpu`, `cuda`).
+    pub rng: Vec<String>,
+}
+
+/// A data file's size and content hash.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileEntry {
+    /// File name, relative to the checkpoint directory.
+    pub name: String,
+    /// Size in bytes.
+    pub bytes: u64,
+    /// BLAKE3 hash of the whole file, lowercase hex.
+    pub blake3: String,
+}
+
+impl UnitEntry {
+    /// The ranges rank r of `world` writes of a unit of `numel` elements: the padded
+    /// buffer's equal slices `[r*s, (r+1)*s)` cut at `numel` (the padding is not saved).
+    pub fn even_shards(numel: u64, world: usize) -> Vec<Shard> {
+        let w = world.max(1) as u64;
+        let s = numel.div_ceil(w);
+        (0..w)
+            .map(|r| {
+                let start = (r * s).min(numel);
+                Shard {
+                    start,
+                    len: (start + s).min(numel) - start,
+                }
+            })
+            .collect()
+    }
+}
+
+impl Manifest {
+    /// The data file of rank `r`.
+    pub fn file(&self, name: &str) -> Option<&FileEntry> {
+        self.files.iter().find(|f| f.name == name)
+    }
+
+    /// Reads and checks `dir/manifest.json`: a zrun checkpoint of a known version whose
+    /// tables are consistent (every rank has a file, shards tile each unit).
+    pub fn load(dir: &Path) -> Result<Manifest> {
+        let path = dir.join(crate::MANIFEST);
+        let text = std::fs::read(&path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => Error::Format {
+                dir: dir.to_path_buf(),
+                detail: format!(
+                    "no {} (an incomplete save, or not a checkpoint directory); give a directory such as runs/x/ckpt/step-00000500",
+                    crate::MANIFEST
+                ),
+            },
+            _ => Error::io("read", &path, e),
+        })?;
+        // The format fields first, so a newer layout is named as such rather than as damage.
+        #[derive(Deserialize)]
+        struct Head {
+            format: Option<String>,
+            format_version: Option<u32>,
+        }
+        let head: Head = serde_json::from_slice(&text)
+            .map_err(|e| Error::damaged(dir, crate::MANIFEST, format!("not valid JSON ({e})")))?;
+        if head.format.as_deref() != Some(FORMAT) {
+            return Err(Error::Format {
+                dir: dir.to_path_buf(),
+                detail: format!(
+                    "{} is not a zrun checkpoint manifest (format {:?}, expected {FORMAT:?})",
+                    crate::MANIFEST,
+                    head.format.unwrap_or_default()
+                ),
+            });
+        }
+        match head.format_version {
+            Some(v) if (1..=FORMAT_VERSION).contains(&v) => {}
+            v => {
+                return Err(Error::Format {
+                    dir: dir.to_path_buf(),
+                    detail: format!(
+                        "format version {} is not one this zrun reads (1 to {FORMAT_VERSION}); it was written by a newer zrun: upgrade zrun to load it",
+                        v.map_or("(missing)".to_string(), |v| v.to_string())
+                    ),
+                })
+            }
+        }
+        let m: Manifest = serde_json::from_slice(&text)
+            .map_err(|e| Error::damaged(dir, crate::MANIFEST, format!("unreadable ({e})")))?;
+        m.check()
+            .map_err(|d| Error::damaged(dir, crate::MANIFEST, d))?;
+        Ok(m)
+    }
+
+    /// Internal consistency: one rank entry and one file per rank, shards inside each unit.
+    fn check(&self) -> std::result::Result<(), String> {
+        let w = self.world_size;
+        if w == 0 || self.ranks.len() != w {
+            return Err(format!(
+                "world size {w} but {} rank entries",
+                self.ranks.len()
+            ));
+        }
+        for (r, e) in self.ranks.iter().enumerate() {
+            if e.rank != r || self.file(&e.file).is_none() {
+                return Err(format!("rank {r}'s entry or file is missing"));
+            }
+        }
+        for u in &self.units {
+            if u.shards.len() != w {
+                return Err(format!(
+                    "unit {} has {} shards for {w} ranks",
+                    u.name,
+                    u.shards.len()
+                ));
+            }
+            if u.shards.iter().any(|s| s.start + s.len > u.numel) {
+                return Err(format!("unit {} has a shard past its end", u.name));
+            }
+            if u.views.iter().any(|v| v.offset + v.numel > u.numel) {
+                return Err(format!("unit {} has a view past its end", u.name));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks that `units` (the running model's view tables) lay the flat buffers out as this
+    /// checkpoint does; the error names the first unit or parameter that differs.
+    pub fn check_units(&self, dir: &Path, units: &[UnitEntry]) -> Result<()> {
+        let mismatch = |detail: String| {
+            Error::Mismatch {
+            dir: dir.to_path_buf(),
+            detail: format!(
+                "{detail}; it was written for another model (its [model]: {}): use the same [model] settings, or another checkpoint.dir",
+                self.model
+            ),
+        }
+        };
+        if units.len() != self.units.len() {
+            return Err(mismatch(format!(
+                "{} units here, {} in the checkpoint",
+                units.len(),
+                self.units.len()
+            )));
+        }
+        for (mine, saved) in units.iter().zip(&self.units) {
+            if mine.name != saved.name {
+                return Err(mismatch(format!(
+                    "unit `{}` here is `{}` in the checkpoint",
+                    mine.name, saved.name
+                )));
+            }
+            for (a, b) in mine.views.iter().zip(&saved.views) {
+                if a.name != b.name {
+                    return Err(mismatch(format!(
+                        "parameter `{}` here is `{}` in the checkpoint",
+                        a.name, b.name
+                    )));
+                }
+                if a.shape != b.shape || a.offset != b.offset {
+                    return Err(mismatch(format!(
+                        "parameter `{}` has shape {:?} here but {:?} in the checkpoint",
+                        a.name, a.shape, b.shape
+                    )));
+                }
+            }
+            if mine.views.len() != saved.views.len() || mine.numel != saved.numel {
+                let extra = mine
+                    .views
+                    .get(saved.views.len())
+                    .or(saved.views.get(mine.views.len()))
+                    .map_or(mine.name.clone(), |v| v.name.clone());
+                return Err(mismatch(format!(
+                    "parameter `{extra}` is only on one side (unit `{}` has {} elements here, {} in the checkpoint)",
+                    mine.name, mine.numel, saved.numel
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn even_shards_tile_the_unit_without_padding() {
+        for numel in [0u64, 1, 5, 7, 64, 1001] {
+            for w in 1..7 {
+                let s = UnitEntry::even_shards(numel, w);
+                assert_eq!(s.len(), w);
+                let mut next = 0;
+                for sh in &s {
+                    assert_eq!(sh.start, next.min(numel));
+                    next = sh.start + sh.len;
+                }
+                assert_eq!(next, numel, "numel {numel} w {w}");
+            }
+        }
+        // 7 elements over 3 ranks: padded to 9, slices of 3, the last cut to 1.
+        let s = UnitEntry::even_shards(7, 3);
+        assert_eq!(
+            s.iter().map(|s| (s.start, s.len)).collect::<Vec<_>>(),
+            vec![(0, 3), (3, 3), (6, 1)]
+        );
+    }
+}

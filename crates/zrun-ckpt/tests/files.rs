@@ -1,0 +1,369 @@
+//! Checkpoint files end to end, without a model: write a sharded checkpoint as W ranks would,
+//! read any range back at any other world size, consolidate, and catch every kind of damage.
+
+use std::path::{Path, PathBuf};
+
+use zrun_ckpt::{
+    commit, consolidate, prune, rank_file_name, tmp_dir, Checkpoint, DataPosition, Dtype, Error,
+    Manifest, OptimizerState, OutDtype, Part, RankEntry, RankWriter, ScalerState, ScheduleState,
+    TensorSpec, UnitEntry, ViewEntry, FORMAT, FORMAT_VERSION,
+};
+
+/// Two units: `embed` (a 5x3 table and a 4-vector: 19 elements) and `head` (a 2x2 matrix).
+fn units() -> Vec<UnitEntry> {
+    let view = |name: &str, shape: Vec<u64>, offset: u64| ViewEntry {
+        name: name.into(),
+        numel: shape.iter().product(),
+        shape,
+        offset,
+        decay: true,
+    };
+    vec![
+        UnitEntry {
+            name: "embed".into(),
+            numel: 19,
+            views: vec![
+                view("wte.weight", vec![5, 3], 0),
+                view("ln.bias", vec![4], 15),
+            ],
+            shards: vec![],
+        },
+        UnitEntry {
+            name: "head".into(),
+            numel: 4,
+            views: vec![view("head.weight", vec![2, 2], 0)],
+            shards: vec![],
+        },
+    ]
+}
+
+/// The value every test expects at element `i` of unit `u`'s `part`.
+fn value(u: usize, part: Part, i: u64) -> f32 {
+    let scale = match part {
+        Part::Master => 1.0,
+        Part::ExpAvg => 1024.0,
+        Part::ExpAvgSq => 1.0 / 1024.0,
+    };
+    // Distinct small integers times a power of two: exact in bf16, so bf16 moments
+    // round-trip exactly.
+    scale * (1 + i + 32 * u as u64) as f32
+}
+
+/// Writes the checkpoint of step `step` as `world` ranks would; returns its directory.
+fn save(root: &Path, step: u64, world: usize, moments: Dtype) -> PathBuf {
+    let (tmp, manifest) = write_ranks(root, step, world, moments);
+    commit(&tmp, &manifest).unwrap()
+}
+
+/// Writes the rank files of a checkpoint into its temporary directory; returns that directory
+/// and the manifest to commit.
+fn write_ranks(root: &Path, step: u64, world: usize, moments: Dtype) -> (PathBuf, Manifest) {
+    let mut units = units();
+    for u in &mut units {
+        u.shards = UnitEntry::even_shards(u.numel, world);
+    }
+    let tmp = tmp_dir(root, step);
+    let mut files = Vec::new();
+    for r in 0..world {
+        let mut specs = Vec::new();
+        for u in &units {
+            let len = u.shards[r].len as usize;
+            if len == 0 {
+                continue;
+            }
+            for part in Part::ALL {
+                let dtype = if part == Part::Master {
+                    Dtype::F32
+                } else {
+                    moments
+                };
+                specs.push(TensorSpec {
+                    name: zrun_ckpt::tensor_name(&u.name, part),
+                    dtype,
+                    shape: vec![len],
+                });
+            }
+        }
+        specs.push(TensorSpec {
+            name: zrun_ckpt::rng_name("cpu"),
+            dtype: Dtype::U8,
+            shape: vec![3],
+        });
+        let mut w = RankWriter::create(&tmp, &rank_file_name(r), specs).unwrap();
+        for (ui, u) in units.iter().enumerate() {
+            let s = u.shards[r];
+            if s.len == 0 {
+                continue;
+            }
+            for part in Part::ALL {
+                let vals = (s.start..s.start + s.len).map(|i| value(ui, part, i));
+                let bytes: Vec<u8> = match (part, moments) {
+                    (Part::Master, _) | (_, Dtype::F32) => {
+                        vals.flat_map(f32::to_le_bytes).collect()
+                    }
+                    _ => vals
+                        .flat_map(|v| half::bf16::from_f32(v).to_le_bytes())
+                        .collect(),
+                };
+                w.write(&bytes).unwrap();
+            }
+        }
+        w.write(&[r as u8, 7, 9]).unwrap();
+        files.push(w.finish().unwrap());
+    }
+    let manifest = Manifest {
+        format: FORMAT.into(),
+        format_version: FORMAT_VERSION,
+        zrun_version: "test".into(),
+        step,
+        tokens_seen: step * 64,
+        data: DataPosition {
+            next_sample: step * 4,
+            global_batch: 4,
+            seq_len: 16,
+        },
+        model: serde_json::json!({"arch": "test"}),
+        world_size: world,
+        stage: 3,
+        precision: "fp32".into(),
+        offload: "none".into(),
+        optimizer: OptimizerState {
+            name: "adamw".into(),
+            steps: step,
+            state_dtype: if moments == Dtype::Bf16 {
+                "bf16"
+            } else {
+                "fp32"
+            }
+            .into(),
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        },
+        schedule: ScheduleState {
+            step,
+            lr: 1e-3,
+            peak: 1e-3,
+            min: 1e-4,
+            warmup_steps: 0,
+            total_steps: 100,
+        },
+        loss_scaler: ScalerState {
+            enabled: false,
+            scale: 1.0,
+            clean_steps: 0,
+        },
+        units,
+        ranks: (0..world)
+            .map(|r| RankEntry {
+                rank: r,
+                file: rank_file_name(r),
+                rng: vec!["cpu".into()],
+            })
+            .collect(),
+        files,
+    };
+    (tmp, manifest)
+}
+
+#[test]
+fn any_range_reads_back_at_any_world_size() {
+    for moments in [Dtype::F32, Dtype::Bf16] {
+        for world in [1, 2, 3, 5] {
+            let root = tempfile::tempdir().unwrap();
+            let dir = save(root.path(), 10, world, moments);
+            assert!(!tmp_dir(root.path(), 10).exists(), "the commit renames");
+            let ckpt = Checkpoint::open(&dir).unwrap();
+            assert_eq!(ckpt.manifest.world_size, world);
+            let mut reader = ckpt.reader();
+            for (ui, numel) in [(0usize, 19u64), (1, 4)] {
+                // Every range a reader at world size 1..4 would own, and the whole unit.
+                for new_world in 1..=4u64 {
+                    let s = numel.div_ceil(new_world);
+                    for r in 0..new_world {
+                        let start = (r * s).min(numel);
+                        let len = (start + s).min(numel) - start;
+                        for part in Part::ALL {
+                            let mut out = vec![f32::NAN; len as usize];
+                            reader.read(ui, part, start, &mut out).unwrap();
+                            let want: Vec<f32> =
+                                (start..start + len).map(|i| value(ui, part, i)).collect();
+                            assert_eq!(out, want, "W {world}->{new_world} unit {ui} {part:?}");
+                        }
+                    }
+                }
+            }
+            for r in 0..world {
+                assert_eq!(reader.rng(r, "cpu").unwrap(), Some(vec![r as u8, 7, 9]));
+            }
+            assert_eq!(reader.rng(world, "cpu").unwrap(), None);
+            assert_eq!(reader.rng(0, "cuda").unwrap(), None);
+        }
+    }
+}
+
+#[test]
+fn consolidation_names_every_parameter_with_its_full_values() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = save(root.path(), 4, 3, Dtype::F32);
+    let out = root.path().join("model.safetensors");
+    let c = consolidate(&dir, &out, OutDtype::F32).unwrap();
+    assert_eq!((c.tensors, c.params, c.step), (3, 23, 4));
+    let bytes = std::fs::read(&out).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor("wte.weight").unwrap();
+    assert_eq!(t.shape(), &[5, 3]);
+    let vals: Vec<f32> = t
+        .data()
+        .chunks(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(
+        vals,
+        (0..15)
+            .map(|i| value(0, Part::Master, i))
+            .collect::<Vec<_>>()
+    );
+    let b = st.tensor("ln.bias").unwrap();
+    assert_eq!(b.data().len(), 16);
+    let h = st.tensor("head.weight").unwrap();
+    let vals: Vec<f32> = h
+        .data()
+        .chunks(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(
+        vals,
+        (0..4)
+            .map(|i| value(1, Part::Master, i))
+            .collect::<Vec<_>>()
+    );
+    // bf16 output rounds each value; these are bf16-exact.
+    let out16 = root.path().join("model16.safetensors");
+    consolidate(&dir, &out16, OutDtype::Bf16).unwrap();
+    let bytes = std::fs::read(&out16).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let h = st.tensor("head.weight").unwrap();
+    assert_eq!(h.dtype(), safetensors::Dtype::BF16);
+    let first = half::bf16::from_le_bytes([h.data()[2], h.data()[3]]).to_f32();
+    assert_eq!(first, value(1, Part::Master, 1));
+}
+
+/// The error of opening rank `rank`'s file of the checkpoint in `dir`.
+fn open_error(dir: &Path, rank: usize) -> Error {
+    let ckpt = Checkpoint::open(dir).unwrap();
+    let mut reader = ckpt.reader();
+    match reader.open(rank) {
+        Ok(_) => panic!("rank {rank}'s file opened"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn damage_is_caught_and_named() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = save(root.path(), 3, 2, Dtype::F32);
+    let f1 = dir.join(rank_file_name(1));
+    let good = std::fs::read(&f1).unwrap();
+    // A flipped byte in the data.
+    let mut bad = good.clone();
+    let at = bad.len() - 5;
+    bad[at] ^= 0x10;
+    std::fs::write(&f1, &bad).unwrap();
+    let e = open_error(&dir, 1);
+    assert!(e.is_damaged(), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("rank-00001.safetensors") && msg.contains("hash"),
+        "{msg}"
+    );
+    // Truncated.
+    std::fs::write(&f1, &good[..good.len() - 9]).unwrap();
+    let msg = open_error(&dir, 1).to_string();
+    assert!(msg.contains("truncated"), "{msg}");
+    // Missing.
+    std::fs::remove_file(&f1).unwrap();
+    let msg = open_error(&dir, 1).to_string();
+    assert!(
+        msg.contains("rank-00001.safetensors is damaged: is missing"),
+        "{msg}"
+    );
+    // Rank 0 is untouched and still reads.
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    ckpt.reader().open(0).unwrap();
+}
+
+#[test]
+fn manifests_of_other_versions_formats_and_models_are_refused() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = save(root.path(), 3, 2, Dtype::F32);
+    let path = dir.join(zrun_ckpt::MANIFEST);
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["format_version"] = serde_json::json!(FORMAT_VERSION + 1);
+    std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();
+    let msg = Checkpoint::open(&dir).unwrap_err().to_string();
+    assert!(
+        msg.contains("newer zrun") && msg.contains("format version 2"),
+        "{msg}"
+    );
+    v["format_version"] = serde_json::json!(1);
+    v["format"] = serde_json::json!("something-else");
+    std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();
+    let msg = Checkpoint::open(&dir).unwrap_err().to_string();
+    assert!(msg.contains("not a zrun checkpoint"), "{msg}");
+    std::fs::write(&path, &text[..text.len() / 2]).unwrap();
+    assert!(Checkpoint::open(&dir).unwrap_err().is_damaged());
+    std::fs::write(&path, &text).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    // The running model's tables: same, then one parameter of another shape.
+    let mut mine = units();
+    for u in &mut mine {
+        u.shards = UnitEntry::even_shards(u.numel, 1);
+    }
+    ckpt.manifest.check_units(&dir, &mine).unwrap();
+    mine[0].views[1].shape = vec![2, 2];
+    let msg = ckpt
+        .manifest
+        .check_units(&dir, &mine)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("parameter `ln.bias` has shape [2, 2] here but [4]"),
+        "{msg}"
+    );
+    // No manifest at all: incomplete, not damaged.
+    std::fs::remove_file(&path).unwrap();
+    let e = Checkpoint::open(&dir).unwrap_err();
+    assert!(
+        !e.is_damaged() && e.to_string().contains("incomplete"),
+        "{e}"
+    );
+}
+
+#[test]
+fn pruning_keeps_the_newest_complete_checkpoints() {
+    let root = tempfile::tempdir().unwrap();
+    for step in [5, 10, 15, 20] {
+        save(root.path(), step, 2, Dtype::F32);
+    }
+    std::fs::create_dir_all(tmp_dir(root.path(), 25)).unwrap();
+    assert!(prune(root.path(), 0).unwrap().is_empty());
+    let gone = prune(root.path(), 2).unwrap();
+    assert_eq!(gone.len(), 2);
+    let left: Vec<u64> = zrun_ckpt::complete(root.path())
+        .unwrap()
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect();
+    assert_eq!(left, vec![15, 20]);
+    assert!(
+        tmp_dir(root.path(), 25).exists(),
+        "a save in flight is not touched"
+    );
+    // Saving a step that exists is refused with a hint, not merged.
+    let (tmp, manifest) = write_ranks(root.path(), 20, 2, Dtype::F32);
+    let msg = commit(&tmp, &manifest).unwrap_err().to_string();
+    assert!(msg.contains("step-00000020 already exists"), "{msg}");
+}
