@@ -69,6 +69,11 @@ impl AdamW {
         (&self.m, &self.v)
     }
 
+    /// Sets the count of steps taken (the bias corrections use it), for checkpoints.
+    pub fn set_steps(&mut self, step: u64) {
+        self.step = step;
+    }
+
     /// Restores moments and step count (from a checkpoint); sizes must match.
     pub fn load(&mut self, m: &Tensor, v: &Tensor, step: u64) -> Result<()> {
         self.check("m", m)?;

@@ -279,7 +279,7 @@ impl Engine {
 
     /// Writes the updated master into the compute parameters (cast to the compute dtype) and
     /// gathers them where every rank holds full parameters (stages 1-2).
-    fn refresh_params(&mut self) -> Result<()> {
+    pub(crate) fn refresh_params(&mut self) -> Result<()> {
         if let Some(master) = &self.master {
             match self.cfg.stage {
                 Stage::Zero0 | Stage::Zero3 => self

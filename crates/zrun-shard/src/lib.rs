@@ -13,12 +13,14 @@ mod micro;
 mod offload;
 mod policy;
 mod scaler;
+mod snapshot;
 mod state;
 
 pub use engine::{Engine, EngineConfig, StepStats};
 pub use layout::{ShardLayout, UnitLayout, View};
 pub use memory::MemoryLedger;
 pub use policy::{Offload, Precision, ReduceDtype, Stage};
+pub use snapshot::{Counters, UnitState};
 pub use zrun_optim::StateDtype;
 
 /// Errors of the engine.

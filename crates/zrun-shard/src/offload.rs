@@ -237,6 +237,12 @@ impl HostOptimizer {
         &self.master
     }
 
+    /// The CPU AdamW, once no update is in flight (for checkpoints).
+    pub(crate) fn adam_idle(&mut self) -> Result<&mut CpuAdamW> {
+        self.finish()?;
+        self.adam()
+    }
+
     /// Host bytes of master and optimizer state.
     pub(crate) fn state_bytes(&self) -> i64 {
         self.state_bytes

@@ -27,6 +27,19 @@ impl LossScaler {
         self.scale
     }
 
+    /// Clean steps since the scale last changed.
+    pub fn clean_steps(&self) -> u64 {
+        self.clean
+    }
+
+    /// Restores a saved scale and clean-step count (a disabled scaler stays at 1).
+    pub fn restore(&mut self, scale: f64, clean_steps: u64) {
+        if self.enabled && scale.is_finite() && scale >= 1.0 {
+            self.scale = scale;
+            self.clean = clean_steps;
+        }
+    }
+
     /// Records a step: finite gradients count toward growth; an overflow halves the scale.
     pub fn update(&mut self, finite: bool) {
         if !self.enabled {

@@ -62,6 +62,15 @@ pub enum HalfKind {
     Fp16,
 }
 
+/// A range of m and v in their storage type (bf16 as raw bits).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum MomentSlices<'a> {
+    /// fp32 moments.
+    F32(&'a [f32], &'a [f32]),
+    /// bf16 moments, as their bits.
+    Bf16(&'a [u16], &'a [u16]),
+}
+
 /// Moments in their storage type.
 enum State {
     F32 { m: Vec<f32>, v: Vec<f32> },
@@ -177,23 +186,57 @@ impl CpuAdamW {
     /// Restores m, v (rounded to nearest even for bf16 state) and the step count.
     pub fn load(&mut self, m_in: &[f32], v_in: &[f32], step: u64) -> Result<()> {
         self.check("loaded m", m_in.len(), self.numel)?;
-        self.check("loaded v", v_in.len(), self.numel)?;
+        self.load_range(0, m_in, v_in)?;
+        self.step = step;
+        Ok(())
+    }
+
+    /// Sets m and v of elements `[off, off + m_in.len())` (rounded to nearest even for bf16
+    /// state), for checkpoints that are read back range by range.
+    pub fn load_range(&mut self, off: usize, m_in: &[f32], v_in: &[f32]) -> Result<()> {
+        let n = m_in.len();
+        self.check("loaded v", v_in.len(), n)?;
+        self.range(off, n)?;
         match &mut self.state {
             State::F32 { m, v } => {
-                m.copy_from_slice(m_in);
-                v.copy_from_slice(v_in);
+                m[off..off + n].copy_from_slice(m_in);
+                v[off..off + n].copy_from_slice(v_in);
             }
             State::Bf16 { m, v } => {
-                for (d, &s) in m.iter_mut().zip(m_in) {
+                for (d, &s) in m[off..off + n].iter_mut().zip(m_in) {
                     *d = kernel::bf16_nearest_even(s);
                 }
-                for (d, &s) in v.iter_mut().zip(v_in) {
+                for (d, &s) in v[off..off + n].iter_mut().zip(v_in) {
                     *d = kernel::bf16_nearest_even(s);
                 }
             }
         }
-        self.step = step;
         Ok(())
+    }
+
+    /// m and v of elements `[off, off + len)` in their storage type (for checkpoints).
+    pub fn moments_range(&self, off: usize, len: usize) -> Result<MomentSlices<'_>> {
+        self.range(off, len)?;
+        Ok(match &self.state {
+            State::F32 { m, v } => MomentSlices::F32(&m[off..off + len], &v[off..off + len]),
+            State::Bf16 { m, v } => MomentSlices::Bf16(&m[off..off + len], &v[off..off + len]),
+        })
+    }
+
+    /// Sets the count of steps taken (bias corrections and the rounding keys use it).
+    pub fn set_steps(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    fn range(&self, off: usize, len: usize) -> Result<()> {
+        match off.checked_add(len) {
+            Some(end) if end <= self.numel => Ok(()),
+            _ => Err(Error::Range {
+                off,
+                len,
+                numel: self.numel,
+            }),
+        }
     }
 
     fn check(&self, what: &'static str, got: usize, expected: usize) -> Result<()> {
@@ -225,16 +268,7 @@ impl CpuAdamW {
         if let Some((h, _)) = &half {
             self.check("half-precision copy", h.len(), n)?;
         }
-        match off.checked_add(n) {
-            Some(end) if end <= self.numel => {}
-            _ => {
-                return Err(Error::Range {
-                    off,
-                    len: n,
-                    numel: self.numel,
-                })
-            }
-        }
+        self.range(off, n)?;
         if self.step == 0 {
             return Err(Error::NoStep);
         }
