@@ -48,3 +48,8 @@ if ! .venv/bin/python -c "import torch, numpy, sys; sys.exit(torch.__version__.s
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q "torch==$TORCH_VERSION" numpy
 fi
+# The tests load consolidated checkpoints with safetensors.torch.
+if ! .venv/bin/python -c "import safetensors.torch" 2>/dev/null; then
+    echo "setup: installing safetensors into .venv"
+    .venv/bin/python -m pip install -q safetensors
+fi

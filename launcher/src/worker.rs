@@ -7,12 +7,14 @@ use std::time::Duration;
 use zrun_comm::{Backend, Communicator, Topology};
 use zrun_shard::{MemoryLedger, ShardLayout};
 use zrun_train::config::{BackendChoice, Config};
-use zrun_train::trainer::Run;
+use zrun_train::trainer::{Outcome, Run};
 
 /// Trains this process as one rank. The topology comes from the environment (zrun's and
 /// torchrun's variables, OpenMPI, PMI or Slurm); with none at all it is a world of one.
 pub fn run(config: &Path, overrides: &[String]) -> Result<()> {
     let cfg = Config::load(config, overrides)?;
+    zrun_train::stop::install()
+        .map_err(|e| anyhow::anyhow!("installing the stop-signal handler: {e}"))?;
     let topo = Topology::from_env().map_err(BadInput::from)?;
     let backend = match cfg.dist.backend {
         BackendChoice::Auto if tch::Cuda::is_available() => Backend::Nccl,
@@ -24,7 +26,18 @@ pub fn run(config: &Path, overrides: &[String]) -> Result<()> {
     let comm: Arc<dyn Communicator> = Arc::from(zrun_comm::init(&topo, backend, timeout)?);
     let mut run = Run::new(&cfg, comm, topo.local_world_size)?;
     let floor = run.loss_floor();
-    let s = run.train()?;
+    let s = match run.train()? {
+        Outcome::Finished(s) => s,
+        Outcome::AlreadyDone { step, checkpoint } => {
+            if topo.rank == 0 {
+                println!(
+                    "final: nothing to train: {} is at step {step} = train.steps",
+                    checkpoint.display()
+                );
+            }
+            return Ok(());
+        }
+    };
     if topo.rank == 0 {
         let gap = floor
             .map(|f| format!(" (floor {f:.4}, {:+.1}%)", 100.0 * (s.eval_loss - f) / f))
@@ -91,6 +104,16 @@ pub fn dry_run(config: &Path, overrides: &[String], world_size: usize) -> Result
 #[derive(Debug, thiserror::Error)]
 #[error(transparent)]
 struct BadInput(#[from] zrun_comm::Error);
+
+/// The exit code of a rank that ended with `e`: 3 when a stop signal ended it after a
+/// checkpoint, 2 for bad input, else 1.
+pub fn exit_code(e: &anyhow::Error) -> u8 {
+    match e.downcast_ref::<zrun_train::Error>() {
+        Some(t) => t.exit_code(),
+        None if is_bad_input(e) => 2,
+        None => 1,
+    }
+}
 
 /// True for errors in what the user gave: exit code 2.
 pub fn is_bad_input(e: &anyhow::Error) -> bool {

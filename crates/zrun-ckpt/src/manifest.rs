@@ -277,7 +277,7 @@ impl Manifest {
 
     /// Checks that `units` (the running model's view tables) lay the flat buffers out as this
     /// checkpoint does; the error names the first unit or parameter that differs.
-    pub fn check_units(&self, dir: &Path, units: &[UnitEntry]) -> Result<()> {
+    pub fn check_units<'a>(&'a self, dir: &Path, units: &'a [UnitEntry]) -> Result<()> {
         let mismatch = |detail: String| {
             Error::Mismatch {
             dir: dir.to_path_buf(),
@@ -287,43 +287,50 @@ impl Manifest {
             ),
         }
         };
-        if units.len() != self.units.len() {
-            return Err(mismatch(format!(
-                "{} units here, {} in the checkpoint",
-                units.len(),
-                self.units.len()
-            )));
+        // Parameter by parameter in model order, so the first difference is named whatever
+        // it is (a shape, a name, a layer more or less).
+        let flat = |units: &'a [UnitEntry]| {
+            units
+                .iter()
+                .flat_map(|u| u.views.iter().map(move |v| (u.name.as_str(), v)))
+        };
+        let (mut here, mut there) = (flat(units), flat(&self.units));
+        loop {
+            match (here.next(), there.next()) {
+                (None, None) => break,
+                (Some((_, a)), None) => {
+                    return Err(mismatch(format!(
+                        "parameter `{}` is not in the checkpoint",
+                        a.name
+                    )))
+                }
+                (None, Some((_, b))) => {
+                    return Err(mismatch(format!(
+                        "the checkpoint's parameter `{}` is not in this model",
+                        b.name
+                    )))
+                }
+                (Some((ua, a)), Some((ub, b))) => {
+                    if a.name != b.name || ua != ub {
+                        return Err(mismatch(format!(
+                            "parameter `{}` (unit `{ua}`) here is `{}` (unit `{ub}`) in the checkpoint",
+                            a.name, b.name
+                        )));
+                    }
+                    if a.shape != b.shape || a.offset != b.offset {
+                        return Err(mismatch(format!(
+                            "parameter `{}` has shape {:?} here but {:?} in the checkpoint",
+                            a.name, a.shape, b.shape
+                        )));
+                    }
+                }
+            }
         }
-        for (mine, saved) in units.iter().zip(&self.units) {
-            if mine.name != saved.name {
+        for (a, b) in units.iter().zip(&self.units) {
+            if a.numel != b.numel {
                 return Err(mismatch(format!(
-                    "unit `{}` here is `{}` in the checkpoint",
-                    mine.name, saved.name
-                )));
-            }
-            for (a, b) in mine.views.iter().zip(&saved.views) {
-                if a.name != b.name {
-                    return Err(mismatch(format!(
-                        "parameter `{}` here is `{}` in the checkpoint",
-                        a.name, b.name
-                    )));
-                }
-                if a.shape != b.shape || a.offset != b.offset {
-                    return Err(mismatch(format!(
-                        "parameter `{}` has shape {:?} here but {:?} in the checkpoint",
-                        a.name, a.shape, b.shape
-                    )));
-                }
-            }
-            if mine.views.len() != saved.views.len() || mine.numel != saved.numel {
-                let extra = mine
-                    .views
-                    .get(saved.views.len())
-                    .or(saved.views.get(mine.views.len()))
-                    .map_or(mine.name.clone(), |v| v.name.clone());
-                return Err(mismatch(format!(
-                    "parameter `{extra}` is only on one side (unit `{}` has {} elements here, {} in the checkpoint)",
-                    mine.name, mine.numel, saved.numel
+                    "unit `{}` has {} elements here, {} in the checkpoint",
+                    a.name, a.numel, b.numel
                 )));
             }
         }

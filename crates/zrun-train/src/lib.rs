@@ -3,9 +3,12 @@
 //! A worker process loads a [`config::Config`], builds a [`trainer::Run`] (model, data,
 //! engine) and trains it, writing `metrics.jsonl` and `summary.json` into `log.dir`.
 
+pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod metrics;
+mod reduce;
+pub mod stop;
 pub mod trainer;
 
 use std::path::PathBuf;
@@ -50,6 +53,26 @@ pub enum Error {
     /// Asked for something this version cannot do.
     #[error("{0}")]
     Unsupported(String),
+    /// Checkpoint files could not be written or read.
+    #[error(transparent)]
+    Ckpt(#[from] zrun_ckpt::Error),
+    /// A libtorch call of the extension (random-generator state) failed.
+    #[error(transparent)]
+    Ext(#[from] zrun_torch_ext::Error),
+    /// A checkpoint save failed; older checkpoints are untouched.
+    #[error("{0}")]
+    Save(String),
+    /// The run cannot resume from the checkpoint it was given or found.
+    #[error("{0}")]
+    Resume(String),
+    /// A stop signal ended the run after its checkpoint was saved (exit code 3).
+    #[error(
+        "stopped by {} after saving checkpoint {} (step {}); run the same command to resume",
+        .0.signal.map_or("a stop signal on another rank", stop::name),
+        .0.checkpoint.display(),
+        .0.step
+    )]
+    Stopped(checkpoint::Stopped),
 }
 
 impl Error {
@@ -60,7 +83,23 @@ impl Error {
             Error::Config(_)
                 | Error::Data(_)
                 | Error::Unsupported(_)
+                | Error::Resume(_)
                 | Error::Engine(zrun_shard::Error::Unsupported(_))
+                | Error::Ckpt(
+                    zrun_ckpt::Error::Damaged { .. }
+                        | zrun_ckpt::Error::Format { .. }
+                        | zrun_ckpt::Error::Mismatch { .. }
+                )
         )
+    }
+
+    /// The process exit code for this error: 2 bad input, 3 stopped by a signal after a
+    /// checkpoint, 1 anything else.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Error::Stopped(_) => 3,
+            e if e.is_bad_input() => 2,
+            _ => 1,
+        }
     }
 }

@@ -94,6 +94,36 @@ impl MetricsWriter {
         })
     }
 
+    /// Opens `dir/metrics.jsonl` of a run resumed at `step`: keeps the lines of steps up to
+    /// `step` (dropping those a stopped run logged after its checkpoint) and appends.
+    pub fn resume(dir: &Path, step: u64) -> std::io::Result<MetricsWriter> {
+        std::fs::create_dir_all(dir)?;
+        let path = dir.join("metrics.jsonl");
+        let old = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(e) => return Err(e),
+        };
+        let kept: String = old
+            .lines()
+            .filter(|l| {
+                serde_json::from_str::<serde_json::Value>(l)
+                    .ok()
+                    .and_then(|v| v["step"].as_u64())
+                    .is_some_and(|s| s <= step)
+            })
+            .flat_map(|l| [l, "\n"])
+            .collect();
+        let tmp = dir.join("metrics.jsonl.tmp");
+        std::fs::write(&tmp, kept)?;
+        std::fs::rename(&tmp, &path)?;
+        let f = std::fs::OpenOptions::new().append(true).open(&path)?;
+        Ok(MetricsWriter {
+            out: BufWriter::new(f),
+            dir: dir.to_path_buf(),
+        })
+    }
+
     /// Writes one line.
     pub fn write(&mut self, m: &StepMetrics) -> std::io::Result<()> {
         serde_json::to_writer(&mut self.out, m)?;

@@ -1,9 +1,12 @@
 //! The training loop of one rank: data, engine, schedule, eval, metrics.
 
+use crate::checkpoint::{Checkpointer, Position, Resumed};
 use crate::config::{Config, DataKind, DeviceChoice};
 use crate::data::{Cursor, DataOptions, DataSource, Dataset, Loader};
 use crate::metrics::{cuda_peak_bytes, median, rss_bytes, MetricsWriter, StepMetrics, Summary};
+use crate::reduce::{gather_bytes, reduce};
 use crate::Error;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 use tch::Device;
@@ -34,6 +37,20 @@ impl RankInfo {
     }
 }
 
+/// How a run ended without error.
+#[derive(Clone, Debug)]
+pub enum Outcome {
+    /// It trained to `train.steps`.
+    Finished(Summary),
+    /// The checkpoint it resumed from was at `train.steps` already: nothing to train.
+    AlreadyDone {
+        /// The step of that checkpoint.
+        step: u64,
+        /// Its directory.
+        checkpoint: PathBuf,
+    },
+}
+
 /// Everything a run needs, built from the config before the first step.
 pub struct Run {
     cfg: Config,
@@ -41,6 +58,7 @@ pub struct Run {
     model: Arc<dyn Model>,
     dataset: Arc<Dataset>,
     engine: Engine,
+    ckpt: Checkpointer,
     /// Resident bytes before the model was built (libtorch loaded, nothing allocated).
     base_rss: i64,
 }
@@ -92,12 +110,14 @@ impl Run {
                 },
             },
         )?;
+        let ckpt = Checkpointer::new(cfg, &engine)?;
         Ok(Run {
             cfg: cfg.clone(),
             rank,
             model,
             dataset,
             engine,
+            ckpt,
             base_rss,
         })
     }
@@ -115,31 +135,76 @@ impl Run {
     /// Mean of `x` over the ranks.
     fn average(&self, x: f64) -> Result<f64, Error> {
         let comm = self.engine.comm();
-        if comm.world_size() == 1 {
-            return Ok(x);
-        }
-        let t = tch::Tensor::from_slice(&[x as f32]);
-        comm.all_reduce(&t, ReduceOp::Avg)
-            .and_then(|w| w.wait())
-            .map_err(zrun_shard::Error::Comm)?;
-        t.f_double_value(&[0]).map_err(torch)
+        let device = self.engine.config().device;
+        Ok(reduce(comm.as_ref(), device, &[x], ReduceOp::Avg)?[0])
     }
 
-    /// `x` of every rank, in rank order (exact: the i64 travels as two fp32 words, and a
-    /// gather only copies bits).
+    /// `x` of every rank, in rank order (exact: a gather only copies bits).
     fn gather(&self, x: i64) -> Result<Vec<i64>, Error> {
         let comm = self.engine.comm();
-        let as_f32 = |t: &tch::Tensor| t.f_view_dtype(tch::Kind::Float);
-        let mine = tch::Tensor::from_slice(&[x]);
-        let full = tch::Tensor::zeros(
-            [comm.world_size() as i64],
-            (tch::Kind::Int64, tch::Device::Cpu),
-        );
-        let (m, f) = (as_f32(&mine).map_err(torch)?, as_f32(&full).map_err(torch)?);
-        comm.all_gather(&m, &f)
-            .and_then(|w| w.wait())
-            .map_err(zrun_shard::Error::Comm)?;
-        Vec::<i64>::try_from(&full).map_err(torch)
+        let device = self.engine.config().device;
+        let all = gather_bytes(comm.as_ref(), device, &x.to_le_bytes())?;
+        Ok(all
+            .iter()
+            .map(|b| i64::from_le_bytes(b[..8].try_into().unwrap_or_default()))
+            .collect())
+    }
+
+    /// Removes what interrupted saves left, then loads the checkpoint `checkpoint.resume`
+    /// names (or finds) into the engine; every rank calls it. `None`: a fresh start.
+    pub fn restore(&mut self) -> Result<Option<Resumed>, Error> {
+        self.ckpt.clean_up(&self.engine)?;
+        let resumed = self
+            .ckpt
+            .resume(&mut self.engine, &self.cfg.checkpoint.resume.clone())?;
+        if let (Some(r), 0) = (&resumed, self.rank.rank) {
+            let t = &self.cfg.train;
+            let z = &self.cfg.zero;
+            let now = format!(
+                "{} rank(s), stage {}, {}, offload {}",
+                self.rank.world_size, z.stage, z.precision, z.offload_optimizer
+            );
+            let then = format!(
+                "{} rank(s), stage {}, {}, offload {}",
+                r.world_size, r.stage, r.precision, r.offload
+            );
+            tracing::info!(
+                "resuming from {} at step {} (written by {then}{})",
+                r.dir.display(),
+                r.step,
+                if then == now {
+                    String::new()
+                } else {
+                    format!("; now {now}")
+                }
+            );
+            let global = (t.micro_batch * t.grad_accum * self.rank.world_size) as u64;
+            if global != r.global_batch {
+                tracing::warn!(
+                    "the global batch was {} samples per step and is now {global}: training continues from sample {}, but on other batches than the first run would have seen",
+                    r.global_batch,
+                    r.next_sample
+                );
+            }
+        }
+        Ok(resumed)
+    }
+
+    /// Saves a checkpoint of the engine's state now, at `pos` (every rank calls it).
+    pub fn save(&mut self, pos: &Position) -> Result<PathBuf, Error> {
+        self.ckpt.save_now(&mut self.engine, pos)
+    }
+
+    /// Starts an asynchronous save at `pos`: the state is copied to host memory now and
+    /// written by a background thread; [`Run::flush_saves`] completes it.
+    pub fn save_async(&mut self, pos: &Position) -> Result<(), Error> {
+        self.ckpt.flush(&mut self.engine)?;
+        self.ckpt.start_async(&mut self.engine, pos)
+    }
+
+    /// Waits for an asynchronous save in flight and completes it (every rank calls it).
+    pub fn flush_saves(&mut self) -> Result<(), Error> {
+        self.ckpt.flush(&mut self.engine)
     }
 
     /// The exact loss floor of the data, when known.
@@ -159,7 +224,7 @@ impl Run {
     }
 
     /// Trains `train.steps` steps, writing metrics (rank 0); returns the summary.
-    pub fn train(&mut self) -> Result<Summary, Error> {
+    pub fn train(&mut self) -> Result<Outcome, Error> {
         let start = Instant::now();
         let t = self.cfg.train.clone();
         let every = self.cfg.log.every;
@@ -170,17 +235,39 @@ impl Run {
             total_steps: t.steps,
         };
         let r = self.rank;
+        let resumed = self.restore()?;
+        let first = resumed.as_ref().map_or(0, |c| c.step);
+        if let Some(c) = resumed.as_ref().filter(|c| c.step >= t.steps) {
+            if r.rank == 0 {
+                tracing::info!(
+                    "checkpoint {} is at step {}, and train.steps = {}: nothing left to train (raise train.steps to train on)",
+                    c.dir.display(),
+                    c.step,
+                    t.steps
+                );
+            }
+            return Ok(Outcome::AlreadyDone {
+                step: c.step,
+                checkpoint: c.dir.clone(),
+            });
+        }
         let mut loader = Loader::new(
             self.dataset.clone(),
             r.rank,
             r.world_size,
             t.micro_batch,
             t.grad_accum,
-            Cursor::default(),
+            Cursor {
+                next_sample: resumed.as_ref().map_or(0, |c| c.next_sample),
+            },
         );
         let mut metrics = if r.rank == 0 {
             let dir = &self.cfg.log.dir;
-            Some(MetricsWriter::create(dir).map_err(|e| Error::Io {
+            let opened = match first {
+                0 => MetricsWriter::create(dir),
+                step => MetricsWriter::resume(dir, step),
+            };
+            Some(opened.map_err(|e| Error::Io {
                 path: dir.clone(),
                 source: e,
             })?)
@@ -195,9 +282,10 @@ impl Run {
             params = self.model.param_count(),
             model_state_mib = mem.model_states() >> 20,
             loss_floor = ?self.loss_floor(),
-            "rank {}/{}: training {} steps of {} tokens",
+            "rank {}/{}: training steps {}..={} of {} tokens",
             r.rank,
             r.world_size,
+            first + 1,
             t.steps,
             tokens_per_step
         );
@@ -217,7 +305,7 @@ impl Run {
         let mut skipped = 0u64;
         let flops_per_token = self.model.flops_per_token();
         let peak_flops = self.cfg.log.peak_tflops.map(|t| t * 1e12);
-        for step in 0..t.steps {
+        for step in first..t.steps {
             let t0 = Instant::now();
             let mut loss = 0.0;
             let lr = schedule.at(step);
@@ -250,7 +338,7 @@ impl Run {
                 });
             }
             let dt = t0.elapsed().as_secs_f64();
-            if step > 0 || t.steps == 1 {
+            if step > first || t.steps == first + 1 {
                 rates.push(tokens_per_step / dt);
             }
             let done = step + 1;
@@ -305,7 +393,19 @@ impl Run {
                     })?;
                 }
             }
+            let pos = Position {
+                step: done,
+                next_sample: loader.cursor().next_sample,
+                lr,
+            };
+            if let Some(stopped) = self
+                .ckpt
+                .at_boundary(&mut self.engine, &pos, done == t.steps)?
+            {
+                return Err(Error::Stopped(stopped));
+            }
         }
+        self.ckpt.flush(&mut self.engine)?;
         let summary = Summary {
             steps: t.steps,
             final_loss: last_loss,
@@ -330,7 +430,7 @@ impl Run {
                 source: e,
             })?;
         }
-        Ok(summary)
+        Ok(Outcome::Finished(summary))
     }
 }
 
@@ -377,12 +477,4 @@ fn set_threads(configured: usize, local_world_size: usize) -> usize {
     };
     tch::set_num_threads(n as i32);
     n
-}
-
-fn torch(e: tch::TchError) -> Error {
-    Error::Engine(zrun_shard::Error::Torch {
-        op: "rank figures",
-        unit: "-".into(),
-        source: e,
-    })
 }

@@ -6,15 +6,15 @@
 //! The test re-executes its own binary once per rank with `ZRUN_EQ_ROLE=rank`; that child
 //! runs the `rank_process` entry (ignored in normal runs) as one rank of the job.
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
-use zrun_comm::{Backend, Communicator, StoreServer, Topology};
+use std::time::Duration;
+use zrun_comm::{Backend, Communicator, Topology};
 use zrun_train::config::Config;
 use zrun_train::trainer::Run;
 
-const ROLE: &str = "ZRUN_EQ_ROLE";
 const STEPS: usize = 20;
 /// Sequences per optimizer step, divisible by 1, 2, 3 and 4.
 const GLOBAL_BATCH: usize = 12;
@@ -52,10 +52,7 @@ struct Trained {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("zrun-eq-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    common::scratch("eq", name)
 }
 
 fn overrides(dir: &Path, stage: u8, micro_batch: usize, accum: usize) -> Vec<String> {
@@ -81,55 +78,17 @@ fn train_rank(
     run.train()?;
     let params = run.engine_mut().full_parameters()?;
     if rank == 0 {
-        let mut out = Vec::new();
-        for (name, t) in params {
-            let v = Vec::<f32>::try_from(t.flatten(0, -1))?;
-            out.extend((name.len() as u64).to_le_bytes());
-            out.extend(name.as_bytes());
-            out.extend((v.len() as u64).to_le_bytes());
-            out.extend(v.iter().flat_map(|x| x.to_le_bytes()));
-        }
-        std::fs::write(dir.join("params.bin"), out)?;
+        common::write_params(dir, params)?;
     }
     Ok(())
 }
 
 fn read_run(dir: &Path) -> Trained {
-    let lines: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    let column = |k: &str| {
-        lines
-            .iter()
-            .map(|l| l[k].as_f64().unwrap())
-            .collect::<Vec<_>>()
-    };
-    let (losses, grad_norms) = (column("loss"), column("grad_norm"));
-    let bytes = std::fs::read(dir.join("params.bin")).unwrap();
-    let (mut at, mut params) = (0usize, Vec::new());
-    let u64_at = |at: &mut usize| {
-        let v = u64::from_le_bytes(bytes[*at..*at + 8].try_into().unwrap()) as usize;
-        *at += 8;
-        v
-    };
-    while at < bytes.len() {
-        let n = u64_at(&mut at);
-        let name = String::from_utf8(bytes[at..at + n].to_vec()).unwrap();
-        at += n;
-        let k = u64_at(&mut at);
-        let v = bytes[at..at + 4 * k]
-            .chunks(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-        at += 4 * k;
-        params.push((name, v));
-    }
+    let column = |k: &str| common::metric(dir, k).into_iter().map(|(_, v)| v).collect();
     Trained {
-        losses,
-        grad_norms,
-        params,
+        losses: column("loss"),
+        grad_norms: column("grad_norm"),
+        params: common::read_params(dir),
     }
 }
 
@@ -166,60 +125,14 @@ fn distributed_with(
 ) -> Trained {
     let dir = scratch(name);
     let config = config_file(&dir);
-    let token = format!("eq-{}-{name}", std::process::id());
-    let store = StoreServer::start("127.0.0.1:0", &token).unwrap();
     let mut sets = overrides(&dir, stage, micro_batch, accum);
     sets.extend(extra.iter().map(|s| s.to_string()));
-    let sets = sets.join("\n");
-    let mut children = Vec::new();
-    for rank in 0..world {
-        let child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "rank_process",
-                "--exact",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(ROLE, "rank")
-            .env("ZRUN_EQ_CONFIG", &config)
-            .env("ZRUN_EQ_SETS", &sets)
-            .env("ZRUN_EQ_DIR", &dir)
-            .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_WORLD_SIZE", world.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", store.port().to_string())
-            .env("ZRUN_JOB_TOKEN", &token)
-            .env("ZRUN_STORE_EXTERNAL", "1")
-            .env("OMP_NUM_THREADS", "1")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        children.push(child);
-    }
-    let start = Instant::now();
-    for (rank, mut c) in children.into_iter().enumerate() {
-        loop {
-            if let Some(status) = c.try_wait().unwrap() {
-                let out = c.wait_with_output().unwrap();
-                assert!(
-                    status.success(),
-                    "{name}: rank {rank} failed: {}{}",
-                    String::from_utf8_lossy(&out.stdout),
-                    String::from_utf8_lossy(&out.stderr)
-                );
-                break;
-            }
-            if start.elapsed() > Duration::from_secs(240) {
-                let _ = c.kill();
-                panic!("{name}: rank {rank} still running after 240 s");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
+    let env = [
+        ("ZRUN_EQ_CONFIG", config.display().to_string()),
+        ("ZRUN_EQ_SETS", sets.join("\n")),
+        ("ZRUN_EQ_DIR", dir.display().to_string()),
+    ];
+    common::spawn_ranks("rank_process", name, world, &env);
     read_run(&dir)
 }
 
@@ -346,21 +259,20 @@ fn cpu_offload_trains_like_the_device_optimizer() {
 #[test]
 #[ignore = "entry point of the rank processes the equivalence tests start"]
 fn rank_process() {
-    if std::env::var(ROLE).as_deref() != Ok("rank") {
+    if !common::is_rank() {
         return;
     }
     let env = |k: &str| std::env::var(k).unwrap();
     let sets: Vec<String> = env("ZRUN_EQ_SETS").lines().map(str::to_string).collect();
-    let topo = Topology::from_env().unwrap();
-    let comm: Arc<dyn Communicator> =
-        Arc::from(zrun_comm::init(&topo, Backend::Tcp, Duration::from_secs(60)).unwrap());
+    let comm = common::rank_comm();
+    let rank = comm.rank();
     if let Err(e) = train_rank(
         Path::new(&env("ZRUN_EQ_CONFIG")),
         &sets,
         comm,
         Path::new(&env("ZRUN_EQ_DIR")),
     ) {
-        eprintln!("rank {} failed: {e:#}", topo.rank);
+        eprintln!("rank {rank} failed: {e:#}");
         std::process::exit(3);
     }
 }

@@ -231,11 +231,18 @@ impl Config {
         if self.dist.timeout_s == 0 {
             return bad("dist.timeout_s", 0, "must be at least 1 second");
         }
-        if self.checkpoint.every != 0 {
+        if self.checkpoint.resume.trim().is_empty() {
             return bad(
-                "checkpoint.every",
-                self.checkpoint.every,
-                "writing checkpoints is not available in this version; set 0",
+                "checkpoint.resume",
+                "\"\"",
+                "give \"auto\", \"none\" or the path of a checkpoint directory",
+            );
+        }
+        if self.checkpoint.signal_deadline_s == 0 {
+            return bad(
+                "checkpoint.signal_deadline_s",
+                0,
+                "must be at least 1 second",
             );
         }
         if let Some(p) = self.log.peak_tflops.filter(|&p| !finite_pos(p)) {

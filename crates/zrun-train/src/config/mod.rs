@@ -272,13 +272,46 @@ impl Default for DistConfig {
 }
 
 /// `[checkpoint]`.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CheckpointConfig {
     /// Directory of checkpoints (default: `<log.dir>/ckpt`).
     pub dir: Option<PathBuf>,
-    /// Save every N steps (0 = never).
+    /// Save every N steps and at the end of the run (0 = only on a stop signal).
     pub every: u64,
+    /// Complete checkpoints to keep, newest first (0 = all).
+    pub keep: usize,
+    /// `"auto"` (the newest complete checkpoint in `dir`, if any), `"none"`, or a path.
+    pub resume: String,
+    /// Snapshot the state to host memory and write it on a background thread.
+    #[serde(rename = "async")]
+    pub async_save: bool,
+    /// Seconds between SIGTERM/SIGUSR1 and the end of the save it triggers; the launcher
+    /// kills the ranks after it.
+    pub signal_deadline_s: u64,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        CheckpointConfig {
+            dir: None,
+            every: 0,
+            keep: 0,
+            resume: "auto".into(),
+            async_save: false,
+            signal_deadline_s: 60,
+        }
+    }
+}
+
+impl Config {
+    /// The checkpoint directory: `checkpoint.dir`, else `<log.dir>/ckpt`.
+    pub fn checkpoint_dir(&self) -> PathBuf {
+        self.checkpoint
+            .dir
+            .clone()
+            .unwrap_or_else(|| self.log.dir.join("ckpt"))
+    }
 }
 
 /// `[log]`.

@@ -1,0 +1,287 @@
+//! A run's checkpoints: when to save, what the manifest records, and resuming (see
+//! `zrun-ckpt` for the files themselves).
+//!
+//! Every step boundary, the ranks agree in one small all-reduce on two things: whether any
+//! rank was asked to stop (SIGTERM/SIGUSR1 reach one process or all of them), and whether an
+//! asynchronous save still being written has finished everywhere. A save, due every
+//! `checkpoint.every` steps, at the end, or on a stop, then runs on every rank at that same
+//! step: each writes its own file, the ranks exchange the files' sizes and hashes, and rank 0
+//! writes the manifest and renames the directory into place.
+
+mod load;
+mod save;
+
+use std::path::{Path, PathBuf};
+
+use tch::Device;
+use zrun_ckpt::{Manifest, UnitEntry, ViewEntry};
+use zrun_shard::{Engine, Precision, ShardLayout};
+
+use crate::config::Config;
+use crate::reduce::reduce;
+use crate::{stop, Error};
+
+pub use load::Resumed;
+
+/// Environment variable of a test hook: `R:S` makes rank R kill itself (SIGKILL) halfway
+/// through writing its file of the checkpoint of step S.
+pub const KILL_IN_SAVE_ENV: &str = "ZRUN_TEST_KILL_IN_SAVE";
+
+/// Where the run stands at a step boundary: what a save records beside the engine's state.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Position {
+    /// Optimizer steps completed.
+    pub step: u64,
+    /// The first sample of the next step, in global samples.
+    pub next_sample: u64,
+    /// The learning rate of the last step.
+    pub lr: f64,
+}
+
+/// Why the run stops early: a stop signal, after the checkpoint of `step` was saved.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Stopped {
+    /// The signal this rank received (another rank may have received it instead).
+    pub signal: Option<i32>,
+    /// The step saved.
+    pub step: u64,
+    /// The checkpoint written.
+    pub checkpoint: PathBuf,
+}
+
+/// A run's checkpoint schedule and the saves and loads it makes.
+pub struct Checkpointer {
+    dir: PathBuf,
+    every: u64,
+    keep: usize,
+    async_save: bool,
+    rank: usize,
+    world: usize,
+    device: Device,
+    /// The manifest's fields that stay the same for the whole run.
+    template: Manifest,
+    /// An asynchronous save still being written.
+    pending: Option<save::Pending>,
+    /// Test hook: the step at whose save this rank kills itself.
+    kill_at: Option<u64>,
+}
+
+/// The view tables of `layout` as a checkpoint records them, each unit split into the
+/// ranges the ranks of its world size write.
+pub fn unit_entries(layout: &ShardLayout) -> Vec<UnitEntry> {
+    let w = layout.world_size as usize;
+    layout
+        .units
+        .iter()
+        .map(|u| UnitEntry {
+            name: u.unit.clone(),
+            numel: u.numel as u64,
+            views: u
+                .views
+                .iter()
+                .map(|v| ViewEntry {
+                    name: v.name.clone(),
+                    shape: v.shape.iter().map(|&s| s as u64).collect(),
+                    offset: v.offset as u64,
+                    numel: v.numel as u64,
+                    decay: v.decay,
+                })
+                .collect(),
+            shards: UnitEntry::even_shards(u.numel as u64, w),
+        })
+        .collect()
+}
+
+/// The `[model]` of `cfg` as the manifest records it.
+fn model_json(cfg: &Config) -> Result<serde_json::Value, Error> {
+    let g = cfg.gpt()?;
+    Ok(serde_json::json!({
+        "arch": "gpt",
+        "vocab_size": g.vocab_size,
+        "seq_len": g.seq_len,
+        "n_layer": g.n_layer,
+        "n_head": g.n_head,
+        "d_model": g.d_model,
+    }))
+}
+
+impl Checkpointer {
+    /// The schedule of `cfg` for `engine`'s rank.
+    pub fn new(cfg: &Config, engine: &Engine) -> Result<Checkpointer, Error> {
+        let comm = engine.comm();
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let device = engine.config().device;
+        let t = &cfg.train;
+        let rng: Vec<String> = match device {
+            Device::Cuda(_) => vec!["cpu".into(), "cuda".into()],
+            _ => vec!["cpu".into()],
+        };
+        let template = Manifest {
+            format: zrun_ckpt::FORMAT.into(),
+            format_version: zrun_ckpt::FORMAT_VERSION,
+            zrun_version: env!("CARGO_PKG_VERSION").into(),
+            step: 0,
+            tokens_seen: 0,
+            data: zrun_ckpt::DataPosition {
+                next_sample: 0,
+                global_batch: (t.micro_batch * t.grad_accum * world) as u64,
+                seq_len: cfg.gpt()?.seq_len as u64,
+            },
+            model: model_json(cfg)?,
+            world_size: world,
+            stage: cfg.zero.stage.number(),
+            precision: cfg.zero.precision.to_string(),
+            offload: cfg.zero.offload_optimizer.to_string(),
+            optimizer: zrun_ckpt::OptimizerState {
+                name: "adamw".into(),
+                steps: 0,
+                state_dtype: engine.moment_dtype().to_string(),
+                beta1: t.beta1,
+                beta2: t.beta2,
+                eps: t.eps,
+                weight_decay: t.weight_decay,
+            },
+            schedule: zrun_ckpt::ScheduleState {
+                step: 0,
+                lr: 0.0,
+                peak: t.lr,
+                min: cfg.min_lr(),
+                warmup_steps: t.warmup_steps,
+                total_steps: t.steps,
+            },
+            loss_scaler: zrun_ckpt::ScalerState {
+                enabled: cfg.zero.precision == Precision::Fp16,
+                scale: 1.0,
+                clean_steps: 0,
+            },
+            units: unit_entries(engine.layout()),
+            ranks: (0..world)
+                .map(|r| zrun_ckpt::RankEntry {
+                    rank: r,
+                    file: zrun_ckpt::rank_file_name(r),
+                    rng: rng.clone(),
+                })
+                .collect(),
+            files: Vec::new(),
+        };
+        let kill_at = std::env::var(KILL_IN_SAVE_ENV).ok().and_then(|v| {
+            let (r, s) = v.split_once(':')?;
+            (r.parse::<usize>().ok()? == rank).then(|| s.parse().ok())?
+        });
+        Ok(Checkpointer {
+            dir: cfg.checkpoint_dir(),
+            every: cfg.checkpoint.every,
+            keep: cfg.checkpoint.keep,
+            async_save: cfg.checkpoint.async_save,
+            rank,
+            world,
+            device,
+            template,
+            pending: None,
+            kill_at,
+        })
+    }
+
+    /// The checkpoint directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Rank 0 makes sure the directory can be written (so a mistake shows now, not at the
+    /// first save hours later) and removes what interrupted saves left behind (temporary
+    /// directories, step directories without a manifest). Every rank calls it, before the
+    /// first save; all fail together when rank 0 fails.
+    pub fn clean_up(&self, engine: &Engine) -> Result<(), Error> {
+        let local = if self.rank == 0 {
+            self.prepare_dir()
+        } else {
+            Ok(())
+        };
+        let failed = reduce(
+            engine.comm().as_ref(),
+            self.device,
+            &[f64::from(u8::from(local.is_err()))],
+            zrun_comm::ReduceOp::Sum,
+        )?;
+        local?;
+        if failed[0] > 0.0 {
+            return Err(Error::Resume(format!(
+                "rank 0 cannot use checkpoint.dir {} (see its error)",
+                self.dir.display()
+            )));
+        }
+        Ok(())
+    }
+
+    fn prepare_dir(&self) -> Result<(), Error> {
+        let unwritable = |e: std::io::Error| {
+            Error::Config(crate::config::ConfigError(format!(
+                "checkpoint.dir {}: cannot write there ({e}); give a writable directory",
+                self.dir.display()
+            )))
+        };
+        std::fs::create_dir_all(&self.dir).map_err(unwritable)?;
+        let probe = self.dir.join(".zrun-write-test");
+        std::fs::write(&probe, b"ok").map_err(unwritable)?;
+        std::fs::remove_file(&probe).map_err(unwritable)?;
+        for p in zrun_ckpt::remove_leftovers(&self.dir)? {
+            tracing::warn!(
+                "removed {}, left by a save that did not finish",
+                p.display()
+            );
+        }
+        Ok(())
+    }
+
+    /// Called after every optimizer step. Agrees with the other ranks on a stop request and
+    /// on an asynchronous save in flight, saves when one is due (every `checkpoint.every`
+    /// steps, at the last step, on a stop), and returns `Some` when the run must stop now.
+    pub fn at_boundary(
+        &mut self,
+        engine: &mut Engine,
+        pos: &Position,
+        last: bool,
+    ) -> Result<Option<Stopped>, Error> {
+        let signal = stop::requested();
+        let busy = self.pending.as_ref().is_some_and(|p| !p.ready());
+        let agreed = reduce(
+            engine.comm().as_ref(),
+            self.device,
+            &[
+                f64::from(u8::from(signal.is_some())),
+                f64::from(u8::from(busy)),
+            ],
+            zrun_comm::ReduceOp::Sum,
+        )?;
+        let (stop, busy_anywhere) = (agreed[0] > 0.0 && !last, agreed[1] > 0.0);
+        if self.pending.is_some() && !busy_anywhere {
+            self.complete_pending(engine)?;
+        }
+        let due = self.every > 0 && (pos.step.is_multiple_of(self.every) || last);
+        if !(due || stop) {
+            return Ok(None);
+        }
+        if self.pending.is_some() {
+            self.complete_pending(engine)?;
+        }
+        if self.async_save && !stop && !last {
+            self.start_async(engine, pos)?;
+            return Ok(None);
+        }
+        let path = self.save_now(engine, pos)?;
+        Ok(stop.then_some(Stopped {
+            signal,
+            step: pos.step,
+            checkpoint: path,
+        }))
+    }
+
+    /// Waits for an asynchronous save still in flight and completes it (every rank calls it
+    /// at the same point).
+    pub fn flush(&mut self, engine: &mut Engine) -> Result<(), Error> {
+        if self.pending.is_some() {
+            self.complete_pending(engine)?;
+        }
+        Ok(())
+    }
+}

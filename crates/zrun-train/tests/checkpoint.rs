@@ -1,0 +1,323 @@
+//! Checkpoints over real processes (tcp backend): a run stopped at step 10 and resumed
+//! trains bitwise like one that never stopped, at every stage, precision and with offload; a
+//! stage-3 checkpoint of 2 ranks loads at 1, 3 and 4 ranks and other stages with its state
+//! intact and the same next losses; a consolidated file loads in Python's safetensors with
+//! the engine's gathered parameters.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use zrun_ckpt::{Checkpoint, Part};
+use zrun_train::checkpoint::Position;
+use zrun_train::config::Config;
+use zrun_train::trainer::Run;
+
+const CONFIG: &str = r#"
+[model]
+preset = "tiny"
+vocab_size = 64
+seq_len = 16
+n_layer = 2
+n_head = 4
+d_model = 32
+[data]
+branching = 4
+seed = 3
+[train]
+steps = 20
+micro_batch = 6
+lr = 3e-3
+warmup_steps = 4
+weight_decay = 0.1
+grad_clip = 0.5
+eval_every = 5
+eval_batches = 1
+threads = 1
+seed = 7
+[checkpoint]
+every = 10
+[log]
+every = 1
+"#;
+
+/// Runs a job of `world` ranks with `sets` (after `log.dir`); `mode` is `train` (rank 0
+/// then writes the final parameters) or `reshard` (load the checkpoint, save it again at once).
+fn job(name: &str, world: usize, sets: &[String], mode: &str) -> PathBuf {
+    let dir = common::scratch("ckpt", name);
+    let config = dir.join("train.toml");
+    std::fs::write(&config, CONFIG).unwrap();
+    let mut all = vec![format!("log.dir=\"{}\"", dir.display())];
+    all.extend(sets.iter().cloned());
+    let env = [
+        ("ZRUN_CK_CONFIG", config.display().to_string()),
+        ("ZRUN_CK_SETS", all.join("\n")),
+        ("ZRUN_CK_DIR", dir.display().to_string()),
+        ("ZRUN_CK_MODE", mode.to_string()),
+    ];
+    common::spawn_ranks("rank_process", name, world, &env);
+    dir
+}
+
+fn sets(items: &[&str]) -> Vec<String> {
+    items.iter().map(|s| s.to_string()).collect()
+}
+
+/// Trains 20 steps saving at 10 and 20, then a second job resumes from step 10 into a new
+/// log dir: its steps 11-20 and final parameters must equal the first job's bitwise.
+fn resumes_bitwise(name: &str, extra: &[&str]) {
+    let a = job(&format!("{name}-a"), 2, &sets(extra), "train");
+    let ckpt = a.join("ckpt/step-00000010");
+    assert!(
+        ckpt.join("manifest.json").is_file(),
+        "{name}: no checkpoint at step 10"
+    );
+    let mut resumed = sets(extra);
+    resumed.push(format!("checkpoint.resume=\"{}\"", ckpt.display()));
+    let b = job(&format!("{name}-b"), 2, &resumed, "train");
+    for key in ["loss", "grad_norm"] {
+        let want: Vec<(u64, f64)> = common::metric(&a, key)
+            .into_iter()
+            .filter(|(s, _)| *s > 10)
+            .collect();
+        let got = common::metric(&b, key);
+        assert_eq!(want.len(), 10, "{name}: steps logged");
+        assert_eq!(got, want, "{name}: {key} after resuming differs");
+    }
+    let (pa, pb) = (common::read_params(&a), common::read_params(&b));
+    assert!(!pa.is_empty());
+    for ((na, va), (nb, vb)) in pa.iter().zip(&pb) {
+        assert_eq!(na, nb);
+        let same = va.iter().zip(vb).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "{name}: final {na} differs after resuming");
+    }
+    // The run really trained after resuming.
+    let losses = common::metric(&b, "loss");
+    assert!(
+        losses[9].1 < common::metric(&a, "loss")[0].1 * 0.9,
+        "{name}: loss did not fall"
+    );
+}
+
+#[test]
+fn fp32_runs_resume_bitwise_at_every_stage() {
+    for stage in 0..4 {
+        resumes_bitwise(&format!("fp32-s{stage}"), &[&format!("zero.stage={stage}")]);
+    }
+}
+
+#[test]
+fn bf16_runs_resume_bitwise_at_every_stage() {
+    for stage in 0..4 {
+        let stage_set = format!("zero.stage={stage}");
+        resumes_bitwise(
+            &format!("bf16-s{stage}"),
+            &[&stage_set, "zero.precision=\"bf16\""],
+        );
+    }
+}
+
+#[test]
+fn offloaded_and_fp16_runs_resume_bitwise() {
+    // CPU AdamW at the step (stage 1, fp32), during backward with bf16 moments (stage 2, bf16,
+    // no clipping), and fp16's loss scaler, whose scale grows every 3 clean steps.
+    resumes_bitwise(
+        "off-s1",
+        &["zero.stage=1", "zero.offload_optimizer=\"cpu\""],
+    );
+    resumes_bitwise(
+        "off-s2-bf16",
+        &[
+            "zero.stage=2",
+            "zero.precision=\"bf16\"",
+            "zero.offload_optimizer=\"cpu\"",
+            "zero.optimizer_state_dtype=\"bf16\"",
+            "train.grad_clip=0",
+        ],
+    );
+    resumes_bitwise(
+        "fp16-s3",
+        &[
+            "zero.stage=3",
+            "zero.precision=\"fp16\"",
+            "zero.initial_loss_scale=1024",
+            "zero.loss_scale_window=3",
+        ],
+    );
+}
+
+#[test]
+fn asynchronous_saves_resume_bitwise() {
+    // The save at step 10 is written on a background thread while steps 11-20 run.
+    resumes_bitwise("async-s2", &["zero.stage=2", "checkpoint.async=true"]);
+}
+
+/// Every unit's master and moments of two checkpoints, compared bitwise.
+fn assert_same_state(a: &Path, b: &Path, what: &str) {
+    let (ca, cb) = (Checkpoint::open(a).unwrap(), Checkpoint::open(b).unwrap());
+    let (mut ra, mut rb) = (ca.reader(), cb.reader());
+    for (u, unit) in ca.manifest.units.iter().enumerate() {
+        for part in Part::ALL {
+            let n = unit.numel as usize;
+            let (mut x, mut y) = (vec![0f32; n], vec![1f32; n]);
+            ra.read(u, part, 0, &mut x).unwrap();
+            rb.read(u, part, 0, &mut y).unwrap();
+            let same = x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits());
+            assert!(same, "{what}: {} {part:?} differs", unit.name);
+        }
+    }
+    assert_eq!(ca.manifest.optimizer.steps, cb.manifest.optimizer.steps);
+    assert_eq!(ca.manifest.data, cb.manifest.data.clone());
+}
+
+#[test]
+fn a_stage3_checkpoint_loads_at_other_world_sizes_and_stages() {
+    // 2 ranks at stage 3, global batch 12, saved at step 10.
+    let src = job(
+        "rs-src",
+        2,
+        &sets(&["zero.stage=3", "train.steps=10"]),
+        "train",
+    );
+    let ckpt = src.join("ckpt/step-00000010");
+    let resume = format!("checkpoint.resume=\"{}\"", ckpt.display());
+    let continue_15 = |name: &str, world: usize, stage: u8, mb: usize| {
+        let s = vec![
+            format!("zero.stage={stage}"),
+            format!("train.micro_batch={mb}"),
+            "train.steps=15".into(),
+            "checkpoint.every=0".into(),
+            resume.clone(),
+        ];
+        common::metric(&job(name, world, &s, "train"), "loss")
+    };
+    // The reference: one rank resumed from the same checkpoint, same global batch.
+    let want = continue_15("rs-ref", 1, 0, 12);
+    assert_eq!(
+        want.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+        (11..=15).collect::<Vec<_>>()
+    );
+    for (world, stage, mb) in [(1usize, 0u8, 12usize), (3, 1, 4), (4, 2, 3)] {
+        let name = format!("rs-w{world}-s{stage}");
+        // Load, then save again at once: the state is what was saved.
+        let again = job(
+            &format!("{name}-save"),
+            world,
+            &[
+                format!("zero.stage={stage}"),
+                format!("train.micro_batch={mb}"),
+                resume.clone(),
+            ],
+            "reshard",
+        );
+        assert_same_state(&ckpt, &again.join("ckpt/step-00000010"), &name);
+        if world > 1 {
+            let got = continue_15(&name, world, stage, mb);
+            assert_eq!(got.len(), want.len());
+            for ((step, a), (_, b)) in got.iter().zip(&want) {
+                let rel = (a - b).abs() / b.abs();
+                assert!(rel <= 1e-5, "{name}: step {step} loss {a} vs {b} ({rel:e})");
+            }
+        }
+    }
+}
+
+#[test]
+fn consolidated_file_loads_in_python_with_the_gathered_parameters() {
+    let dir = job(
+        "consolidate",
+        2,
+        &sets(&["zero.stage=3", "train.steps=5", "checkpoint.every=5"]),
+        "train",
+    );
+    let out = dir.join("model.safetensors");
+    let c = zrun_ckpt::consolidate(
+        &dir.join("ckpt/step-00000005"),
+        &out,
+        zrun_ckpt::OutDtype::F32,
+    )
+    .unwrap();
+    assert_eq!(c.step, 5);
+    let script = "import json, sys\n\
+        from safetensors.torch import load_file\n\
+        t = load_file(sys.argv[1])\n\
+        print(json.dumps({k: [list(v.shape), str(v.dtype), v.flatten().tolist()] for k, v in t.items()}))\n";
+    let py = std::env::var("VIRTUAL_ENV")
+        .map(|v| format!("{v}/bin/python"))
+        .unwrap_or_else(|_| "python3".into());
+    let o = std::process::Command::new(&py)
+        .args(["-c", script, &out.display().to_string()])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {py}: {e}"));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let loaded: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let want = common::read_params(&dir);
+    assert_eq!(
+        loaded.as_object().unwrap().len(),
+        want.len(),
+        "tensor count"
+    );
+    for (name, values) in &want {
+        let t = &loaded[name.as_str()];
+        assert_eq!(t[1], "torch.float32", "{name}");
+        let n: u64 = t[0]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap())
+            .product();
+        assert_eq!(n as usize, values.len(), "{name}: shape {}", t[0]);
+        let got: Vec<f32> = t[2]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect();
+        let same = got
+            .iter()
+            .zip(values)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(
+            same,
+            "{name}: consolidated values differ from the gathered parameters"
+        );
+    }
+}
+
+/// One rank of the jobs above (started by them, not on its own).
+#[test]
+#[ignore = "entry point of the rank processes the checkpoint tests start"]
+fn rank_process() {
+    if !common::is_rank() {
+        return;
+    }
+    let env = |k: &str| std::env::var(k).unwrap();
+    let sets: Vec<String> = env("ZRUN_CK_SETS").lines().map(str::to_string).collect();
+    let comm = common::rank_comm();
+    let rank = comm.rank();
+    let run = || -> anyhow::Result<()> {
+        let cfg = Config::load(Path::new(&env("ZRUN_CK_CONFIG")), &sets)?;
+        let mut run = Run::new(&cfg, comm, 1)?;
+        if env("ZRUN_CK_MODE") == "reshard" {
+            let r = run
+                .restore()?
+                .ok_or_else(|| anyhow::anyhow!("nothing to resume"))?;
+            run.save(&Position {
+                step: r.step,
+                next_sample: r.next_sample,
+                lr: 0.0,
+            })?;
+            return Ok(());
+        }
+        run.train()?;
+        let params = run.engine_mut().full_parameters()?;
+        if rank == 0 {
+            common::write_params(Path::new(&env("ZRUN_CK_DIR")), params)?;
+        }
+        Ok(())
+    };
+    if let Err(e) = run() {
+        eprintln!("rank {rank} failed: {e:#}");
+        std::process::exit(3);
+    }
+}
