@@ -2,26 +2,29 @@
 //!
 //! Node 0's launcher hosts the rendezvous store; each node starts `--nproc` workers with
 //! torchrun's variables, copies their output with a `[rank R]` prefix, and stops them all
-//! (SIGTERM, grace, SIGKILL) when one fails, when the launcher gets SIGINT/SIGTERM/SIGHUP, or
-//! when another node reports a failure through the store. Workers die with the launcher
-//! (parent-death signal), so none outlives it.
+//! (SIGTERM, grace, SIGKILL) when one fails, when the launcher gets SIGINT/SIGHUP, or when
+//! another node reports a failure through the store; with `--max-restarts N` every node then
+//! starts its workers again, together. SIGTERM and SIGUSR1 are forwarded as they are and the
+//! workers get the stop deadline to save a checkpoint and exit 3. Workers die with the
+//! launcher (parent-death signal), so none outlives it.
 
 mod plan;
 mod rendezvous;
+mod round;
 mod signals;
 mod spawn;
 mod supervise;
 
 use std::path::PathBuf;
-use std::sync::mpsc::channel;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
 pub use plan::Plan;
 pub use spawn::Program;
 
-use rendezvous::{Remote, Rendezvous};
-use supervise::{Outcome, Supervisor};
+use rendezvous::Rendezvous;
+use round::{Job, Next};
 
 /// A mistake in what the user gave (flags, layout, addresses): exit code 2, one line.
 #[derive(Debug)]
@@ -57,16 +60,21 @@ pub struct LaunchFlags {
     /// Also write each rank's output to DIR/rank-R.log.
     #[arg(long, value_name = "DIR")]
     pub log_dir: Option<PathBuf>,
-    /// Seconds between SIGTERM and SIGKILL when stopping workers.
+    /// Seconds between SIGTERM and SIGKILL when stopping workers (and, for `zrun exec`,
+    /// between a forwarded SIGTERM/SIGUSR1 and SIGKILL).
     #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
     pub grace_s: f64,
     /// The job's id, given to workers as ZRUN_RUN_ID [default: generated on one node;
     /// MASTER_ADDR-MASTER_PORT with several].
     #[arg(long, value_name = "ID")]
     pub run_id: Option<String>,
-    /// Seconds the nodes of a multi-node job wait for each other to start.
+    /// Seconds the nodes of a multi-node job wait for each other to start (and to restart).
     #[arg(long, default_value_t = 300, value_name = "SECONDS")]
     pub rdzv_timeout_s: u64,
+    /// Start every worker again (on every node) when one fails, up to N times; never after
+    /// a worker exits 2 (bad input) or zrun gets a signal. Give every node the same N.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub max_restarts: u32,
 }
 
 impl LaunchFlags {
@@ -86,122 +94,59 @@ impl LaunchFlags {
     }
 }
 
-/// Runs `program` as this node's ranks and supervises them; returns the exit code.
-pub fn run(flags: &LaunchFlags, program: &Program) -> anyhow::Result<u8> {
+/// How this launch treats its workers beyond the flags.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    /// Time between forwarding SIGTERM or SIGUSR1 to the workers and SIGKILL, for them to
+    /// save a checkpoint (training: `checkpoint.signal_deadline_s`); `None`: `--grace-s`.
+    pub stop_deadline: Option<Duration>,
+}
+
+/// Runs `program` as this node's ranks and supervises them, restarting the group up to
+/// `--max-restarts` times; returns the exit code.
+pub fn run(flags: &LaunchFlags, program: &Program, opts: &Options) -> anyhow::Result<u8> {
     let plan = Plan::new(flags)?;
-    signals::install().context("installing the SIGINT/SIGTERM handler")?;
+    signals::install().context("installing the SIGINT/SIGTERM/SIGHUP/SIGUSR1 handler")?;
     let mut rdzv = if plan.nnodes == 1 {
         Rendezvous::single(&plan)?
     } else {
         Rendezvous::join(&plan)?
     };
-    let layout = rdzv.layout;
-    let omp = plan::omp_threads_for(plan.nproc);
-    let prefix = layout.world_size > 1;
-    let (tx, rx) = channel();
-    let mut workers = Vec::with_capacity(plan.nproc);
-    for local in 0..plan.nproc {
-        let env = plan.worker_env(&layout, local, omp);
-        let rank = layout.rank_offset + local;
-        match spawn::spawn(
-            program,
-            rank,
-            &env,
-            prefix,
-            plan.log_dir.as_deref(),
-            tx.clone(),
-        ) {
-            Ok(w) => workers.push(w),
-            Err(e) => {
-                let mut sup = Supervisor::new(workers, rx, plan.grace);
-                sup.stop_all(libc::SIGTERM);
-                rdzv.publish_failure(&format!("node {}: {e:#}", plan.node_rank));
-                return Err(e);
-            }
+    let job = Job {
+        plan: &plan,
+        program,
+        rdzv: &rdzv,
+        stop_deadline: opts.stop_deadline.unwrap_or(plan.grace),
+    };
+    let mut round = 0;
+    let code = loop {
+        match job.round(round)? {
+            Next::Exit(code) => break code,
+            Next::Restart => {}
         }
-    }
-    drop(tx);
-    let mut sup = Supervisor::new(workers, rx, plan.grace);
-    let outcome = sup.watch(rdzv.remote.as_ref());
-    let first_signal = match outcome {
-        Outcome::Signalled(sig) => sig,
-        _ => libc::SIGTERM,
-    };
-    let stopped = sup.stop_all(first_signal);
-    sup.drain();
-    let here = if plan.nnodes > 1 {
-        format!(" on node {}", plan.node_rank)
-    } else {
-        String::new()
-    };
-    let others = |n: usize| match n {
-        0 => String::new(),
-        1 => format!("; stopped the other rank{here}"),
-        n => format!("; stopped the other {n} ranks{here}"),
-    };
-    let code = match outcome {
-        Outcome::Success => match rdzv.finish() {
-            Ok(()) => 0,
-            Err(msg) => {
-                eprintln!("zrun: this node's ranks finished, but the job failed: {msg}");
-                1
-            }
-        },
-        Outcome::Failed { rank, status } => {
-            let how = spawn::describe(&status);
-            let w = sup.workers.iter().find(|w| w.rank == rank);
-            let tail = w.map(|w| w.last_lines()).unwrap_or_default();
-            let first = if layout.world_size > 1 { " first" } else { "" };
-            eprintln!(
-                "zrun: rank {rank}{here} failed{first}: {how}{}",
-                others(stopped)
+        // Every node meets before any starts again (nothing to wait for on one node).
+        if let Err(msg) = rdzv.ready(round + 1, Instant::now() + plan.rdzv_timeout) {
+            eprintln!("zrun: not restarting: {msg}");
+            rdzv.publish_failure(
+                &format!("node {} did not restart: {msg}", plan.node_rank),
+                true,
             );
-            if layout.world_size > 1 && !tail.is_empty() {
-                eprintln!("zrun: last {} lines of rank {rank}:", tail.len());
-                for l in &tail {
-                    eprintln!("    | {l}");
-                }
-            }
-            if plan.nnodes > 1 {
-                let mut msg = format!("rank {rank} on node {} failed first: {how}", plan.node_rank);
-                for l in &tail {
-                    msg.push_str("\n    | ");
-                    msg.push_str(l);
-                }
-                rdzv.publish_failure(&msg);
-            }
-            if status.code() == Some(2) {
-                2
-            } else {
-                1
-            }
+            break signals::received().map_or(1, |(sig, _)| signals::exit_code(sig));
         }
-        Outcome::Signalled(sig) => {
-            eprintln!(
-                "zrun: received {}{}",
-                signals::name(sig),
-                match stopped {
-                    0 => String::new(),
-                    n => format!("; stopped {n} rank{}{here}", if n == 1 { "" } else { "s" }),
-                }
-            );
-            rdzv.publish_failure(&format!(
-                "node {}'s zrun received {}",
-                plan.node_rank,
-                signals::name(sig)
-            ));
-            u8::try_from(128 + sig).unwrap_or(1)
-        }
-        Outcome::Remote(news) => {
-            match news {
-                Remote::Failed(msg) => eprintln!("zrun: another node failed: {msg}"),
-                Remote::StoreLost(e) => eprintln!(
-                    "zrun: lost node 0's rendezvous store at {}:{} (its zrun ended?): {e}",
-                    plan.master_addr, layout.master_port
+        round += 1;
+        if let Some((sig, _)) = signals::received() {
+            // Published as round `round`'s failure: the others watch that key now.
+            rdzv.set_round(round);
+            eprintln!("zrun: received {}; not restarting", signals::name(sig));
+            rdzv.publish_failure(
+                &format!(
+                    "node {}'s zrun received {}",
+                    plan.node_rank,
+                    signals::name(sig)
                 ),
-            }
-            eprintln!("zrun: stopped {stopped} rank(s){here}");
-            1
+                true,
+            );
+            break signals::exit_code(sig);
         }
     };
     rdzv.close();

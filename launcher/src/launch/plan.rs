@@ -33,6 +33,8 @@ pub struct Plan {
     pub token: String,
     /// How long the nodes of a multi-node job wait for each other.
     pub rdzv_timeout: Duration,
+    /// How many times the group is started again after a failure.
+    pub max_restarts: u32,
 }
 
 /// Where this node's workers sit in the whole job (known after the nodes have met).
@@ -137,10 +139,12 @@ impl Plan {
             run_id,
             token,
             rdzv_timeout: Duration::from_secs(f.rdzv_timeout_s.max(1)),
+            max_restarts: f.max_restarts,
         })
     }
 
-    /// The environment of local rank `local` (torchrun's variables plus zrun's).
+    /// The environment of local rank `local` in round `restart` (0 for the first start):
+    /// torchrun's variables plus zrun's.
     ///
     /// `omp_threads` is `None` when the user set `OMP_NUM_THREADS` (it is then inherited).
     pub fn worker_env(
@@ -148,6 +152,7 @@ impl Plan {
         layout: &Layout,
         local: usize,
         omp_threads: Option<usize>,
+        restart: u32,
     ) -> Vec<(String, String)> {
         let mut env = vec![
             ("RANK", (layout.rank_offset + local).to_string()),
@@ -161,6 +166,8 @@ impl Plan {
             (zrun_comm::TOKEN_ENV, self.token.clone()),
             ("ZRUN_RUN_ID", self.run_id.clone()),
             (zrun_comm::STORE_EXTERNAL_ENV, "1".to_string()),
+            ("TORCHELASTIC_RESTART_COUNT", restart.to_string()),
+            ("TORCHELASTIC_MAX_RESTARTS", self.max_restarts.to_string()),
         ];
         if let Some(n) = omp_threads {
             env.push(("OMP_NUM_THREADS", n.to_string()));
@@ -243,6 +250,7 @@ mod tests {
             grace_s: 10.0,
             run_id: None,
             rdzv_timeout_s: 300,
+            max_restarts: 0,
         }
     }
 
@@ -300,13 +308,14 @@ mod tests {
         f.nproc = Some(3);
         f.master_addr = Some("127.0.0.1".into());
         f.master_port = Some(4321);
-        let p = Plan::new(&f).unwrap();
+        f.max_restarts = 4;
         let layout = Layout {
             rank_offset: 3,
             world_size: 6,
             master_port: 4321,
         };
-        let env = p.worker_env(&layout, 2, Some(5));
+        let p = Plan::new(&f).unwrap();
+        let env = p.worker_env(&layout, 2, Some(5), 3);
         let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
         assert_eq!(get("RANK"), Some("5"));
         assert_eq!(get("LOCAL_RANK"), Some("2"));
@@ -316,8 +325,10 @@ mod tests {
         assert_eq!(get("MASTER_PORT"), Some("4321"));
         assert_eq!(get("OMP_NUM_THREADS"), Some("5"));
         assert_eq!(get("ZRUN_STORE_EXTERNAL"), Some("1"));
+        assert_eq!(get("TORCHELASTIC_RESTART_COUNT"), Some("3"));
+        assert_eq!(get("TORCHELASTIC_MAX_RESTARTS"), Some("4"));
         assert!(p
-            .worker_env(&layout, 0, None)
+            .worker_env(&layout, 0, None, 0)
             .iter()
             .all(|(k, _)| k != "OMP_NUM_THREADS"));
     }

@@ -1,13 +1,30 @@
 //! The store that node 0's launcher hosts, and how the launchers of several nodes meet,
-//! number their ranks, learn of each other's failures and finish together.
+//! number their ranks, learn of each other's failures, restart together and finish together.
 //!
-//! Keys (all under `zrun/launcher/`): `claim/K` (a counter, so a node rank used twice is
-//! caught), `nproc/K` (ranks on node K), `beat/K` (node K's heartbeat counter), `failures`
-//! (a counter: the first to increment it writes `failure`, the message every node prints),
-//! and `exit/K` (node K's ranks all finished).
+//! Keys (all under `zrun/launcher/`):
+//! - `claim/K` (a counter, so a node rank used twice is caught), `nproc/K` (ranks on node K),
+//!   `restarts/K` (node K's `--max-restarts`, which every node must share), `beat/K` (node
+//!   K's heartbeat counter, beaten across every round).
+//! - Per round R (0 for the first start, `TORCHELASTIC_RESTART_COUNT`): `failures/R` (a
+//!   counter: the first node to fail in round R writes `failure/R`, the message every node
+//!   prints and the sign to stop its ranks), `exit/R/K` (node K's ranks all ended well in
+//!   round R), `bye/R/K` (node K > 0 leaves after round R: it needs the store no more and
+//!   stops beating),
+//!   `ready/R/K` (node K stopped its ranks after round R-1 failed and waits to start round R).
+//! - `aborts` and `abort`: a node that ends the job for good (no restarts left, exit code 2,
+//!   a signal, a lost node) writes `abort` before `failure/R`, so that no node waits at the
+//!   next round's barrier for it.
+//!
+//! A restart: every node that sees `failure/R` (its own rank failed, or the watcher's news)
+//! stops its ranks, writes `ready/R+1/K` and waits until every node has (up to
+//! `--rdzv-timeout-s`; `abort`, a signal or a lost node ends the wait), then starts its ranks
+//! again and watches `failure/R+1`. A node whose ranks all finished waits in [`finish`] until
+//! every node finished (`exit/R/*`) or `failure/R` appears, and then restarts with the others.
+//!
+//! [`finish`]: Rendezvous::finish
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{channel, Receiver};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -23,14 +40,36 @@ const NS: &str = "zrun/launcher";
 const TICK: Duration = Duration::from_millis(500);
 /// A node whose heartbeat stalls this long is taken to be dead.
 pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long node 0 keeps the store up for nodes that have not yet seen that all finished.
+const BYE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// News from the other nodes, for the supervision loop.
 #[derive(Debug)]
 pub enum Remote {
-    /// Another node failed: its message.
+    /// A node failed in this round: its message.
     Failed(String),
+    /// Node 0 saw another node's heartbeat stall.
+    NodeLost(String),
     /// The store (node 0's launcher) cannot be reached any more.
     StoreLost(String),
+}
+
+/// News as the watcher sends it: a failure carries its round.
+#[derive(Debug)]
+enum Watched {
+    Failed { round: u32, message: String },
+    Other(Remote),
+}
+
+/// How a wait for the other nodes ended.
+#[derive(Debug)]
+pub enum Waited {
+    /// Every node's ranks ended well.
+    Done,
+    /// A node failed in this round (`failure/R`): its message. A restart may follow.
+    Failed(String),
+    /// Anything else ended the wait (a signal, a lost node or store, the time limit).
+    Ended(String),
 }
 
 /// This node's connection to the job: the store (hosted here on node 0), and for several
@@ -43,14 +82,30 @@ pub struct Rendezvous {
     pub layout: Layout,
     node_rank: usize,
     nnodes: usize,
+    /// The round the ranks run in (shared with the watcher).
+    round: Arc<AtomicU32>,
     stop: Arc<AtomicBool>,
     watcher: Option<JoinHandle<()>>,
-    /// Messages from the watcher.
-    pub remote: Option<Receiver<Remote>>,
+    news: Option<Receiver<Watched>>,
 }
 
 fn key(name: &str) -> String {
     format!("{NS}/{name}")
+}
+
+/// The keys `what/0` .. `what/nnodes-1`, skipping node 0 when `others` is set.
+fn per_node(what: &str, nnodes: usize, others: bool) -> Vec<String> {
+    (usize::from(others)..nnodes)
+        .map(|j| key(&format!("{what}/{j}")))
+        .collect()
+}
+
+/// The node numbers of store keys that end in `/K`, for a message.
+fn nodes_of(keys: &[String]) -> String {
+    keys.iter()
+        .map(|m| m.rsplit('/').next().unwrap_or(m))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Starts the store on `addr:port`; a port that is taken is bad input.
@@ -120,14 +175,16 @@ impl Rendezvous {
             layout,
             node_rank: 0,
             nnodes: 1,
+            round: Arc::new(AtomicU32::new(0)),
             stop: Arc::new(AtomicBool::new(false)),
             watcher: None,
-            remote: None,
+            news: None,
         })
     }
 
-    /// Several nodes: node 0 hosts the store; every node registers its rank count, waits for
-    /// the others (up to `--rdzv-timeout-s`, or until a signal), and starts its watcher.
+    /// Several nodes: node 0 hosts the store; every node registers its rank count and
+    /// `--max-restarts`, waits for the others (up to `--rdzv-timeout-s`, or until a signal),
+    /// checks that every node has the same `--max-restarts`, and starts its watcher.
     pub fn join(plan: &Plan) -> anyhow::Result<Rendezvous> {
         let server = if plan.node_rank == 0 {
             Some(host(plan)?)
@@ -145,12 +202,14 @@ impl Rendezvous {
             .into());
         }
         client.set(
+            &key(&format!("restarts/{k}")),
+            plan.max_restarts.to_string().as_bytes(),
+        )?;
+        client.set(
             &key(&format!("nproc/{k}")),
             plan.nproc.to_string().as_bytes(),
         )?;
-        let names: Vec<String> = (0..plan.nnodes)
-            .map(|j| key(&format!("nproc/{j}")))
-            .collect();
+        let names = per_node("nproc", plan.nnodes, false);
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         loop {
             match client.wait(&refs, TICK) {
@@ -165,7 +224,7 @@ impl Rendezvous {
                     if Instant::now() >= deadline {
                         bail!(
                             "node {k}: nodes {} did not join within {:?} (--rdzv-timeout-s); start zrun on every node with the same --nnodes, --master-addr and --master-port",
-                            missing.iter().map(|m| m.rsplit('/').next().unwrap_or(m)).collect::<Vec<_>>().join(", "),
+                            nodes_of(&missing),
                             plan.rdzv_timeout
                         );
                     }
@@ -181,72 +240,194 @@ impl Rendezvous {
                 .with_context(|| format!("store key {name} is not a rank count"))?;
             counts.push(n);
         }
+        for (j, name) in per_node("restarts", plan.nnodes, false).iter().enumerate() {
+            let theirs = String::from_utf8_lossy(&client.get(name)?).into_owned();
+            if theirs != plan.max_restarts.to_string() {
+                return Err(BadInput(format!(
+                    "--max-restarts {} on node {k} but {theirs} on node {j}: the nodes restart together; give every node the same --max-restarts",
+                    plan.max_restarts
+                ))
+                .into());
+            }
+        }
         let layout = Layout {
             rank_offset: counts[..k].iter().sum(),
             world_size: counts.iter().sum(),
             master_port: plan.master_port,
         };
         let stop = Arc::new(AtomicBool::new(false));
+        let round = Arc::new(AtomicU32::new(0));
         let (tx, rx) = channel();
         let watch_client = connect(&addr, plan, Instant::now() + plan.rdzv_timeout)?;
-        let (stop2, nnodes) = (stop.clone(), plan.nnodes);
+        let watcher = Watcher {
+            client: watch_client,
+            node: k,
+            nnodes: plan.nnodes,
+            round: round.clone(),
+            stop: stop.clone(),
+            tx,
+        };
         let watcher = std::thread::Builder::new()
             .name("zrun-watch".into())
-            .spawn(move || {
-                if let Some(news) = watch(&watch_client, k, nnodes, &stop2) {
-                    let _ = tx.send(news);
-                }
-            })?;
+            .spawn(move || watcher.run())?;
         Ok(Rendezvous {
             _server: server,
             client: Some(client),
             layout,
             node_rank: k,
             nnodes: plan.nnodes,
+            round,
             stop,
             watcher: Some(watcher),
-            remote: Some(rx),
+            news: Some(rx),
         })
     }
 
-    /// Tells the other nodes that this job failed (only the first report is kept).
-    pub fn publish_failure(&self, message: &str) {
-        if let Some(c) = &self.client {
-            if c.add(&key("failures"), 1).is_ok_and(|n| n == 1) {
-                let _ = c.set(&key("failure"), message.as_bytes());
+    /// Moves this node (and its watcher) to `round`, before its ranks start in it.
+    pub fn set_round(&self, round: u32) {
+        self.round.store(round, Ordering::SeqCst);
+    }
+
+    /// The watcher's next news for the current round, if any (news of earlier rounds, which
+    /// this node has acted on already, is dropped).
+    pub fn news(&self) -> Option<Remote> {
+        let rx = self.news.as_ref()?;
+        let now = self.round.load(Ordering::SeqCst);
+        while let Ok(w) = rx.try_recv() {
+            match w {
+                Watched::Failed { round, message } if round == now => {
+                    return Some(Remote::Failed(message))
+                }
+                Watched::Failed { .. } => {}
+                Watched::Other(r) => return Some(r),
             }
+        }
+        None
+    }
+
+    /// Tells the other nodes that this round failed (only the first report of a round is
+    /// kept); `for_good` also tells them that this node will not restart.
+    pub fn publish_failure(&self, message: &str, for_good: bool) {
+        let Some(c) = &self.client else {
+            return;
+        };
+        if for_good && c.add(&key("aborts"), 1).is_ok_and(|n| n == 1) {
+            let _ = c.set(&key("abort"), message.as_bytes());
+        }
+        let r = self.round.load(Ordering::SeqCst);
+        if c.add(&key(&format!("failures/{r}")), 1)
+            .is_ok_and(|n| n == 1)
+        {
+            let _ = c.set(&key(&format!("failure/{r}")), message.as_bytes());
         }
     }
 
-    /// Marks this node's ranks as finished; node 0 then waits until every node has finished
-    /// (so the store outlives their last use of it), a failure is reported, or a signal comes.
-    pub fn finish(&self) -> Result<(), String> {
+    /// Why the job ends for good, when a node said so.
+    pub fn aborted(&self) -> Option<String> {
+        let c = self.client.as_ref()?;
+        let k = key("abort");
+        c.wait(&[k.as_str()], Duration::ZERO).ok()?;
+        let msg = c.get(&k).unwrap_or_default();
+        Some(String::from_utf8_lossy(&msg).into_owned())
+    }
+
+    /// Marks this node's ranks as having ended well in this round (`how`: "ok" or "stopped"),
+    /// then waits for every node's ranks to end well, for a failure of this round, or for the
+    /// wait to end otherwise. Node 0 always waits (the store must outlive the others' use of
+    /// it); another node waits when `wait_all` (restarts remain, so it must learn whether to
+    /// restart, or it reports that every node's ranks stopped). `until` bounds the wait;
+    /// a signal beyond the first `signals_seen` ends it.
+    pub fn finish(
+        &self,
+        how: &str,
+        wait_all: bool,
+        until: Option<Instant>,
+        signals_seen: usize,
+    ) -> Waited {
         let Some(c) = &self.client else {
-            return Ok(());
+            return Waited::Done;
         };
-        let _ = c.set(&key(&format!("exit/{}", self.node_rank)), b"ok");
-        if self.node_rank != 0 {
-            return Ok(());
+        let (k, r) = (self.node_rank, self.round.load(Ordering::SeqCst));
+        let bye = key(&format!("bye/{r}/{k}"));
+        let _ = c.set(&key(&format!("exit/{r}/{k}")), how.as_bytes());
+        if k != 0 && !wait_all {
+            let _ = c.set(&bye, b"");
+            return Waited::Done;
         }
-        let names: Vec<String> = (0..self.nnodes)
-            .map(|j| key(&format!("exit/{j}")))
-            .collect();
+        let names = per_node(&format!("exit/{r}"), self.nnodes, false);
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         loop {
             match c.wait(&refs, TICK) {
-                Ok(()) => return Ok(()),
-                Err(zrun_comm::Error::StoreTimeout { .. }) => {
-                    if let Some((sig, _)) = signals::received() {
-                        return Err(format!(
+                Ok(()) => break,
+                Err(zrun_comm::Error::StoreTimeout { missing, .. }) => {
+                    if signals::count() > signals_seen {
+                        let sig = signals::received().map_or(0, |(s, _)| s);
+                        return Waited::Ended(format!(
                             "stopped by {} while waiting for the other nodes to finish",
                             signals::name(sig)
                         ));
                     }
-                    // The watcher still runs: failures and stalled heartbeats arrive here.
-                    if let Some(news) = self.remote.as_ref().and_then(|r| r.try_recv().ok()) {
-                        return Err(match news {
-                            Remote::Failed(m) | Remote::StoreLost(m) => m,
-                        });
+                    match self.news() {
+                        Some(Remote::Failed(m)) => return Waited::Failed(m),
+                        Some(Remote::NodeLost(m) | Remote::StoreLost(m)) => {
+                            return Waited::Ended(m)
+                        }
+                        None => {}
+                    }
+                    if until.is_some_and(|t| Instant::now() >= t) {
+                        return Waited::Ended(format!(
+                            "the ranks of nodes {} did not stop in time",
+                            nodes_of(&missing)
+                        ));
+                    }
+                }
+                Err(e) => return Waited::Ended(e.to_string()),
+            }
+        }
+        if k != 0 {
+            let _ = c.set(&bye, b"");
+        } else {
+            // Keep the store up until the others have seen that every node finished.
+            let byes = per_node(&format!("bye/{r}"), self.nnodes, true);
+            let refs: Vec<&str> = byes.iter().map(String::as_str).collect();
+            let _ = c.wait(&refs, BYE_TIMEOUT);
+        }
+        Waited::Done
+    }
+
+    /// The barrier before round `next`: marks this node ready and waits until every node is,
+    /// up to `deadline`. Fails with the reason when a node ended the job, a signal arrived,
+    /// a node or the store was lost, or time ran out.
+    pub fn ready(&self, next: u32, deadline: Instant) -> Result<(), String> {
+        let Some(c) = &self.client else {
+            return Ok(());
+        };
+        c.set(&key(&format!("ready/{next}/{}", self.node_rank)), b"")
+            .map_err(|e| e.to_string())?;
+        let names = per_node(&format!("ready/{next}"), self.nnodes, false);
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        loop {
+            match c.wait(&refs, TICK) {
+                Ok(()) => return Ok(()),
+                Err(zrun_comm::Error::StoreTimeout { missing, .. }) => {
+                    if let Some(m) = self.aborted() {
+                        return Err(format!("another node ended the job: {m}"));
+                    }
+                    if let Some((sig, _)) = signals::received() {
+                        return Err(format!(
+                            "stopped by {} while waiting for the other nodes to restart",
+                            signals::name(sig)
+                        ));
+                    }
+                    // Failures of the round that just ended are old news here.
+                    if let Some(Remote::NodeLost(m) | Remote::StoreLost(m)) = self.news() {
+                        return Err(m);
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(format!(
+                            "nodes {} were not ready to restart within the --rdzv-timeout-s limit",
+                            nodes_of(&missing)
+                        ));
                     }
                 }
                 Err(e) => return Err(e.to_string()),
@@ -269,40 +450,87 @@ impl Drop for Rendezvous {
     }
 }
 
-/// Beats for node `k`, and returns the first news: a failure message, the store gone, or (on
-/// node 0) another node whose heartbeat stalled. Returns `None` when asked to stop.
-fn watch(c: &StoreClient, k: usize, nnodes: usize, stop: &AtomicBool) -> Option<Remote> {
-    let failure = key("failure");
-    // Per other node: the last counter seen and when it changed.
-    let mut seen: Vec<(i64, Instant)> = vec![(-1, Instant::now()); nnodes];
-    while !stop.load(Ordering::SeqCst) {
-        if let Err(e) = c.add(&key(&format!("beat/{k}")), 1) {
-            return Some(Remote::StoreLost(e.to_string()));
-        }
-        match c.wait(&[failure.as_str()], TICK) {
-            Ok(()) => {
-                let msg = c.get(&failure).unwrap_or_default();
-                return Some(Remote::Failed(String::from_utf8_lossy(&msg).into_owned()));
+/// The watcher thread of one node: beats, and sends news of the current round's failure, a
+/// lost store and (on node 0) another node's stalled heartbeat. It runs across rounds.
+struct Watcher {
+    client: StoreClient,
+    node: usize,
+    nnodes: usize,
+    round: Arc<AtomicU32>,
+    stop: Arc<AtomicBool>,
+    tx: Sender<Watched>,
+}
+
+impl Watcher {
+    fn run(self) {
+        let c = &self.client;
+        let send = |w: Watched| {
+            let _ = self.tx.send(w);
+        };
+        // Per other node: the last counter seen and when it changed.
+        let mut seen: Vec<(i64, Instant)> = vec![(-1, Instant::now()); self.nnodes];
+        let mut reported: Option<u32> = None;
+        let mut lost = false;
+        while !self.stop.load(Ordering::SeqCst) {
+            if let Err(e) = c.add(&key(&format!("beat/{}", self.node)), 1) {
+                return send(Watched::Other(Remote::StoreLost(e.to_string())));
             }
-            Err(zrun_comm::Error::StoreTimeout { .. }) => {}
-            Err(e) => return Some(Remote::StoreLost(e.to_string())),
-        }
-        if k != 0 {
-            continue;
-        }
-        for (j, s) in seen.iter_mut().enumerate().skip(1) {
-            let done = c
-                .wait(&[key(&format!("exit/{j}")).as_str()], Duration::ZERO)
-                .is_ok();
-            let beat = c.add(&key(&format!("beat/{j}")), 0).unwrap_or(s.0);
-            if done || beat != s.0 {
-                *s = (beat, Instant::now());
-            } else if s.1.elapsed() > HEARTBEAT_TIMEOUT {
-                return Some(Remote::Failed(format!(
-                    "node {j}'s zrun stopped answering (no heartbeat for {HEARTBEAT_TIMEOUT:?})"
-                )));
+            let round = self.round.load(Ordering::SeqCst);
+            if reported == Some(round) {
+                std::thread::sleep(TICK);
+            } else {
+                let failure = key(&format!("failure/{round}"));
+                match c.wait(&[failure.as_str()], TICK) {
+                    Ok(()) => {
+                        let msg = c.get(&failure).unwrap_or_default();
+                        let message = String::from_utf8_lossy(&msg).into_owned();
+                        send(Watched::Failed { round, message });
+                        reported = Some(round);
+                    }
+                    Err(zrun_comm::Error::StoreTimeout { .. }) => {}
+                    Err(e) => return send(Watched::Other(Remote::StoreLost(e.to_string()))),
+                }
+            }
+            if self.node != 0 || lost {
+                continue;
+            }
+            for (j, s) in seen.iter_mut().enumerate().skip(1) {
+                // A node that said bye has left for good; one that finished and waits for a
+                // possible restart still beats.
+                let done = c
+                    .wait(&[key(&format!("bye/{round}/{j}")).as_str()], Duration::ZERO)
+                    .is_ok();
+                let beat = c.add(&key(&format!("beat/{j}")), 0).unwrap_or(s.0);
+                if done || beat != s.0 {
+                    *s = (beat, Instant::now());
+                } else if s.1.elapsed() > HEARTBEAT_TIMEOUT && !lost {
+                    send(Watched::Other(Remote::NodeLost(format!(
+                        "node {j}'s zrun stopped answering (no heartbeat for {HEARTBEAT_TIMEOUT:?})"
+                    ))));
+                    lost = true;
+                }
             }
         }
     }
-    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_node_keys_and_their_node_numbers() {
+        let all = per_node("ready/2", 3, false);
+        assert_eq!(
+            all,
+            [
+                "zrun/launcher/ready/2/0",
+                "zrun/launcher/ready/2/1",
+                "zrun/launcher/ready/2/2"
+            ]
+        );
+        let others = per_node("bye/0", 3, true);
+        assert_eq!(others, ["zrun/launcher/bye/0/1", "zrun/launcher/bye/0/2"]);
+        assert_eq!(nodes_of(&others), "1, 2");
+    }
 }

@@ -1,5 +1,8 @@
-//! SIGINT, SIGTERM and SIGHUP to the launcher: recorded by a handler, acted on by the
-//! supervision loop (which forwards them to every worker).
+//! SIGINT, SIGTERM, SIGHUP and SIGUSR1 to the launcher: recorded by a handler, acted on by
+//! the supervision loop (which forwards them to every worker).
+//!
+//! SIGTERM and SIGUSR1 are stop signals: the ranks save a checkpoint at an agreed step and
+//! exit with code 3, so the launcher gives them the stop deadline rather than `--grace-s`.
 
 use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 
@@ -9,7 +12,7 @@ static LAST: AtomicI32 = AtomicI32::new(0);
 static COUNT: AtomicUsize = AtomicUsize::new(0);
 
 /// The signals the launcher catches.
-const CAUGHT: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+const CAUGHT: [libc::c_int; 4] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGUSR1];
 
 extern "C" fn on_signal(sig: libc::c_int) {
     // Only lock-free atomics here: they are async-signal-safe.
@@ -17,7 +20,7 @@ extern "C" fn on_signal(sig: libc::c_int) {
     COUNT.fetch_add(1, Ordering::SeqCst);
 }
 
-/// Installs the handler for SIGINT, SIGTERM and SIGHUP. Children get the default
+/// Installs the handler for SIGINT, SIGTERM, SIGHUP and SIGUSR1. Children get the default
 /// dispositions back at `exec`.
 pub fn install() -> std::io::Result<()> {
     for sig in CAUGHT {
@@ -44,6 +47,21 @@ pub fn received() -> Option<(i32, usize)> {
         0 => None,
         n => Some((LAST.load(Ordering::SeqCst), n)),
     }
+}
+
+/// How many signals have arrived so far (to tell a second one from the first).
+pub fn count() -> usize {
+    COUNT.load(Ordering::SeqCst)
+}
+
+/// True for the signals that ask the ranks to save a checkpoint and stop (SIGTERM, SIGUSR1).
+pub fn is_stop(sig: i32) -> bool {
+    sig == libc::SIGTERM || sig == libc::SIGUSR1
+}
+
+/// The exit code of a launcher stopped by `sig`: 128 + its number.
+pub fn exit_code(sig: i32) -> u8 {
+    u8::try_from(128 + sig).unwrap_or(1)
 }
 
 /// The conventional name of a signal number (`SIGKILL`), or `signal N`.
@@ -92,5 +110,20 @@ mod tests {
         }
         let (sig, n) = received().unwrap();
         assert_eq!((sig, n), (libc::SIGHUP, before + 1));
+        // SIGUSR1 is caught too (its default action would end the launcher).
+        // SAFETY: as above.
+        unsafe {
+            libc::raise(libc::SIGUSR1);
+        }
+        assert_eq!(received(), Some((libc::SIGUSR1, before + 2)));
+        assert_eq!(count(), before + 2);
+    }
+
+    #[test]
+    fn stop_signals_and_exit_codes() {
+        assert!(is_stop(libc::SIGTERM) && is_stop(libc::SIGUSR1));
+        assert!(!is_stop(libc::SIGINT) && !is_stop(libc::SIGHUP));
+        assert_eq!(exit_code(libc::SIGTERM), 143);
+        assert_eq!(exit_code(libc::SIGUSR1), 138);
     }
 }

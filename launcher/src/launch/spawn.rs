@@ -95,7 +95,9 @@ fn pump(stream: impl Read + Send + 'static, sink: Sink) -> std::io::Result<JoinH
         })
 }
 
-/// Starts global rank `rank` with `env` added to the launcher's environment.
+/// Starts global rank `rank` with `env` added to the launcher's environment; `restart` is the
+/// round (0 for the first start): a restarted rank's lines are appended to its log file after
+/// a `--- zrun: restart K ---` line.
 ///
 /// Must be called from the thread that lives as long as the launcher (the main thread): the
 /// parent-death signal fires when the thread that forked the child exits. The child is waited
@@ -106,6 +108,7 @@ pub fn spawn(
     env: &[(String, String)],
     prefix: bool,
     log_dir: Option<&Path>,
+    restart: u32,
     exits: Sender<Exit>,
 ) -> anyhow::Result<Worker> {
     let mut cmd = Command::new(&program.exe);
@@ -160,8 +163,16 @@ pub fn spawn(
     let log = match log_dir {
         Some(dir) => {
             let path = dir.join(format!("rank-{rank}.log"));
-            let f = File::create(&path)
-                .with_context(|| format!("creating the log file {}", path.display()))?;
+            let opened = if restart == 0 {
+                File::create(&path)
+            } else {
+                std::fs::OpenOptions::new()
+                    .append(true)
+                    .create(true)
+                    .open(&path)
+                    .and_then(|mut f| writeln!(f, "--- zrun: restart {restart} ---").map(|()| f))
+            };
+            let f = opened.with_context(|| format!("creating the log file {}", path.display()))?;
             Some(Arc::new(Mutex::new(f)))
         }
         None => None,
@@ -265,7 +276,7 @@ mod tests {
         let (tx, rx) = channel();
         let script =
             "i=0; while [ $i -lt 30 ]; do echo line$i; i=$((i+1)); done; sleep 0.3; echo oops >&2; exit 3";
-        let mut w = spawn(&sh(script), 4, &[], true, Some(dir.path()), tx).unwrap();
+        let mut w = spawn(&sh(script), 4, &[], true, Some(dir.path()), 0, tx).unwrap();
         let e = rx.recv_timeout(Duration::from_secs(10)).unwrap();
         w.join_until(Instant::now() + Duration::from_secs(10));
         assert_eq!((e.rank, e.status.code()), (4, Some(3)));
@@ -286,7 +297,7 @@ mod tests {
     #[test]
     fn worker_leads_its_own_process_group_and_a_group_signal_kills_it() {
         let (tx, rx) = channel();
-        let w = spawn(&sh("exec sleep 30"), 0, &[], false, None, tx).unwrap();
+        let w = spawn(&sh("exec sleep 30"), 0, &[], false, None, 0, tx).unwrap();
         // SAFETY: getpgid has no memory-safety preconditions.
         let pgid = unsafe { libc::getpgid(w.pid) };
         assert_eq!(pgid, w.pid);

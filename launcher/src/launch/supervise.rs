@@ -1,6 +1,9 @@
-//! Watching the workers: the first failure, a signal to the launcher or news from another
-//! node ends the job; stopping is SIGTERM (or the signal received) to every worker's process
-//! group, then SIGKILL after the grace period.
+//! Watching the workers of one round: the first failure, a signal to the launcher or news from
+//! another node ends the round; stopping is SIGTERM (or the signal received) to every worker's
+//! process group, then SIGKILL when the given time is up.
+//!
+//! A worker that exits with code 3 stopped after a signal and saved a checkpoint: that is not
+//! a failure, and the round waits for the other workers.
 
 use std::process::ExitStatus;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -14,12 +17,17 @@ use super::spawn::{Exit, Worker};
 const POLL: Duration = Duration::from_millis(50);
 /// How long to wait for killed workers to be reaped and their output to drain.
 const DRAIN: Duration = Duration::from_secs(5);
+/// The exit code of a rank that was stopped by a signal after saving a checkpoint.
+pub const STOPPED: i32 = 3;
 
-/// Why the job ended.
+/// Why the round ended.
 #[derive(Debug)]
 pub enum Outcome {
     /// Every worker on this node exited 0.
     Success,
+    /// Every worker on this node exited 0 or 3, at least one 3, without a signal to the
+    /// launcher (another node got it, or the ranks were signalled directly).
+    Stopped,
     /// A local worker failed first.
     Failed {
         /// Its global rank.
@@ -40,18 +48,19 @@ pub struct Supervisor {
     exits: Receiver<Exit>,
     /// Exits seen so far, by index into `workers`.
     exited: Vec<Option<ExitStatus>>,
-    grace: Duration,
+    /// A worker exited 3 while being watched (not while being stopped).
+    saw_stop: bool,
 }
 
 impl Supervisor {
     /// Supervises `workers`, whose waiters send to `exits`.
-    pub fn new(workers: Vec<Worker>, exits: Receiver<Exit>, grace: Duration) -> Supervisor {
+    pub fn new(workers: Vec<Worker>, exits: Receiver<Exit>) -> Supervisor {
         let exited = vec![None; workers.len()];
         Supervisor {
             workers,
             exits,
             exited,
-            grace,
+            saw_stop: false,
         }
     }
 
@@ -69,55 +78,84 @@ impl Supervisor {
         self.exited.iter().filter(|e| e.is_none()).count()
     }
 
-    /// Waits until all workers succeed, one fails, a signal arrives, or `remote` has news.
-    pub fn watch(&mut self, remote: Option<&Receiver<Remote>>) -> Outcome {
+    /// True when a worker exited 3 on its own while the round ran: the job is stopping, so a
+    /// later failure in this round is not restarted.
+    pub fn saw_stop(&self) -> bool {
+        self.saw_stop
+    }
+
+    /// True when every worker has exited with 0 or 3, at least one with 3: the ranks saved a
+    /// checkpoint and stopped.
+    pub fn stopped_cleanly(&self) -> bool {
+        let codes: Vec<Option<i32>> = self
+            .exited
+            .iter()
+            .map(|e| e.and_then(|s| s.code()))
+            .collect();
+        codes.iter().all(|c| matches!(c, Some(0 | STOPPED))) && codes.contains(&Some(STOPPED))
+    }
+
+    /// Waits until all workers end well, one fails, a signal arrives, or `news` has some.
+    pub fn watch(&mut self, mut news: impl FnMut() -> Option<Remote>) -> Outcome {
         loop {
             match self.exits.recv_timeout(POLL) {
                 Ok(e) => {
                     self.record(&e);
-                    if !e.status.success() {
-                        return Outcome::Failed {
-                            rank: e.rank,
-                            status: e.status,
-                        };
+                    match e.status.code() {
+                        Some(0) => {}
+                        Some(STOPPED) => self.saw_stop = true,
+                        _ => {
+                            return Outcome::Failed {
+                                rank: e.rank,
+                                status: e.status,
+                            }
+                        }
                     }
                     if self.running() == 0 {
-                        return Outcome::Success;
+                        return self.ended_well();
                     }
                     continue;
                 }
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => {
                     if self.running() == 0 {
-                        return Outcome::Success;
+                        return self.ended_well();
                     }
                 }
             }
             if let Some((sig, _)) = signals::received() {
                 return Outcome::Signalled(sig);
             }
-            if let Some(news) = remote.and_then(|r| r.try_recv().ok()) {
-                return Outcome::Remote(news);
+            if let Some(n) = news() {
+                return Outcome::Remote(n);
             }
         }
     }
 
+    fn ended_well(&self) -> Outcome {
+        if self.saw_stop {
+            Outcome::Stopped
+        } else {
+            Outcome::Success
+        }
+    }
+
     /// Stops every worker still running: `first` (SIGTERM, or the signal the launcher got) to
-    /// each process group, SIGKILL after the grace period or at a second signal to the
-    /// launcher; then waits for them and their output. Returns how many had to be stopped.
-    pub fn stop_all(&mut self, first: i32) -> usize {
+    /// each process group, SIGKILL after `wait` or at a further signal to the launcher; then
+    /// waits for them and their output. Returns how many had to be stopped.
+    pub fn stop_all(&mut self, first: i32, wait: Duration) -> usize {
         let to_stop: Vec<usize> = (0..self.workers.len())
             .filter(|&i| self.exited[i].is_none())
             .collect();
         for &i in &to_stop {
             self.workers[i].signal(first);
         }
-        let signals_before = signals::received().map_or(0, |(_, n)| n);
-        let deadline = Instant::now() + self.grace;
+        let signals_before = signals::count();
+        let deadline = Instant::now() + wait;
         let mut killed = false;
         while self.running() > 0 {
             let now = Instant::now();
-            let again = signals::received().is_some_and(|(_, n)| n > signals_before);
+            let again = signals::count() > signals_before;
             if !killed && (now >= deadline || again) {
                 for i in 0..self.workers.len() {
                     if self.exited[i].is_none() {

@@ -1,0 +1,426 @@
+//! `--max-restarts` and the stop signals, end to end with `zrun exec` shell scripts (so they do
+//! not depend on training): which failures restart the group, on one node and on two; what
+//! SIGTERM and SIGUSR1 do; and the exit codes (0, 1, 2, 3, 128+N).
+
+use super::*;
+
+/// `zrun exec` with `flags`, running `script` under `sh -c` as every rank.
+fn exec_args<'a>(flags: &[&'a str], script: &'a str) -> Vec<&'a str> {
+    let mut a = vec!["exec"];
+    a.extend_from_slice(flags);
+    a.extend(["--", "sh", "-c", script]);
+    a
+}
+
+/// Every line `[rank R] start count=C max=M` as (R, C, M).
+fn starts(stdout: &str) -> Vec<(usize, u32, u32)> {
+    let mut v: Vec<(usize, u32, u32)> = stdout
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("[rank ")?;
+            let (r, rest) = rest.split_once("] start count=")?;
+            let (c, m) = rest.split_once(" max=")?;
+            Some((r.parse().ok()?, c.parse().ok()?, m.trim().parse().ok()?))
+        })
+        .collect();
+    v.sort_unstable();
+    v
+}
+
+/// Prints the rank's restart variables, as every script here does first.
+const START: &str =
+    "echo \"start count=$TORCHELASTIC_RESTART_COUNT max=$TORCHELASTIC_MAX_RESTARTS\"; ";
+
+#[test]
+fn a_failed_rank_restarts_the_group_until_it_succeeds() {
+    let d = scratch("restart-ok");
+    let id = run_id("restart-ok");
+    let logs = d.display().to_string();
+    // Rank 1 fails in rounds 0 and 1 while rank 0 still runs; round 2 succeeds.
+    let script = format!(
+        "{START}if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT -lt 2 ]; then sleep 0.2; echo failing; exit 1; fi; sleep 0.5"
+    );
+    let flags = [
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "2",
+        "--run-id",
+        &id,
+        "--log-dir",
+        &logs,
+    ];
+    let mut job = Job::start(&exec_args(&flags, &script), &[]);
+    let status = job.exit_within(Duration::from_secs(30));
+    let err = job.stderr();
+    assert_eq!(status.code(), Some(0), "{}", job.text());
+    for k in 1..=2 {
+        assert!(
+            err.contains(&format!(
+                "zrun: rank 1 failed first: exited with code 1; stopped the other rank; restarting the group (restart {k} of 2)"
+            )),
+            "{err}"
+        );
+    }
+    assert!(!err.contains("restart 3"), "{err}");
+    let want: Vec<(usize, u32, u32)> = (0..2)
+        .flat_map(|r| (0..3).map(move |c| (r, c, 2)))
+        .collect();
+    assert_eq!(starts(&job.stdout()), want, "{}", job.text());
+    // A restarted rank's log file keeps the earlier rounds.
+    let log = std::fs::read_to_string(d.join("rank-1.log")).unwrap();
+    assert_eq!(log.matches("failing").count(), 2, "{log}");
+    assert!(log.contains("--- zrun: restart 2 ---"), "{log}");
+    assert_job_gone(&id);
+}
+
+#[test]
+fn restarts_run_out_and_the_failure_counts_them() {
+    let script = format!("{START}if [ $RANK = 1 ]; then exit 1; fi; sleep 0.5");
+    let flags = ["--nproc", "2", "--max-restarts", "1"];
+    let mut job = Job::start(&exec_args(&flags, &script), &[]);
+    let status = job.exit_within(Duration::from_secs(30));
+    let err = job.stderr();
+    assert_eq!(status.code(), Some(1), "{}", job.text());
+    assert!(
+        err.contains("restarting the group (restart 1 of 1)"),
+        "{err}"
+    );
+    assert!(
+        err.contains(
+            "zrun: rank 1 failed first: exited with code 1; stopped the other rank; not restarted: no restarts left (restarts used: 1 of 1)"
+        ),
+        "{err}"
+    );
+    assert_eq!(
+        starts(&job.stdout()),
+        vec![(0, 0, 1), (0, 1, 1), (1, 0, 1), (1, 1, 1)]
+    );
+}
+
+#[test]
+fn a_rank_exiting_2_is_not_restarted() {
+    let script = format!("{START}if [ $RANK = 1 ]; then exit 2; fi; sleep 0.5");
+    let flags = ["--nproc", "2", "--max-restarts", "3"];
+    let mut job = Job::start(&exec_args(&flags, &script), &[]);
+    let status = job.exit_within(Duration::from_secs(30));
+    let err = job.stderr();
+    assert_eq!(status.code(), Some(2), "{}", job.text());
+    assert!(
+        err.contains("exited with code 2; stopped the other rank; not restarted: exit code 2 means bad input, which a restart cannot fix (restarts used: 0 of 3)"),
+        "{err}"
+    );
+    assert_eq!(starts(&job.stdout()), vec![(0, 0, 3), (1, 0, 3)]);
+}
+
+#[test]
+fn a_sigkilled_rank_is_restarted() {
+    let id = run_id("restart-kill");
+    // Round 0 sleeps until killed; round 1 ends at once.
+    let script =
+        format!("{START}if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then exec sleep 60; fi; sleep 0.2");
+    let flags = ["--nproc", "2", "--max-restarts", "1", "--run-id", &id];
+    let mut job = Job::start(&exec_args(&flags, &script), &[]);
+    assert!(job.wait_for(Duration::from_secs(10), |t| t
+        .matches("start count=0")
+        .count()
+        == 2));
+    signal(rank_pid(&id, 1), libc::SIGKILL);
+    let status = job.exit_within(Duration::from_secs(30));
+    let err = job.stderr();
+    assert_eq!(status.code(), Some(0), "{}", job.text());
+    assert!(
+        err.contains("zrun: rank 1 failed first: killed by signal 9 (SIGKILL); stopped the other rank; restarting the group (restart 1 of 1)"),
+        "{err}"
+    );
+    assert_eq!(
+        starts(&job.stdout()),
+        vec![(0, 0, 1), (0, 1, 1), (1, 0, 1), (1, 1, 1)]
+    );
+    assert_job_gone(&id);
+}
+
+/// Starts node 0 and node 1 of a two-node `zrun exec` job (2 ranks each) running `script`.
+fn two_nodes(name: &str, extra: &[&str], script: &str) -> (Job, Job, String) {
+    let port = free_port().to_string();
+    let id = run_id(name);
+    let start = |node: &str| {
+        let mut flags = node_args(node, &port, &id);
+        flags.extend_from_slice(extra);
+        Job::start(&exec_args(&flags, script), &[])
+    };
+    let n0 = start("0");
+    let n1 = start("1");
+    (n0, n1, id)
+}
+
+#[test]
+fn two_nodes_restart_together_when_a_rank_fails_after_the_other_node_finished() {
+    // Round 0: node 0's ranks finish at once (node 0 waits for node 1), rank 2 sleeps, and
+    // rank 3 fails; round 1: every rank finishes.
+    let script = format!(
+        "{START}if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then case $RANK in 0|1) exit 0;; 2) exec sleep 60;; 3) sleep 1; echo boom; exit 1;; esac; fi; sleep 0.3"
+    );
+    let (mut n0, mut n1, id) = two_nodes("restart-nodes1", &["--max-restarts", "1"], &script);
+    let s1 = n1.exit_within(Duration::from_secs(40));
+    let s0 = n0.exit_within(Duration::from_secs(20));
+    assert_eq!(
+        (s0.code(), s1.code()),
+        (Some(0), Some(0)),
+        "{}\n{}",
+        n0.text(),
+        n1.text()
+    );
+    let (e0, e1) = (n0.stderr(), n1.stderr());
+    assert!(
+        e1.contains("zrun: rank 3 on node 1 failed first: exited with code 1; stopped the other rank on node 1; restarting the group (restart 1 of 1)"),
+        "{e1}"
+    );
+    assert!(
+        e0.contains("zrun: this node's ranks finished, but another node failed: rank 3 on node 1 failed first: exited with code 1"),
+        "{e0}"
+    );
+    assert!(
+        e0.contains("zrun: restarting the group (restart 1 of 1)"),
+        "{e0}"
+    );
+    assert_eq!(
+        starts(&n0.stdout()),
+        vec![(0, 0, 1), (0, 1, 1), (1, 0, 1), (1, 1, 1)]
+    );
+    assert_eq!(
+        starts(&n1.stdout()),
+        vec![(2, 0, 1), (2, 1, 1), (3, 0, 1), (3, 1, 1)]
+    );
+    assert_job_gone(&id);
+}
+
+#[test]
+fn two_nodes_restart_together_when_node_1_learns_of_the_failure_through_the_store() {
+    // Round 0: rank 0 fails; node 1's ranks only sleep, so its launcher must learn of the
+    // failure through the store, stop them and restart them.
+    let script = format!(
+        "{START}if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then if [ $RANK = 0 ]; then sleep 1; exit 1; fi; exec sleep 60; fi; sleep 0.3"
+    );
+    let (mut n0, mut n1, id) = two_nodes("restart-nodes0", &["--max-restarts", "2"], &script);
+    let s0 = n0.exit_within(Duration::from_secs(40));
+    let s1 = n1.exit_within(Duration::from_secs(20));
+    assert_eq!(
+        (s0.code(), s1.code()),
+        (Some(0), Some(0)),
+        "{}\n{}",
+        n0.text(),
+        n1.text()
+    );
+    let (e0, e1) = (n0.stderr(), n1.stderr());
+    assert!(
+        e0.contains("zrun: rank 0 on node 0 failed first: exited with code 1; stopped the other rank on node 0; restarting the group (restart 1 of 2)"),
+        "{e0}"
+    );
+    assert!(
+        e1.contains("zrun: another node failed: rank 0 on node 0 failed first"),
+        "{e1}"
+    );
+    assert!(
+        e1.contains("zrun: stopped 2 rank(s) on node 1; restarting the group (restart 1 of 2)"),
+        "{e1}"
+    );
+    assert_eq!(
+        starts(&n1.stdout()),
+        vec![(2, 0, 2), (2, 1, 2), (3, 0, 2), (3, 1, 2)]
+    );
+    assert_job_gone(&id);
+}
+
+#[test]
+fn nodes_with_different_max_restarts_are_refused() {
+    let port = free_port().to_string();
+    let id = run_id("restart-mismatch");
+    let mut a0 = node_args("0", &port, &id);
+    a0.extend(["--max-restarts", "1"]);
+    let a1 = node_args("1", &port, &id);
+    let mut n0 = Job::start(&exec_args(&a0, "true"), &[]);
+    let mut n1 = Job::start(&exec_args(&a1, "true"), &[]);
+    assert_eq!(n0.exit_within(Duration::from_secs(20)).code(), Some(2));
+    assert_eq!(n1.exit_within(Duration::from_secs(20)).code(), Some(2));
+    assert!(
+        n1.stderr()
+            .contains("zrun: error: --max-restarts 0 on node 1 but 1 on node 0"),
+        "{}",
+        n1.text()
+    );
+    assert!(
+        n0.stderr()
+            .contains("give every node the same --max-restarts"),
+        "{}",
+        n0.text()
+    );
+}
+
+/// A rank that traps `sig` (TERM or USR1), runs `on_signal`, and otherwise waits.
+fn trapping(sig: &str, on_signal: &str) -> String {
+    format!("trap '{on_signal}' {sig}; echo ready; while :; do sleep 0.1; done")
+}
+
+#[test]
+fn sigterm_lets_the_ranks_save_and_zrun_exits_3() {
+    let id = run_id("stop-term");
+    let script = trapping("TERM", "echo saved; exit 3");
+    // --max-restarts does not apply to a stop.
+    let flags = [
+        "--nproc",
+        "2",
+        "--grace-s",
+        "5",
+        "--max-restarts",
+        "2",
+        "--run-id",
+        &id,
+    ];
+    let mut job = Job::start(&exec_args(&flags, &script), &[]);
+    assert!(job.wait_for(Duration::from_secs(10), |t| t.matches("ready").count() == 2));
+    let t = Instant::now();
+    signal(job.pid(), libc::SIGTERM);
+    let status = job.exit_within(Duration::from_secs(15));
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(status.code(), Some(3), "{}", job.text());
+    assert_eq!(job.stdout().matches("saved").count(), 2, "{}", job.text());
+    assert!(
+        job.stderr().contains("zrun: received SIGTERM; every rank saved a checkpoint and stopped; run the same command to resume"),
+        "{}",
+        job.text()
+    );
+    assert!(!job.stderr().contains("restart"), "{}", job.text());
+    assert_job_gone(&id);
+}
+
+#[test]
+fn ranks_ignoring_sigterm_are_killed_at_the_deadline_and_not_restarted() {
+    let id = run_id("stop-ignored");
+    let script = trapping("TERM", "");
+    let flags = [
+        "--nproc",
+        "2",
+        "--grace-s",
+        "1",
+        "--max-restarts",
+        "2",
+        "--run-id",
+        &id,
+    ];
+    let mut job = Job::start(&exec_args(&flags, &script), &[]);
+    assert!(job.wait_for(Duration::from_secs(10), |t| t.matches("ready").count() == 2));
+    let t = Instant::now();
+    signal(job.pid(), libc::SIGTERM);
+    let status = job.exit_within(Duration::from_secs(15));
+    let took = t.elapsed();
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(4),
+        "SIGKILL should follow 1 s (--grace-s) after SIGTERM, took {took:?}"
+    );
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{}", job.text());
+    let err = job.stderr();
+    assert!(
+        err.contains("zrun: received SIGTERM; stopped 2 ranks"),
+        "{err}"
+    );
+    assert!(!err.contains("restarting"), "{err}");
+    assert_job_gone(&id);
+}
+
+#[test]
+fn sigusr1_is_forwarded_and_does_not_kill_zrun() {
+    let d = scratch("stop-usr1");
+    let id = run_id("stop-usr1");
+    let script = trapping("USR1", &format!("touch {}/usr1-$RANK; exit 3", d.display()));
+    let flags = ["--nproc", "2", "--grace-s", "5", "--run-id", &id];
+    let mut job = Job::start(&exec_args(&flags, &script), &[]);
+    assert!(job.wait_for(Duration::from_secs(10), |t| t.matches("ready").count() == 2));
+    signal(job.pid(), libc::SIGUSR1);
+    let status = job.exit_within(Duration::from_secs(15));
+    assert_eq!(status.code(), Some(3), "{}", job.text());
+    assert!(d.join("usr1-0").exists() && d.join("usr1-1").exists());
+    assert!(
+        job.stderr()
+            .contains("zrun: received SIGUSR1; every rank saved a checkpoint and stopped"),
+        "{}",
+        job.text()
+    );
+    assert_job_gone(&id);
+}
+
+#[test]
+fn ranks_exiting_3_on_their_own_end_the_job_with_3_without_a_restart() {
+    // Rank 0 stops (as if it got the signal itself); rank 1 finishes later and is waited for.
+    let script =
+        format!("{START}if [ $RANK = 0 ]; then sleep 0.2; exit 3; fi; sleep 1; echo rank1-done");
+    let flags = ["--nproc", "2", "--max-restarts", "2"];
+    let mut job = Job::start(&exec_args(&flags, &script), &[]);
+    let status = job.exit_within(Duration::from_secs(30));
+    assert_eq!(status.code(), Some(3), "{}", job.text());
+    assert!(
+        job.stdout().contains("[rank 1] rank1-done"),
+        "{}",
+        job.text()
+    );
+    assert!(
+        job.stderr().contains("zrun: the ranks stopped after saving a checkpoint (exit code 3); run the same command to resume"),
+        "{}",
+        job.text()
+    );
+    assert!(!job.stderr().contains("failed"), "{}", job.text());
+    assert_eq!(starts(&job.stdout()), vec![(0, 0, 2), (1, 0, 2)]);
+}
+
+#[test]
+fn sigterm_to_one_node_stops_both_nodes_with_exit_3() {
+    // Node 1's ranks save on SIGTERM and leave a mark; node 0's ranks, which learn of the stop
+    // from it (as trainers learn through their collectives), save too. Node 1's zrun must not
+    // report a failure to node 0 meanwhile.
+    let d = scratch("stop-nodes");
+    let mark = d.join("stop").display().to_string();
+    let script = format!(
+        "trap 'touch {mark}; echo saved; exit 3' TERM; echo ready; while [ ! -e {mark} ]; do sleep 0.1; done; echo saved; exit 3"
+    );
+    let (mut n0, mut n1, id) = two_nodes("stop-nodes", &["--grace-s", "5"], &script);
+    assert!(n0.wait_for(Duration::from_secs(20), |t| t.matches("ready").count() == 2));
+    assert!(n1.wait_for(Duration::from_secs(20), |t| t.matches("ready").count() == 2));
+    let t = Instant::now();
+    signal(n1.pid(), libc::SIGTERM);
+    let s1 = n1.exit_within(Duration::from_secs(15));
+    let s0 = n0.exit_within(Duration::from_secs(15));
+    assert!(
+        t.elapsed() < Duration::from_secs(4),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(
+        (s0.code(), s1.code()),
+        (Some(3), Some(3)),
+        "{}\n{}",
+        n0.text(),
+        n1.text()
+    );
+    assert!(
+        n1.stderr()
+            .contains("zrun: received SIGTERM; every rank saved a checkpoint and stopped"),
+        "{}",
+        n1.text()
+    );
+    assert!(
+        n0.stderr()
+            .contains("zrun: the ranks on node 0 stopped after saving a checkpoint (exit code 3)"),
+        "{}",
+        n0.text()
+    );
+    assert!(!n0.stderr().contains("failed"), "{}", n0.text());
+    assert_eq!(
+        n0.stdout().matches("saved").count() + n1.stdout().matches("saved").count(),
+        4
+    );
+    assert_job_gone(&id);
+}
