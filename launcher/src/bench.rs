@@ -18,8 +18,8 @@ use zrun_comm::{
     chunk_offset, chunk_sizes, Backend, Communicator, ReduceOp, StoreServer, Topology,
 };
 
-/// Set in the ranks that `zrun bench comm` starts itself.
-const WORKER_ENV: &str = "ZRUN_BENCH_WORKER";
+/// Set in the ranks that `zrun bench comm` and `zrun bench ckpt` start themselves.
+pub(crate) const WORKER_ENV: &str = "ZRUN_BENCH_WORKER";
 
 /// Flags of `zrun bench comm`.
 #[derive(clap::Args, Debug, Clone)]
@@ -90,7 +90,7 @@ pub fn run_comm(args: &CommArgs) -> anyhow::Result<()> {
     if args.backend == Backend::Mpi {
         return launch_mpirun(args);
     }
-    launch_local(args)
+    launch_local(args.nproc)
 }
 
 /// The arguments this process was started with, minus the program name.
@@ -118,7 +118,9 @@ fn launch_mpirun(args: &CommArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn launch_local(args: &CommArgs) -> anyhow::Result<()> {
+/// Starts `nproc` ranks of this same command on this host (the store on loopback) and waits
+/// for them; rank 0 prints, the others are silent.
+pub(crate) fn launch_local(nproc: usize) -> anyhow::Result<()> {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())
@@ -126,16 +128,16 @@ fn launch_local(args: &CommArgs) -> anyhow::Result<()> {
     let token = format!("bench-{}-{nanos}", std::process::id());
     let server = StoreServer::start("127.0.0.1:0", &token)?;
     let exe = std::env::current_exe()?;
-    let threads = (std::thread::available_parallelism().map_or(1, |n| n.get()) / args.nproc).max(1);
+    let threads = (std::thread::available_parallelism().map_or(1, |n| n.get()) / nproc).max(1);
     let mut children = Vec::new();
-    for r in 0..args.nproc {
+    for r in 0..nproc {
         let child = Command::new(&exe)
             .args(own_args())
             .env(WORKER_ENV, "1")
             .env("RANK", r.to_string())
             .env("LOCAL_RANK", r.to_string())
-            .env("WORLD_SIZE", args.nproc.to_string())
-            .env("LOCAL_WORLD_SIZE", args.nproc.to_string())
+            .env("WORLD_SIZE", nproc.to_string())
+            .env("LOCAL_WORLD_SIZE", nproc.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", server.port().to_string())
             .env(zrun_comm::TOKEN_ENV, &token)

@@ -8,6 +8,9 @@
 //!     zrun exec --nproc 2 -- sh -c 'echo $RANK'                # any program as the ranks
 //!     zrun bench comm --nproc 2                                # collective bandwidth
 //!     zrun bench adam --params 50M --threads 2                 # CPU AdamW Gparam/s
+//!     zrun bench ckpt                                          # checkpoint GB/s vs plain I/O
+//!     zrun --max-restarts 3 --nproc 8 train.toml               # restart from the newest checkpoint
+//!     zrun consolidate runs/x/ckpt/step-00001000 -o model.safetensors
 //!
 //! Launcher or rank: a process whose environment holds rank variables (zrun's and torchrun's
 //! `RANK`/`WORLD_SIZE`, OpenMPI's, PMI's or Slurm's) trains as that one rank; without them it
@@ -15,11 +18,14 @@
 //! with rank variables other than Slurm's are refused as ambiguous; with Slurm's only (an
 //! `sbatch` script) the layout flags win and zrun launches.
 //!
-//! Exit codes: 0 success, 1 failure during training, 2 bad input (flags, config, data);
-//! 128+N when the launcher was stopped by signal N.
+//! Exit codes: 0 success, 1 failure during training, 2 bad input (flags, config, data,
+//! checkpoints), 3 stopped by SIGTERM/SIGUSR1 after every rank saved a checkpoint (run the same
+//! command to resume); 128+N when the launcher was stopped by signal N without a complete save.
 
 mod bench;
 mod bench_adam;
+mod bench_ckpt;
+mod consolidate;
 mod launch;
 mod worker;
 
@@ -62,6 +68,8 @@ enum Cmd {
     /// Run any program as the ranks, with zrun's environment and supervision (like
     /// torchrun --no-python). MASTER_ADDR:MASTER_PORT is zrun's rendezvous store.
     Exec(ExecArgs),
+    /// Write one safetensors file of full, named parameters from a sharded checkpoint.
+    Consolidate(consolidate::ConsolidateArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -82,6 +90,8 @@ enum BenchCmd {
     Comm(bench::CommArgs),
     /// Throughput of the CPU AdamW of optimizer offload (Gparam/s).
     Adam(bench_adam::AdamArgs),
+    /// Checkpoint save and load bandwidth against plain file I/O, and training blocked per save.
+    Ckpt(bench_ckpt::CkptArgs),
 }
 
 fn main() -> ExitCode {
@@ -90,14 +100,25 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Some(Cmd::Bench(BenchCmd::Comm(ref args))) => bench::run_comm(args).map(|()| 0),
         Some(Cmd::Bench(BenchCmd::Adam(ref args))) => bench_adam::run_adam(args).map(|()| 0),
+        Some(Cmd::Bench(BenchCmd::Ckpt(ref args))) => bench_ckpt::run_ckpt(args).map(|()| 0),
+        Some(Cmd::Consolidate(ref args)) => consolidate::run(args),
         Some(Cmd::Exec(ref e)) => exec(e),
         None => train(&cli),
     };
     match result {
         Ok(code) => ExitCode::from(code),
+        Err(e) if worker::exit_code(&e) == 3 => {
+            // Not a failure: a requested stop, with the state saved.
+            eprintln!("zrun: {e:#}");
+            ExitCode::from(3)
+        }
         Err(e) => {
             eprintln!("zrun: error: {e:#}");
-            ExitCode::from(if is_bad_input(&e) { 2 } else { 1 })
+            ExitCode::from(if is_bad_input(&e) {
+                2
+            } else {
+                worker::exit_code(&e)
+            })
         }
     }
 }
@@ -145,7 +166,7 @@ fn train(cli: &Cli) -> anyhow::Result<u8> {
         return Ok(0);
     }
     // Check the config once here, so a mistake is one line rather than one per rank.
-    zrun_train::config::Config::load(config, &cli.set)?;
+    let cfg = zrun_train::config::Config::load(config, &cli.set)?;
     let mut args: Vec<OsString> = vec![config.clone().into_os_string()];
     for s in &cli.set {
         args.push("--set".into());
@@ -159,7 +180,13 @@ fn train(cli: &Cli) -> anyhow::Result<u8> {
             .into_os_string(),
         args,
     };
-    launch::run(&cli.launch, &program)
+    // The ranks save a checkpoint on SIGTERM/SIGUSR1; the launcher kills them after this.
+    let opts = launch::Options {
+        stop_deadline: Some(std::time::Duration::from_secs(
+            cfg.checkpoint.signal_deadline_s,
+        )),
+    };
+    launch::run(&cli.launch, &program, &opts)
 }
 
 fn exec(e: &ExecArgs) -> anyhow::Result<u8> {
@@ -179,7 +206,8 @@ fn exec(e: &ExecArgs) -> anyhow::Result<u8> {
         exe: exe.clone(),
         args: args.to_vec(),
     };
-    launch::run(&e.launch, &program)
+    // A program of the user's: SIGTERM/SIGUSR1 give it --grace-s, like any stop.
+    launch::run(&e.launch, &program, &launch::Options::default())
 }
 
 fn init_logging() {

@@ -1,0 +1,50 @@
+//! `zrun consolidate CKPT_DIR -o model.safetensors [--dtype fp32|bf16|fp16]`: one
+//! safetensors file of full parameters named as the model names them, streamed parameter by
+//! parameter from a sharded checkpoint of any world size (every file verified first).
+
+use std::path::PathBuf;
+
+use zrun_ckpt::OutDtype;
+
+use crate::launch::BadInput;
+
+/// Flags of `zrun consolidate`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ConsolidateArgs {
+    /// A checkpoint directory (`runs/x/ckpt/step-00000500`), or a checkpoint.dir, whose
+    /// newest complete checkpoint is then used.
+    pub checkpoint: PathBuf,
+    /// The safetensors file to write.
+    #[arg(short = 'o', long = "output", value_name = "FILE")]
+    pub output: PathBuf,
+    /// Element type of the file: fp32 (the master weights as they are), bf16 or fp16.
+    #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16", "fp16"])]
+    pub dtype: String,
+}
+
+/// Runs `zrun consolidate`; bad or damaged checkpoints are bad input (exit code 2).
+pub fn run(args: &ConsolidateArgs) -> anyhow::Result<u8> {
+    let dtype: OutDtype = args.dtype.parse().map_err(BadInput)?;
+    let mut dir = args.checkpoint.clone();
+    if !dir.join(zrun_ckpt::MANIFEST).exists() {
+        // A checkpoint.dir: its newest complete checkpoint.
+        if let Some((_, newest)) = zrun_ckpt::complete(&dir)?.pop() {
+            dir = newest;
+        }
+    }
+    let c = zrun_ckpt::consolidate(&dir, &args.output, dtype).map_err(|e| match e {
+        zrun_ckpt::Error::Io { .. } | zrun_ckpt::Error::Invalid(_) => anyhow::Error::new(e),
+        other => anyhow::Error::new(BadInput(other.to_string())),
+    })?;
+    println!(
+        "wrote {}: {} tensors, {} parameters, {:.1} MiB ({}), from {} (step {})",
+        c.path.display(),
+        c.tensors,
+        c.params,
+        c.bytes as f64 / (1 << 20) as f64,
+        args.dtype,
+        dir.display(),
+        c.step
+    );
+    Ok(0)
+}
