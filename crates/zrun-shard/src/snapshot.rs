@@ -192,8 +192,10 @@ impl Engine {
                 for u in 0..self.units_len() {
                     let mut dst = self.mover.owned_params(&self.params, u, stage)?;
                     let src = self.mover.shard_of(&master, u)?;
-                    dst.f_copy_(&src)
-                        .ctx("copy master to parameters", &self.mover.layout.units[u].unit)?;
+                    dst.f_copy_(&src).ctx(
+                        "copy master to parameters",
+                        &self.mover.layout.units[u].unit,
+                    )?;
                 }
                 if gathers {
                     self.mover.all_gather_units(&self.params)?;
@@ -221,7 +223,9 @@ impl Engine {
 
 /// The bytes of elements `[at, at + len)` of the 1-D tensor `t`, copied to the host.
 fn bytes_of(t: &Tensor, at: i64, len: i64, unit: &str) -> Result<Vec<u8>> {
-    let part = t.f_narrow(0, at, len).ctx("slice state for a checkpoint", unit)?;
+    let part = t
+        .f_narrow(0, at, len)
+        .ctx("slice state for a checkpoint", unit)?;
     let part = if part.device() == Device::Cpu {
         part
     } else {
