@@ -163,6 +163,29 @@ fn sigterm_saves_one_agreed_step_exits_3_and_the_resumed_run_matches() {
 }
 
 #[test]
+fn sigusr1_to_one_rank_alone_stops_every_rank_at_one_saved_step() {
+    // As under Slurm without the launcher in the loop: only rank 1 hears the signal.
+    let dir = scratch("ck-usr1");
+    let id = format!("ck-usr1-{}", std::process::id());
+    let mut job = start(&args(&[], &sets(&dir, 200, 0)), &[("ZRUN_RUN_ID", &id)]);
+    wait_for_step(&mut job, 5, 200);
+    signal(rank_pid(&id, 1), libc::SIGUSR1);
+    let status = job.exit_within(Duration::from_secs(60));
+    let text = job.text();
+    assert_eq!(status.code(), Some(3), "{text}");
+    let saved = zrun_ckpt::complete(&dir.join("ckpt")).unwrap();
+    assert_eq!(saved.len(), 1, "{saved:?}\n{text}");
+    assert!(
+        text.contains("[rank 0] zrun: stopped by a stop signal on another rank after saving"),
+        "{text}"
+    );
+    assert!(
+        text.contains("[rank 1] zrun: stopped by SIGUSR1 after saving"),
+        "{text}"
+    );
+}
+
+#[test]
 fn a_rank_killed_while_saving_leaves_the_previous_checkpoint_complete() {
     let dir = scratch("ck-crash");
     let a = args(&[], &sets(&dir, 20, 5));

@@ -58,7 +58,8 @@ pub struct Consolidated {
 
 /// Writes every parameter of the checkpoint in `dir` as one full tensor named as the model
 /// names it, in `dtype`, into the safetensors file `out` (written to `out.tmp`, fsynced, then
-/// renamed). Every rank file is verified before its first use.
+/// renamed). Every rank file is verified (its hash over all of it) before the file is renamed
+/// into place.
 pub fn consolidate(dir: &Path, out: &Path, dtype: OutDtype) -> Result<Consolidated> {
     let ckpt = Checkpoint::open(dir)?;
     let m = &ckpt.manifest;
@@ -107,6 +108,12 @@ pub fn consolidate(dir: &Path, out: &Path, dtype: OutDtype) -> Result<Consolidat
             put(&mut w, &bytes)?;
             params += v.numel;
         }
+    }
+    // Only verified data leaves: a damaged rank file removes what was written.
+    if let Err(e) = reader.verify() {
+        drop(w);
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
     }
     let f = w
         .into_inner()

@@ -16,6 +16,7 @@
 
 mod consolidate;
 mod dir;
+mod hash;
 mod manifest;
 mod read;
 mod write;

@@ -164,8 +164,32 @@ pub struct FileEntry {
     pub name: String,
     /// Size in bytes.
     pub bytes: u64,
-    /// BLAKE3 hash of the whole file, lowercase hex.
-    pub blake3: String,
+    /// Content hash of the whole file: `xxh3-128:<32 hex digits>`.
+    pub hash: String,
+}
+
+impl FileEntry {
+    /// The entry as 32 bytes (size, then the digest; zeros for a hash it cannot read), for
+    /// ranks to exchange through a collective.
+    pub fn to_record(&self) -> [u8; 32] {
+        let mut r = [0u8; 32];
+        r[..8].copy_from_slice(&self.bytes.to_le_bytes());
+        if let Some(d) = crate::hash::parse(&self.hash) {
+            r[8..24].copy_from_slice(&d);
+        }
+        r
+    }
+
+    /// The entry of file `name` from [`FileEntry::to_record`]'s bytes.
+    pub fn from_record(name: String, r: &[u8; 32]) -> FileEntry {
+        let mut d = [0u8; 16];
+        d.copy_from_slice(&r[8..24]);
+        FileEntry {
+            name,
+            bytes: u64::from_le_bytes(r[..8].try_into().unwrap_or_default()),
+            hash: crate::hash::to_string(&d),
+        }
+    }
 }
 
 impl UnitEntry {

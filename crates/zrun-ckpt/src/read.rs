@@ -1,14 +1,21 @@
-//! Reading: the manifest, then only the rank files a reader needs, each memory-mapped and
-//! checked (size, BLAKE3 hash, the tensors the manifest promises) before its first use.
+//! Reading: the manifest, then only the rank files a reader needs. Each file is read once,
+//! front to back, straight into the caller's buffers, and hashed on the way; [`Reader::verify`]
+//! hashes what was not read and compares the whole with the manifest. A reader uses the data
+//! only once the files it read are verified (a loader that finds damage loads something else
+//! over what it read).
 
 use std::collections::HashMap;
 use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use memmap2::Mmap;
+use safetensors::tensor::Metadata;
 
 use crate::write::Dtype;
 use crate::{rng_name, tensor_name, Error, Manifest, Part, Result};
+
+/// Bytes read per call when hashing a stretch nobody asked for.
+const CHUNK: usize = 16 << 20;
 
 /// A checkpoint directory whose manifest has been read and checked.
 #[derive(Clone, Debug)]
@@ -36,25 +43,34 @@ impl Checkpoint {
         }
     }
 
-    /// A reader that maps rank files as it needs them.
+    /// A reader that opens rank files as it needs them.
     pub fn reader(&self) -> Reader<'_> {
         Reader {
             ckpt: self,
             files: HashMap::new(),
+            scratch: Vec::new(),
         }
     }
 }
 
-/// One rank file, mapped and verified.
+/// One rank file, open for reading: its header parsed and checked, its bytes hashed in file
+/// order as far as they have been read.
 pub struct RankFile {
-    map: Mmap,
-    /// name -> (dtype, shape, byte range in `map`).
-    tensors: HashMap<String, (Dtype, Vec<usize>, std::ops::Range<usize>)>,
+    file: File,
+    dir: PathBuf,
+    name: String,
+    len: u64,
+    hash: String,
+    /// Every byte before `pos` went into `hasher`, in order.
+    pos: u64,
+    hasher: crate::hash::Hasher,
+    /// name -> (dtype, absolute byte range in the file).
+    tensors: HashMap<String, (Dtype, std::ops::Range<u64>)>,
 }
 
 impl RankFile {
-    /// Maps rank `rank`'s file of `ckpt`, checks its size and hash against the manifest and
-    /// that it holds every tensor the manifest promises with the right type and shape.
+    /// Opens rank `rank`'s file of `ckpt`: checks its size against the manifest and that its
+    /// header holds every tensor the manifest promises with the right type and shape.
     pub fn open(ckpt: &Checkpoint, rank: usize) -> Result<RankFile> {
         let m = &ckpt.manifest;
         let dir = &ckpt.dir;
@@ -63,11 +79,14 @@ impl RankFile {
             .file(name)
             .ok_or_else(|| Error::damaged(dir, name, "has no entry in the manifest"))?;
         let path = dir.join(name);
-        let f = File::open(&path).map_err(|e| match e.kind() {
+        let file = File::open(&path).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => Error::damaged(dir, name, "is missing"),
             _ => Error::io("open", &path, e),
         })?;
-        let len = f.metadata().map_err(|e| Error::io("stat", &path, e))?.len();
+        let len = file
+            .metadata()
+            .map_err(|e| Error::io("stat", &path, e))?
+            .len();
         if len != entry.bytes {
             return Err(Error::damaged(
                 dir,
@@ -78,38 +97,42 @@ impl RankFile {
                 ),
             ));
         }
-        // SAFETY: the map is read-only; a checkpoint file is never written after its save
-        // completed. Should another process still change it, the hash check below (or a
-        // later read) sees other bytes, never invalid memory: the length was checked.
-        let map = unsafe { Mmap::map(&f) }.map_err(|e| Error::io("map", &path, e))?;
-        let hash = blake3::hash(&map).to_hex();
-        if hash.as_str() != entry.blake3 {
-            return Err(Error::damaged(
-                dir,
-                name,
-                format!(
-                    "its content hash differs from the manifest (blake3 {}..., expected {}...): it was altered after the save",
-                    &hash.as_str()[..16],
-                    entry.blake3.get(..16).unwrap_or(&entry.blake3)
-                ),
-            ));
+        advise_sequential(&file);
+        let mut f = RankFile {
+            file,
+            dir: dir.clone(),
+            name: name.clone(),
+            len,
+            hash: entry.hash.clone(),
+            pos: 0,
+            hasher: crate::hash::Hasher::default(),
+            tensors: HashMap::new(),
+        };
+        let mut n = [0u8; 8];
+        f.read_at(0, &mut n)?;
+        let n = u64::from_le_bytes(n);
+        if n > len.saturating_sub(8) {
+            return Err(f.damage(format!("its header length {n} runs past its end")));
         }
-        let (head, meta) = safetensors::SafeTensors::read_metadata(&map)
-            .map_err(|e| Error::damaged(dir, name, format!("unreadable header ({e:?})")))?;
-        let base = 8 + head;
-        let mut tensors = HashMap::new();
+        let mut head = vec![0u8; n as usize];
+        f.read_at(8, &mut head)?;
+        let meta: Metadata = serde_json::from_slice(&head)
+            .map_err(|e| f.damage(format!("unreadable header ({e})")))?;
+        let base = 8 + n;
+        if base + meta.data_len() as u64 != len {
+            return Err(f.damage("its header does not describe its length"));
+        }
         for (t, info) in meta.tensors() {
-            let dtype = Dtype::from_st(info.dtype).ok_or_else(|| {
-                Error::damaged(dir, name, format!("tensor {t} has type {:?}", info.dtype))
-            })?;
+            let dtype = Dtype::from_st(info.dtype)
+                .ok_or_else(|| f.damage(format!("tensor {t} has type {:?}", info.dtype)))?;
             let (a, b) = info.data_offsets;
-            tensors.insert(t, (dtype, info.shape.clone(), base + a..base + b));
+            f.tensors
+                .insert(t, (dtype, base + a as u64..base + b as u64));
         }
-        let file = RankFile { map, tensors };
         let moments = ckpt.moment_dtype();
         for u in &m.units {
-            let len = u.shards[rank].len as usize;
-            if len == 0 {
+            let want_len = u.shards[rank].len;
+            if want_len == 0 {
                 continue;
             }
             for part in Part::ALL {
@@ -119,31 +142,98 @@ impl RankFile {
                     moments
                 };
                 let t = tensor_name(&u.name, part);
-                match file.tensors.get(&t) {
-                    Some((d, shape, _)) if *d == want && shape == &[len] => {}
-                    Some((d, shape, _)) => {
-                        return Err(Error::damaged(
-                            dir,
-                            name,
-                            format!(
-                                "tensor {t} is {d:?} {shape:?}, the manifest says {want:?} [{len}]"
-                            ),
-                        ))
+                match f.tensors.get(&t) {
+                    Some((d, r)) if *d == want && r.end - r.start == want_len * d.size() as u64 => {
                     }
-                    None => {
-                        return Err(Error::damaged(dir, name, format!("tensor {t} is missing")))
+                    Some((d, r)) => {
+                        let got = (r.end - r.start) / d.size() as u64;
+                        return Err(f.damage(format!(
+                            "tensor {t} is {d:?} [{got}], the manifest says {want:?} [{want_len}]"
+                        )));
                     }
+                    None => return Err(f.damage(format!("tensor {t} is missing"))),
                 }
             }
         }
-        Ok(file)
+        Ok(f)
     }
 
-    /// The bytes and type of tensor `name`.
-    pub fn tensor(&self, name: &str) -> Option<(Dtype, &[u8])> {
-        self.tensors
-            .get(name)
-            .map(|(d, _, r)| (*d, &self.map[r.clone()]))
+    fn damage(&self, detail: impl Into<String>) -> Error {
+        Error::damaged(&self.dir, &self.name, detail)
+    }
+
+    /// Reads bytes `[off, off + buf.len())` into `buf`. Bytes at the hashed front go into the
+    /// hash (after hashing any gap before them); bytes before it are read again unhashed.
+    fn read_at(&mut self, off: u64, buf: &mut [u8]) -> Result<()> {
+        let end = off + buf.len() as u64;
+        if end > self.len {
+            return Err(self.damage("a tensor runs past its end"));
+        }
+        if off > self.pos {
+            self.hash_to(off)?;
+        }
+        let path = self.dir.join(&self.name);
+        if off < self.pos {
+            // Read again (or partly again): the hash has seen the bytes before `pos`.
+            let again = ((self.pos - off) as usize).min(buf.len());
+            self.file
+                .read_exact_at(&mut buf[..again], off)
+                .map_err(|e| Error::io("read", &path, e))?;
+            if again == buf.len() {
+                return Ok(());
+            }
+            let at = self.pos;
+            return self.read_at(at, &mut buf[again..]);
+        }
+        self.file
+            .read_exact_at(buf, off)
+            .map_err(|e| Error::io("read", &path, e))?;
+        self.hasher.update(buf);
+        self.pos = end;
+        Ok(())
+    }
+
+    /// Reads and hashes the bytes from the front to `to`.
+    fn hash_to(&mut self, to: u64) -> Result<()> {
+        let mut chunk = vec![0u8; CHUNK.min((to - self.pos) as usize)];
+        while self.pos < to {
+            let n = chunk.len().min((to - self.pos) as usize);
+            let at = self.pos;
+            self.read_at(at, &mut chunk[..n])?;
+        }
+        Ok(())
+    }
+
+    /// Hashes the rest of the file and compares the whole with the manifest's hash.
+    pub fn verify(&mut self) -> Result<()> {
+        self.hash_to(self.len)?;
+        let Some(want) = crate::hash::parse(&self.hash) else {
+            return Err(Error::Format {
+                dir: self.dir.clone(),
+                detail: format!(
+                    "{}'s hash {:?} is not one this zrun reads (xxh3-128): upgrade zrun",
+                    self.name, self.hash
+                ),
+            });
+        };
+        let got = self.hasher.digest();
+        if got != want {
+            return Err(self.damage(format!(
+                "its content hash differs from the manifest ({} against {}): it was altered after the save",
+                crate::hash::to_string(&got),
+                self.hash
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Tells the kernel the file is read front to back (a larger readahead window).
+fn advise_sequential(f: &File) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: the fd is open for the call; posix_fadvise only changes caching and readahead.
+    unsafe {
+        libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
     }
 }
 
@@ -151,6 +241,7 @@ impl RankFile {
 pub struct Reader<'a> {
     ckpt: &'a Checkpoint,
     files: HashMap<usize, RankFile>,
+    scratch: Vec<u8>,
 }
 
 impl Reader<'_> {
@@ -166,17 +257,29 @@ impl Reader<'_> {
             .collect()
     }
 
-    /// Maps and verifies rank `rank`'s file (once).
-    pub fn open(&mut self, rank: usize) -> Result<&RankFile> {
+    /// Opens rank `rank`'s file (once): size and header checked, content not yet.
+    pub fn open(&mut self, rank: usize) -> Result<&mut RankFile> {
         if !self.files.contains_key(&rank) {
             let f = RankFile::open(self.ckpt, rank)?;
             self.files.insert(rank, f);
         }
-        Ok(&self.files[&rank])
+        Ok(self.files.get_mut(&rank).expect("inserted above"))
+    }
+
+    /// Hashes the rest of every file opened so far and compares each with the manifest: the
+    /// data read from them may be used once this succeeds.
+    pub fn verify(&mut self) -> Result<()> {
+        let mut ranks: Vec<usize> = self.files.keys().copied().collect();
+        ranks.sort_unstable();
+        for r in ranks {
+            self.files.get_mut(&r).expect("listed above").verify()?;
+        }
+        Ok(())
     }
 
     /// Copies elements `[start, start + out.len())` of unit `unit`'s `part` into `out` as
-    /// f32 (bf16 moments are widened exactly), from whichever rank files hold them.
+    /// f32 (bf16 moments are widened exactly), from whichever rank files hold them. Not
+    /// verified until [`Reader::verify`].
     pub fn read(&mut self, unit: usize, part: Part, start: u64, out: &mut [f32]) -> Result<()> {
         let end = start + out.len() as u64;
         let u = &self.ckpt.manifest.units[unit];
@@ -187,23 +290,36 @@ impl Reader<'_> {
             )));
         }
         let name = tensor_name(&u.name, part);
-        let dir = &self.ckpt.dir;
         for r in self.ranks_for(unit, start, out.len() as u64) {
             let s = self.ckpt.manifest.units[unit].shards[r];
-            let file = &self.ckpt.manifest.ranks[r].file;
             let (lo, hi) = (start.max(s.start), end.min(s.start + s.len));
-            let (dtype, bytes) = self
-                .open(r)?
-                .tensor(&name)
-                .ok_or_else(|| Error::damaged(dir, file, format!("tensor {name} is missing")))?;
-            let from = (lo - s.start) as usize;
             let dst = &mut out[(lo - start) as usize..(hi - start) as usize];
-            copy_f32(dtype, bytes, from, dst);
+            let mut scratch = std::mem::take(&mut self.scratch);
+            let f = self.open(r)?;
+            let (dtype, range) = f
+                .tensors
+                .get(&name)
+                .cloned()
+                .ok_or_else(|| f.damage(format!("tensor {name} is missing")))?;
+            let at = range.start + (lo - s.start) * dtype.size() as u64;
+            if dtype == Dtype::F32 && cfg!(target_endian = "little") {
+                // SAFETY: any bytes are a valid f32; the view covers exactly `dst`.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts_mut(dst.as_mut_ptr() as *mut u8, dst.len() * 4)
+                };
+                f.read_at(at, bytes)?;
+            } else {
+                scratch.resize(dst.len() * dtype.size(), 0);
+                f.read_at(at, &mut scratch)?;
+                widen(dtype, &scratch, dst);
+            }
+            self.scratch = scratch;
         }
         Ok(())
     }
 
-    /// Rank `rank`'s saved state of the random generator of `device`, if it holds one.
+    /// Rank `rank`'s saved state of the random generator of `device`, if it holds one. Not
+    /// verified until [`Reader::verify`].
     pub fn rng(&mut self, rank: usize, device: &str) -> Result<Option<Vec<u8>>> {
         if rank >= self.ckpt.manifest.world_size
             || !self.ckpt.manifest.ranks[rank]
@@ -213,17 +329,18 @@ impl Reader<'_> {
         {
             return Ok(None);
         }
-        Ok(self
-            .open(rank)?
-            .tensor(&rng_name(device))
-            .map(|(_, b)| b.to_vec()))
+        let f = self.open(rank)?;
+        let Some((_, range)) = f.tensors.get(&rng_name(device)).cloned() else {
+            return Ok(None);
+        };
+        let mut out = vec![0u8; (range.end - range.start) as usize];
+        f.read_at(range.start, &mut out)?;
+        Ok(Some(out))
     }
 }
 
-/// Elements `[from, from + dst.len())` of the little-endian `bytes` of type `dtype` into `dst`.
-pub(crate) fn copy_f32(dtype: Dtype, bytes: &[u8], from: usize, dst: &mut [f32]) {
-    let size = dtype.size();
-    let src = &bytes[from * size..(from + dst.len()) * size];
+/// Little-endian elements of type `dtype` in `src` into `dst` as f32.
+pub(crate) fn widen(dtype: Dtype, src: &[u8], dst: &mut [f32]) {
     match dtype {
         Dtype::F32 => {
             for (d, c) in dst.iter_mut().zip(src.chunks_exact(4)) {

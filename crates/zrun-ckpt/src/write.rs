@@ -112,7 +112,7 @@ pub(crate) fn header(
 pub struct RankWriter {
     path: PathBuf,
     out: BufWriter<File>,
-    hasher: blake3::Hasher,
+    hasher: crate::hash::Hasher,
     specs: Vec<TensorSpec>,
     next: usize,
     bytes: u64,
@@ -127,7 +127,7 @@ impl RankWriter {
         let mut w = RankWriter {
             out: BufWriter::with_capacity(8 << 20, f),
             path,
-            hasher: blake3::Hasher::new(),
+            hasher: crate::hash::Hasher::default(),
             next: 0,
             bytes: 0,
             specs: Vec::new(),
@@ -203,7 +203,7 @@ impl RankWriter {
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default(),
             bytes,
-            blake3: hasher.finalize().to_hex().to_string(),
+            hash: crate::hash::to_string(&hasher.digest()),
         })
     }
 }

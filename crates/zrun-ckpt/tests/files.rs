@@ -199,6 +199,7 @@ fn any_range_reads_back_at_any_world_size() {
             }
             assert_eq!(reader.rng(world, "cpu").unwrap(), None);
             assert_eq!(reader.rng(0, "cuda").unwrap(), None);
+            reader.verify().unwrap();
         }
     }
 }
@@ -254,8 +255,8 @@ fn consolidation_names_every_parameter_with_its_full_values() {
 fn open_error(dir: &Path, rank: usize) -> Error {
     let ckpt = Checkpoint::open(dir).unwrap();
     let mut reader = ckpt.reader();
-    match reader.open(rank) {
-        Ok(_) => panic!("rank {rank}'s file opened"),
+    match reader.open(rank).and_then(|f| f.verify()) {
+        Ok(()) => panic!("rank {rank}'s file passed"),
         Err(e) => e,
     }
 }
@@ -291,7 +292,7 @@ fn damage_is_caught_and_named() {
     );
     // Rank 0 is untouched and still reads.
     let ckpt = Checkpoint::open(&dir).unwrap();
-    ckpt.reader().open(0).unwrap();
+    ckpt.reader().open(0).unwrap().verify().unwrap();
 }
 
 #[test]

@@ -20,7 +20,7 @@ pub use engine::{Engine, EngineConfig, StepStats};
 pub use layout::{ShardLayout, UnitLayout, View};
 pub use memory::MemoryLedger;
 pub use policy::{Offload, Precision, ReduceDtype, Stage};
-pub use snapshot::{Counters, UnitState};
+pub use snapshot::{Counters, StatePart};
 pub use zrun_optim::StateDtype;
 
 /// Errors of the engine.

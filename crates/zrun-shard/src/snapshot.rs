@@ -7,20 +7,25 @@
 //! unit's elements `[0, numel)` split among the ranks that wrote it, and a loader asks for
 //! the range it keeps: its shard range at stages 1-3, the whole unit at stage 0.
 
+#[cfg(target_endian = "big")]
+compile_error!(
+    "checkpoints are written from memory as little-endian: zrun needs a little-endian host"
+);
+
 use crate::engine::Optimizer;
 use crate::{Context, Engine, Error, Result, Stage, StateDtype};
 use tch::{Device, Kind, Tensor};
 use zrun_optim::MomentSlices;
 
-/// Bytes (little-endian) of one unit's slice of this rank's optimizer state.
-#[derive(Clone, Debug, PartialEq)]
-pub struct UnitState {
+/// One of the tensors of a unit's optimizer state, in the order they are visited.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatePart {
     /// fp32 master weights.
-    pub master: Vec<u8>,
+    Master,
     /// AdamW first moment, in [`Engine::moment_dtype`].
-    pub exp_avg: Vec<u8>,
+    ExpAvg,
     /// AdamW second moment, in [`Engine::moment_dtype`].
-    pub exp_avg_sq: Vec<u8>,
+    ExpAvgSq,
 }
 
 /// The engine's counters that a checkpoint carries beside the tensors.
@@ -98,81 +103,93 @@ impl Engine {
         }
     }
 
-    /// Copies this rank's [`Engine::saved_range`] of unit `u`'s master and moments out of the
-    /// engine (waiting for any offloaded update in flight).
-    pub fn unit_state(&mut self, u: usize) -> Result<UnitState> {
+    /// Hands `put` the little-endian bytes of this rank's [`Engine::saved_range`] of unit
+    /// `u`'s master, then its moments, straight from the engine's memory where it is host
+    /// memory (through a host copy from a device). Waits for any offloaded update in flight.
+    pub fn visit_unit_state<E: From<Error>>(
+        &mut self,
+        u: usize,
+        mut put: impl FnMut(StatePart, &[u8]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
         let _guard = tch::no_grad_guard();
+        if let Optimizer::Host(h) = &mut self.optimizer {
+            h.adam_idle()?;
+        }
         let (start, len) = self.saved_range(u);
         let unit = self.mover.layout.units[u].unit.clone();
         let (master, region) = self.master_region();
         let at = self.offset_of(region, u, start);
-        let master = bytes_of(&master, at, len, &unit)?;
+        with_bytes(&master, at, len, &unit, |b| put(StatePart::Master, b))?;
         let moment_at = self.offset_of(self.moment_region(), u, start);
         let host_at = self.mover.layout.shard_offsets[u] as usize;
-        let (exp_avg, exp_avg_sq) = match &mut self.optimizer {
-            Optimizer::Device(a) => {
-                let (m, v) = a.moments();
-                (
-                    bytes_of(m, moment_at, len, &unit)?,
-                    bytes_of(v, moment_at, len, &unit)?,
-                )
-            }
-            Optimizer::Host(h) => match h.adam_idle()?.moments_range(host_at, len as usize)? {
-                MomentSlices::F32(m, v) => (
-                    m.iter().flat_map(|x| x.to_le_bytes()).collect(),
-                    v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-                ),
-                MomentSlices::Bf16(m, v) => (
-                    m.iter().flat_map(|x| x.to_le_bytes()).collect(),
-                    v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-                ),
-            },
-        };
-        Ok(UnitState {
-            master,
-            exp_avg,
-            exp_avg_sq,
-        })
-    }
-
-    /// Writes unit `u`'s [`Engine::loaded_range`] of master and moments, read from a
-    /// checkpoint, into the engine. Call [`Engine::finish_load`] after the last unit.
-    pub fn load_unit(
-        &mut self,
-        u: usize,
-        master: &[f32],
-        exp_avg: &[f32],
-        exp_avg_sq: &[f32],
-    ) -> Result<()> {
-        let _guard = tch::no_grad_guard();
-        let (start, len) = self.loaded_range(u);
-        let unit = self.mover.layout.units[u].unit.clone();
-        for (what, got) in [
-            ("master", master.len()),
-            ("exp_avg", exp_avg.len()),
-            ("exp_avg_sq", exp_avg_sq.len()),
-        ] {
-            if got as i64 != len {
-                return Err(Error::Unsupported(format!(
-                    "load of unit `{unit}`: {what} has {got} elements, this rank keeps {len}"
-                )));
-            }
-        }
-        let (dst, region) = self.master_region();
-        put(&dst, self.offset_of(region, u, start), master, &unit)?;
-        let moment_at = self.offset_of(self.moment_region(), u, start);
         match &mut self.optimizer {
             Optimizer::Device(a) => {
                 let (m, v) = a.moments();
-                put(m, moment_at, exp_avg, &unit)?;
-                put(v, moment_at, exp_avg_sq, &unit)?;
+                let (m, v) = (m.shallow_clone(), v.shallow_clone());
+                with_bytes(&m, moment_at, len, &unit, |b| put(StatePart::ExpAvg, b))?;
+                with_bytes(&v, moment_at, len, &unit, |b| put(StatePart::ExpAvgSq, b))
             }
             Optimizer::Host(h) => {
-                let off = self.mover.layout.shard_offsets[u] as usize;
-                h.adam_idle()?.load_range(off, exp_avg, exp_avg_sq)?;
+                let slices = h
+                    .adam_idle()?
+                    .moments_range(host_at, len as usize)
+                    .map_err(Error::from)?;
+                match slices {
+                    MomentSlices::F32(m, v) => {
+                        put(StatePart::ExpAvg, as_bytes(m))?;
+                        put(StatePart::ExpAvgSq, as_bytes(v))
+                    }
+                    MomentSlices::Bf16(m, v) => {
+                        put(StatePart::ExpAvg, as_bytes(m))?;
+                        put(StatePart::ExpAvgSq, as_bytes(v))
+                    }
+                }
             }
         }
-        Ok(())
+    }
+
+    /// Lets `fill` write unit `u`'s [`Engine::loaded_range`] of master, then moments (as
+    /// fp32, read from a checkpoint) into the engine: in place where the destination is fp32
+    /// host memory, else through a buffer copied over. Call [`Engine::finish_load`] after the
+    /// last unit.
+    pub fn load_unit_with<E: From<Error>>(
+        &mut self,
+        u: usize,
+        mut fill: impl FnMut(StatePart, &mut [f32]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        let _guard = tch::no_grad_guard();
+        if let Optimizer::Host(h) = &mut self.optimizer {
+            h.adam_idle()?;
+        }
+        let (start, len) = self.loaded_range(u);
+        let unit = self.mover.layout.units[u].unit.clone();
+        let (dst, region) = self.master_region();
+        let at = self.offset_of(region, u, start);
+        fill_tensor(&dst, at, len, &unit, |b| fill(StatePart::Master, b))?;
+        let moment_at = self.offset_of(self.moment_region(), u, start);
+        let host_at = self.mover.layout.shard_offsets[u] as usize;
+        match &mut self.optimizer {
+            Optimizer::Device(a) => {
+                let (m, v) = a.moments();
+                let (m, v) = (m.shallow_clone(), v.shallow_clone());
+                fill_tensor(&m, moment_at, len, &unit, |b| fill(StatePart::ExpAvg, b))?;
+                fill_tensor(&v, moment_at, len, &unit, |b| fill(StatePart::ExpAvgSq, b))
+            }
+            Optimizer::Host(h) => {
+                let adam = h.adam_idle()?;
+                let n = len as usize;
+                if let Some((m, v)) = adam.moments_mut(host_at, n).map_err(Error::from)? {
+                    fill(StatePart::ExpAvg, m)?;
+                    return fill(StatePart::ExpAvgSq, v);
+                }
+                // bf16 moments: read as fp32, rounded to nearest even.
+                let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
+                fill(StatePart::ExpAvg, &mut m)?;
+                fill(StatePart::ExpAvgSq, &mut v)?;
+                adam.load_range(host_at, &m, &v).map_err(Error::from)?;
+                Ok(())
+            }
+        }
     }
 
     /// Completes a load: the compute parameters from the loaded master (cast to the compute
@@ -221,37 +238,68 @@ impl Engine {
     }
 }
 
-/// The bytes of elements `[at, at + len)` of the 1-D tensor `t`, copied to the host.
-fn bytes_of(t: &Tensor, at: i64, len: i64, unit: &str) -> Result<Vec<u8>> {
+/// Calls `f` with the bytes of elements `[at, at + len)` of the 1-D tensor `t`: in place
+/// for a host tensor, else through a host copy.
+fn with_bytes<E: From<Error>>(
+    t: &Tensor,
+    at: i64,
+    len: i64,
+    unit: &str,
+    f: impl FnOnce(&[u8]) -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
+    if len == 0 {
+        return f(&[]);
+    }
     let part = t
         .f_narrow(0, at, len)
         .ctx("slice state for a checkpoint", unit)?;
-    let part = if part.device() == Device::Cpu {
-        part
-    } else {
-        part.f_to_device(Device::Cpu)
-            .ctx("copy state to the host", unit)?
+    let host = match part.device() {
+        Device::Cpu => part,
+        _ => part
+            .f_to_device(Device::Cpu)
+            .ctx("copy state to the host", unit)?,
     };
-    let mut out = vec![0u8; len as usize * part.kind().elt_size_in_bytes()];
-    part.f_copy_data_u8(&mut out, len as usize)
-        .ctx("copy state for a checkpoint", unit)?;
-    Ok(out)
+    let n = len as usize * host.kind().elt_size_in_bytes();
+    // SAFETY: `host` is a contiguous (a narrowed 1-D contiguous tensor) CPU tensor of `len`
+    // elements, alive until the call returns; the engine is borrowed mutably and no update is
+    // in flight, so nothing writes to it meanwhile.
+    let bytes = unsafe { std::slice::from_raw_parts(host.data_ptr() as *const u8, n) };
+    f(bytes)
 }
 
-/// Writes `src` (fp32) into elements `[at, at + src.len())` of the 1-D tensor `t` (any
-/// device; cast to its dtype).
-fn put(t: &Tensor, at: i64, src: &[f32], unit: &str) -> Result<()> {
-    if src.is_empty() {
+/// Lets `f` write elements `[at, at + len)` of the 1-D tensor `t` as fp32: in place for a
+/// host fp32 tensor, else into a buffer then copied over (any device, cast to its dtype).
+fn fill_tensor<E: From<Error>>(
+    t: &Tensor,
+    at: i64,
+    len: i64,
+    unit: &str,
+    f: impl FnOnce(&mut [f32]) -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
+    if len == 0 {
         return Ok(());
     }
-    let mut dst = t
-        .f_narrow(0, at, src.len() as i64)
-        .ctx("slice state to load", unit)?;
-    let from = Tensor::f_from_slice(src).ctx("load state", unit)?;
-    let from = if dst.kind() == Kind::Float {
-        from
-    } else {
-        from.f_to_kind(dst.kind()).ctx("load state", unit)?
-    };
-    dst.f_copy_(&from).ctx("load state", unit).map(drop)
+    let mut part = t.f_narrow(0, at, len).ctx("slice state to load", unit)?;
+    if part.device() == Device::Cpu && part.kind() == Kind::Float && part.is_contiguous() {
+        // SAFETY: `part` is a contiguous fp32 CPU tensor of `len` elements, alive until the
+        // call returns; the engine is borrowed mutably and no update is in flight, so nothing
+        // else reads or writes it meanwhile.
+        let dst =
+            unsafe { std::slice::from_raw_parts_mut(part.data_ptr() as *mut f32, len as usize) };
+        return f(dst);
+    }
+    let mut buf = vec![0f32; len as usize];
+    f(&mut buf)?;
+    let from = Tensor::f_from_slice(&buf)
+        .and_then(|b| b.f_to_kind(part.kind()))
+        .ctx("load state", unit)?;
+    part.f_copy_(&from).ctx("load state", unit)?;
+    Ok(())
+}
+
+/// The bytes of a slice of plain numbers, in memory order (little-endian on the hosts zrun
+/// runs on; see the check at the top of this file).
+fn as_bytes<T: Copy>(s: &[T]) -> &[u8] {
+    // SAFETY: any initialised memory is valid as bytes; the length is the slice's size.
+    unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u8, std::mem::size_of_val(s)) }
 }

@@ -202,7 +202,8 @@ impl Run {
         self.ckpt.start_async(&mut self.engine, pos)
     }
 
-    /// Waits for an asynchronous save in flight and completes it (every rank calls it).
+    /// Waits for an asynchronous save in flight and completes it, and for old checkpoints
+    /// being deleted (every rank calls it).
     pub fn flush_saves(&mut self) -> Result<(), Error> {
         self.ckpt.flush(&mut self.engine)
     }

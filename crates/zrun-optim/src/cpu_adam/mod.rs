@@ -223,6 +223,20 @@ impl CpuAdamW {
         })
     }
 
+    /// m and v of elements `[off, off + len)` to write in place, where they are stored as
+    /// fp32 (`None` for bf16 storage: use [`CpuAdamW::load_range`]).
+    pub fn moments_mut(
+        &mut self,
+        off: usize,
+        len: usize,
+    ) -> Result<Option<(&mut [f32], &mut [f32])>> {
+        self.range(off, len)?;
+        Ok(match &mut self.state {
+            State::F32 { m, v } => Some((&mut m[off..off + len], &mut v[off..off + len])),
+            State::Bf16 { .. } => None,
+        })
+    }
+
     /// Sets the count of steps taken (bias corrections and the rounding keys use it).
     pub fn set_steps(&mut self, step: u64) {
         self.step = step;

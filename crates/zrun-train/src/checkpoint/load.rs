@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use tch::Device;
 use zrun_ckpt::{complete, Checkpoint, Part, Reader};
 use zrun_comm::ReduceOp;
-use zrun_shard::{Counters, Engine};
+use zrun_shard::{Counters, Engine, StatePart};
 
 use super::{unit_entries, Checkpointer};
 use crate::reduce::reduce;
@@ -121,8 +121,9 @@ impl Checkpointer {
         )))
     }
 
-    /// Verifies `dir` on every rank, and loads it if every rank can; `None` when it is
-    /// damaged somewhere and an older one may be tried.
+    /// Reads `dir` into the engine on every rank (each rank verifying every file it read),
+    /// and completes the load if every rank could; `None` when it is damaged somewhere and an
+    /// older one may be tried (it is then loaded over what was read here).
     fn try_load(
         &self,
         engine: &mut Engine,
@@ -131,8 +132,9 @@ impl Checkpointer {
         damaged: &mut Vec<String>,
     ) -> Result<Option<Resumed>, Error> {
         let opened = Checkpoint::open(dir);
+        let mut rng = Vec::new();
         let verdict = match &opened {
-            Ok(ckpt) => self.verify(engine, ckpt),
+            Ok(ckpt) => self.read_verified(engine, ckpt, &mut rng),
             Err(e) => Verdict::of(e),
         };
         let (is_damaged, is_fatal) = match &verdict {
@@ -175,19 +177,8 @@ impl Checkpointer {
             return Ok(None);
         }
         let ckpt = opened?;
-        let loaded = self.read_into(engine, &ckpt);
-        let failed = reduce(
-            comm.as_ref(),
-            self.device,
-            &[f64::from(u8::from(loaded.is_err()))],
-            ReduceOp::Sum,
-        )?;
-        loaded?;
-        if failed[0] > 0.0 {
-            return Err(Error::Resume(format!(
-                "checkpoint {}: another rank could not read it (see its error)",
-                dir.display()
-            )));
+        for (device, state) in rng {
+            zrun_torch_ext::rng::set_state(device, &state)?;
         }
         let m = &ckpt.manifest;
         engine.finish_load(Counters {
@@ -216,57 +207,45 @@ impl Checkpointer {
         }))
     }
 
-    /// Whether this rank can use `ckpt`: the same model, and every file it reads intact.
-    fn verify(&self, engine: &Engine, ckpt: &Checkpoint) -> Verdict {
+    /// Reads this rank's slice of every unit of `ckpt` into the engine and its generator
+    /// states into `rng`, then verifies every file it read: whether the data can be used.
+    fn read_verified(
+        &self,
+        engine: &mut Engine,
+        ckpt: &Checkpoint,
+        rng: &mut Vec<(Device, Vec<u8>)>,
+    ) -> Verdict {
         let mine = unit_entries(engine.layout());
         if let Err(e) = ckpt.manifest.check_units(&ckpt.dir, &mine) {
             return Verdict::of(&e);
         }
-        let mut reader = ckpt.reader();
-        let mut ranks: Vec<usize> = (0..mine.len())
-            .flat_map(|u| {
-                let (start, len) = engine.loaded_range(u);
-                reader.ranks_for(u, start as u64, len as u64)
-            })
-            .collect();
-        if self.rank < ckpt.manifest.world_size {
-            ranks.push(self.rank); // its random-generator state
-        }
-        ranks.sort_unstable();
-        ranks.dedup();
-        for r in ranks {
-            if let Err(e) = reader.open(r) {
-                return Verdict::of(&e);
-            }
-        }
-        Verdict::Usable
-    }
-
-    /// Reads this rank's slice of every unit (and its generator states) into the engine.
-    fn read_into(&self, engine: &mut Engine, ckpt: &Checkpoint) -> Result<(), Error> {
         let mut reader: Reader = ckpt.reader();
-        let (mut m, mut a, mut v) = (Vec::new(), Vec::new(), Vec::new());
-        for u in 0..engine.layout().units.len() {
-            let (start, len) = engine.loaded_range(u);
-            for (buf, part) in [
-                (&mut m, Part::Master),
-                (&mut a, Part::ExpAvg),
-                (&mut v, Part::ExpAvgSq),
-            ] {
-                buf.clear();
-                buf.resize(len as usize, 0.0);
-                reader.read(u, part, start as u64, buf)?;
-            }
-            engine.load_unit(u, &m, &a, &v)?;
-        }
         let device = engine.config().device;
-        if let Some(state) = reader.rng(self.rank, "cpu")? {
-            zrun_torch_ext::rng::set_state(Device::Cpu, &state)?;
+        let read = (|| -> Result<(), Error> {
+            for u in 0..mine.len() {
+                let start = engine.loaded_range(u).0 as u64;
+                engine.load_unit_with(u, |part, buf| -> Result<(), Error> {
+                    let part = match part {
+                        StatePart::Master => Part::Master,
+                        StatePart::ExpAvg => Part::ExpAvg,
+                        StatePart::ExpAvgSq => Part::ExpAvgSq,
+                    };
+                    Ok(reader.read(u, part, start, buf)?)
+                })?;
+            }
+            if let Some(state) = reader.rng(self.rank, "cpu")? {
+                rng.push((Device::Cpu, state));
+            }
+            if let (Device::Cuda(_), Some(state)) = (device, reader.rng(self.rank, "cuda")?) {
+                rng.push((device, state));
+            }
+            Ok(reader.verify()?)
+        })();
+        match read {
+            Ok(()) => Verdict::Usable,
+            Err(Error::Ckpt(e)) => Verdict::of(&e),
+            Err(e) => Verdict::Fatal(e.to_string()),
         }
-        if let (Device::Cuda(_), Some(state)) = (device, reader.rng(self.rank, "cuda")?) {
-            zrun_torch_ext::rng::set_state(device, &state)?;
-        }
-        Ok(())
     }
 }
 

@@ -62,6 +62,10 @@ pub struct Checkpointer {
     template: Manifest,
     /// An asynchronous save still being written.
     pending: Option<save::Pending>,
+    /// The host buffer of asynchronous saves, kept from one to the next.
+    snapshot: Option<Vec<u8>>,
+    /// Rank 0's thread deleting checkpoints beyond `keep`.
+    pruner: Option<std::thread::JoinHandle<()>>,
     /// Test hook: the step at whose save this rank kills itself.
     kill_at: Option<u64>,
 }
@@ -168,6 +172,23 @@ impl Checkpointer {
             let (r, s) = v.split_once(':')?;
             (r.parse::<usize>().ok()? == rank).then(|| s.parse().ok())?
         });
+        // Asynchronous saves copy the state into host memory: take it now, touched, so the
+        // first save blocks no longer than the others and the memory shows from the start.
+        let snapshot = if cfg.checkpoint.async_save && cfg.checkpoint.every > 0 {
+            let t = std::time::Instant::now();
+            let bytes = save::file_bytes(engine)?;
+            let buf = save::host_buffer(bytes);
+            if rank == 0 {
+                tracing::info!(
+                    "checkpoint.async: {:.2} GiB of host memory per rank for the state snapshot ({:.1} s)",
+                    bytes as f64 / (1u64 << 30) as f64,
+                    t.elapsed().as_secs_f64()
+                );
+            }
+            Some(buf)
+        } else {
+            None
+        };
         Ok(Checkpointer {
             dir: cfg.checkpoint_dir(),
             every: cfg.checkpoint.every,
@@ -178,6 +199,8 @@ impl Checkpointer {
             device,
             template,
             pending: None,
+            snapshot,
+            pruner: None,
             kill_at,
         })
     }
@@ -282,6 +305,20 @@ impl Checkpointer {
         if self.pending.is_some() {
             self.complete_pending(engine)?;
         }
+        self.join_pruner();
         Ok(())
+    }
+
+    /// Waits for old checkpoints being deleted.
+    fn join_pruner(&mut self) {
+        if let Some(h) = self.pruner.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for Checkpointer {
+    fn drop(&mut self) {
+        self.join_pruner();
     }
 }

@@ -21,7 +21,8 @@ pub(crate) struct Pending {
     pos: Position,
     counters: Counters,
     done: Arc<AtomicBool>,
-    thread: JoinHandle<Result<FileEntry, Error>>,
+    /// The writer; gives the snapshot buffer back for the next save.
+    thread: JoinHandle<(Result<FileEntry, Error>, Vec<u8>)>,
     started: Instant,
     /// Seconds the training loop was blocked (taking the snapshot).
     blocked_s: f64,
@@ -51,6 +52,11 @@ fn rng_states(device: Device) -> Result<Vec<(String, Vec<u8>)>, Error> {
         out.push(("cuda".to_string(), zrun_torch_ext::rng::state(device)?));
     }
     Ok(out)
+}
+
+/// Bytes of the tensors of this rank's file (what an asynchronous save holds in memory).
+pub(super) fn file_bytes(engine: &Engine) -> Result<usize, Error> {
+    Ok(plan(engine)?.specs.iter().map(TensorSpec::bytes).sum())
 }
 
 fn plan(engine: &Engine) -> Result<Plan, Error> {
@@ -126,14 +132,14 @@ impl Checkpointer {
         let mut w = RankWriter::create(&tmp, &rank_file_name(self.rank), plan.specs)?;
         let mut n = 0;
         for (u, has) in plan.units.iter().enumerate() {
-            if !has {
-                continue;
-            }
-            let s = engine.unit_state(u)?;
-            for bytes in [&s.master, &s.exp_avg, &s.exp_avg_sq] {
-                w.write(bytes)?;
-                n += 1;
-                self.maybe_die(step, n, total);
+            if *has {
+                // Straight from the engine's memory: the training loop waits meanwhile.
+                engine.visit_unit_state(u, |_, bytes| -> Result<(), Error> {
+                    w.write(bytes)?;
+                    n += 1;
+                    self.maybe_die(step, n, total);
+                    Ok(())
+                })?;
             }
         }
         for state in &plan.rng {
@@ -142,21 +148,32 @@ impl Checkpointer {
         Ok(w.finish()?)
     }
 
-    /// Snapshots this rank's state to host memory and writes it on a background thread; the
-    /// checkpoint is completed at a later step boundary, once every rank's file is written.
+    /// Copies this rank's state into host memory (a buffer kept from one asynchronous save to
+    /// the next) and writes it on a background thread; the checkpoint is completed at a later
+    /// step boundary, once every rank's file is written.
     pub(crate) fn start_async(&mut self, engine: &mut Engine, pos: &Position) -> Result<(), Error> {
         let started = Instant::now();
         let counters = engine.counters()?;
         let plan = plan(engine)?;
-        let mut data: Vec<Vec<u8>> = Vec::with_capacity(plan.specs.len());
+        let sizes: Vec<usize> = plan.specs.iter().map(TensorSpec::bytes).collect();
+        let total: usize = sizes.iter().sum();
+        // The first save allocates (and touches) the buffer; later ones reuse it.
+        let mut buf = self.snapshot.take().unwrap_or_else(|| host_buffer(total));
+        buf.resize(total, 0);
+        let mut at = 0;
         for (u, has) in plan.units.iter().enumerate() {
             if *has {
-                let s = engine.unit_state(u)?;
-                data.extend([s.master, s.exp_avg, s.exp_avg_sq]);
+                engine.visit_unit_state(u, |_, bytes| -> Result<(), Error> {
+                    buf[at..at + bytes.len()].copy_from_slice(bytes);
+                    at += bytes.len();
+                    Ok(())
+                })?;
             }
         }
-        data.extend(plan.rng);
-        let bytes = data.iter().map(|d| d.len() as u64).sum();
+        for state in &plan.rng {
+            buf[at..at + state.len()].copy_from_slice(state);
+            at += state.len();
+        }
         let (tmp, file) = (tmp_dir(&self.dir, pos.step), rank_file_name(self.rank));
         let done = Arc::new(AtomicBool::new(false));
         let flag = done.clone();
@@ -166,13 +183,15 @@ impl Checkpointer {
             .spawn(move || {
                 let r = (|| {
                     let mut w = RankWriter::create(&tmp, &file, specs)?;
-                    for d in &data {
-                        w.write(d)?;
+                    let mut at = 0;
+                    for n in sizes {
+                        w.write(&buf[at..at + n])?;
+                        at += n;
                     }
                     Ok(w.finish()?)
                 })();
                 flag.store(true, Ordering::SeqCst);
-                r
+                (r, buf)
             })
             .map_err(|e| Error::Save(format!("cannot start the checkpoint writer thread: {e}")))?;
         self.pending = Some(Pending {
@@ -182,7 +201,7 @@ impl Checkpointer {
             thread,
             started,
             blocked_s: started.elapsed().as_secs_f64(),
-            bytes,
+            bytes: total as u64,
         });
         Ok(())
     }
@@ -195,10 +214,13 @@ impl Checkpointer {
             .ok_or_else(|| Error::Save("no checkpoint save is in flight".into()))?;
         let wait = Instant::now();
         let was_ready = p.ready();
-        let written = p
-            .thread
-            .join()
-            .unwrap_or_else(|_| Err(Error::Save("the checkpoint writer thread panicked".into())));
+        let written = match p.thread.join() {
+            Ok((r, buf)) => {
+                self.snapshot = Some(buf);
+                r
+            }
+            Err(_) => Err(Error::Save("the checkpoint writer thread panicked".into())),
+        };
         // Blocked: taking the snapshot, plus waiting here for a write that was not done.
         let waited = if was_ready {
             0.0
@@ -230,14 +252,11 @@ impl Checkpointer {
         let step = pos.step;
         let final_dir = zrun_ckpt::step_dir(&self.dir, step);
         let comm = engine.comm().clone();
-        // ok flag (8 bytes), size (8), BLAKE3 (32).
-        let mut record = [0u8; 48];
+        // ok flag (8 bytes), then the file's entry (size, digest: 32).
+        let mut record = [0u8; 40];
         if let Ok(f) = &written {
             record[0] = 1;
-            record[8..16].copy_from_slice(&f.bytes.to_le_bytes());
-            if let Some(h) = decode_hex(&f.blake3) {
-                record[16..48].copy_from_slice(&h);
-            }
+            record[8..].copy_from_slice(&f.to_record());
         }
         let all = gather_bytes(comm.as_ref(), self.device, &record)?;
         let failed: Vec<usize> = (0..all.len()).filter(|&r| all[r][0] != 1).collect();
@@ -257,10 +276,9 @@ impl Checkpointer {
             let files = all
                 .iter()
                 .enumerate()
-                .map(|(r, rec)| FileEntry {
-                    name: rank_file_name(r),
-                    bytes: u64::from_le_bytes(rec[8..16].try_into().unwrap_or_default()),
-                    blake3: rec[16..48].iter().map(|b| format!("{b:02x}")).collect(),
+                .map(|(r, rec)| {
+                    let entry: [u8; 32] = rec[8..40].try_into().unwrap_or([0; 32]);
+                    FileEntry::from_record(rank_file_name(r), &entry)
                 })
                 .collect();
             let manifest = self.manifest(pos, counters, files);
@@ -293,16 +311,35 @@ impl Checkpointer {
                 started.elapsed().as_secs_f64(),
                 blocked_s
             );
-            match zrun_ckpt::prune(&self.dir, self.keep) {
-                Ok(gone) => {
-                    for g in gone {
-                        tracing::info!("removed {} (checkpoint.keep = {})", g.display(), self.keep);
-                    }
-                }
-                Err(e) => tracing::warn!("could not remove old checkpoints: {e}"),
-            }
+            self.prune();
         }
         Ok(final_dir)
+    }
+
+    /// Deletes the checkpoints beyond `checkpoint.keep` on a background thread (deleting
+    /// gigabytes takes seconds, which training need not wait for); the newest one is
+    /// complete already.
+    fn prune(&mut self) {
+        if self.keep == 0 {
+            return;
+        }
+        self.join_pruner();
+        let (dir, keep) = (self.dir.clone(), self.keep);
+        let work = move || match zrun_ckpt::prune(&dir, keep) {
+            Ok(gone) => {
+                for g in gone {
+                    tracing::info!("removed {} (checkpoint.keep = {keep})", g.display());
+                }
+            }
+            Err(e) => tracing::warn!("could not remove old checkpoints: {e}"),
+        };
+        let spawned = std::thread::Builder::new()
+            .name("zrun-ckpt-prune".into())
+            .spawn(work);
+        match spawned {
+            Ok(h) => self.pruner = Some(h),
+            Err(e) => tracing::warn!("could not start removing old checkpoints: {e}"),
+        }
     }
 
     /// The manifest of the checkpoint at `pos`.
@@ -326,13 +363,21 @@ impl Checkpointer {
     }
 }
 
-fn decode_hex(s: &str) -> Option<[u8; 32]> {
-    let mut out = [0u8; 32];
-    if s.len() != 64 {
-        return None;
+/// A zeroed buffer of `n` bytes backed by transparent huge pages where the kernel allows it
+/// (`madvise` mode): touching it the first time then takes 2 MiB page faults instead of
+/// 4 KiB ones, 512 times fewer.
+pub(super) fn host_buffer(n: usize) -> Vec<u8> {
+    const HUGE: usize = 2 << 20;
+    let mut v = Vec::<u8>::with_capacity(n);
+    let p = v.as_mut_ptr() as usize;
+    let (start, end) = (p.next_multiple_of(HUGE), (p + n) / HUGE * HUGE);
+    if end > start {
+        // SAFETY: [start, end) lies inside the allocation just made and not yet touched;
+        // madvise only changes how the kernel backs it.
+        unsafe {
+            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+        }
     }
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(out)
+    v.resize(n, 0);
+    v
 }
