@@ -12,9 +12,10 @@ use zrun_train::trainer::{Outcome, Run};
 /// Trains this process as one rank. The topology comes from the environment (zrun's and
 /// torchrun's variables, OpenMPI, PMI or Slurm); with none at all it is a world of one.
 pub fn run(config: &Path, overrides: &[String]) -> Result<()> {
-    let cfg = Config::load(config, overrides)?;
+    // First: a stop signal from now on is a request to save and stop, not death.
     zrun_train::stop::install()
         .map_err(|e| anyhow::anyhow!("installing the stop-signal handler: {e}"))?;
+    let cfg = Config::load(config, overrides)?;
     let topo = Topology::from_env().map_err(BadInput::from)?;
     let backend = match cfg.dist.backend {
         BackendChoice::Auto if tch::Cuda::is_available() => Backend::Nccl,

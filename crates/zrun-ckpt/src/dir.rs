@@ -28,25 +28,29 @@ fn step_of(name: &str) -> Option<u64> {
         .flatten()
 }
 
+/// The entries of `dir` (name, path); none when `dir` does not exist.
+fn entries(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
+    let listed = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(Error::io("list", dir, e)),
+    };
+    listed
+        .map(|e| {
+            let e = e.map_err(|err| Error::io("list", dir, err))?;
+            Ok((e.file_name().to_string_lossy().into_owned(), e.path()))
+        })
+        .collect()
+}
+
 /// The complete checkpoints in `dir` (those with a manifest), oldest first; none when `dir`
 /// does not exist.
 pub fn complete(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
-    let mut out = Vec::new();
-    let entries = match std::fs::read_dir(dir) {
-        Ok(e) => e,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
-        Err(e) => return Err(Error::io("list", dir, e)),
-    };
-    for entry in entries {
-        let entry = entry.map_err(|e| Error::io("list", dir, e))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if let Some(step) = step_of(&name) {
-            let path = entry.path();
-            if path.join(MANIFEST).is_file() {
-                out.push((step, path));
-            }
-        }
-    }
+    let mut out: Vec<(u64, PathBuf)> = entries(dir)?
+        .into_iter()
+        .filter_map(|(name, path)| step_of(&name).map(|step| (step, path)))
+        .filter(|(_, path)| path.join(MANIFEST).is_file())
+        .collect();
     out.sort();
     Ok(out)
 }
@@ -55,15 +59,7 @@ pub fn complete(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
 /// directories without a manifest (an interrupted deletion). Returns what it removed.
 pub fn remove_leftovers(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut removed = Vec::new();
-    let entries = match std::fs::read_dir(dir) {
-        Ok(e) => e,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(removed),
-        Err(e) => return Err(Error::io("list", dir, e)),
-    };
-    for entry in entries {
-        let entry = entry.map_err(|e| Error::io("list", dir, e))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let path = entry.path();
+    for (name, path) in entries(dir)? {
         let leftover = match name.strip_suffix(TMP) {
             Some(base) => step_of(base).is_some(),
             None => step_of(&name).is_some() && !path.join(MANIFEST).exists(),

@@ -14,6 +14,7 @@
 //! directory into place: a directory without its manifest is never a checkpoint. No pickle,
 //! no code runs on load; every file's size and BLAKE3 hash are checked before it is used.
 
+mod compare;
 mod consolidate;
 mod dir;
 mod hash;

@@ -213,33 +213,24 @@ fn consolidation_names_every_parameter_with_its_full_values() {
     assert_eq!((c.tensors, c.params, c.step), (3, 23, 4));
     let bytes = std::fs::read(&out).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let t = st.tensor("wte.weight").unwrap();
-    assert_eq!(t.shape(), &[5, 3]);
-    let vals: Vec<f32> = t
-        .data()
-        .chunks(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    assert_eq!(
-        vals,
-        (0..15)
-            .map(|i| value(0, Part::Master, i))
-            .collect::<Vec<_>>()
-    );
-    let b = st.tensor("ln.bias").unwrap();
-    assert_eq!(b.data().len(), 16);
-    let h = st.tensor("head.weight").unwrap();
-    let vals: Vec<f32> = h
-        .data()
-        .chunks(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    assert_eq!(
-        vals,
-        (0..4)
-            .map(|i| value(1, Part::Master, i))
-            .collect::<Vec<_>>()
-    );
+    // Each parameter's values, and the values the checkpoint holds at its offsets.
+    let f32s = |name: &str, unit: usize, offset: u64, shape: &[usize]| {
+        let t = st.tensor(name).unwrap();
+        assert_eq!(t.shape(), shape, "{name}");
+        let got: Vec<f32> = t
+            .data()
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let n = shape.iter().product::<usize>() as u64;
+        let want: Vec<f32> = (offset..offset + n)
+            .map(|i| value(unit, Part::Master, i))
+            .collect();
+        assert_eq!(got, want, "{name}");
+    };
+    f32s("wte.weight", 0, 0, &[5, 3]);
+    f32s("ln.bias", 0, 15, &[4]);
+    f32s("head.weight", 1, 0, &[2, 2]);
     // bf16 output rounds each value; these are bf16-exact.
     let out16 = root.path().join("model16.safetensors");
     consolidate(&dir, &out16, OutDtype::Bf16).unwrap();

@@ -39,6 +39,19 @@ pub struct Counters {
     pub clean_steps: u64,
 }
 
+/// Where one element range of a unit lives in the engine.
+struct Place {
+    unit: String,
+    len: i64,
+    /// The fp32 master buffer, and the range's offset in it.
+    master: Tensor,
+    master_at: i64,
+    /// The device AdamW's m and v and the range's offset in them (`None` when offloaded).
+    moments: Option<(Tensor, Tensor, i64)>,
+    /// The range's offset in the offloaded optimizer's shard.
+    host_at: usize,
+}
+
 /// How a buffer holds a unit: at its offset in a buffer of all units' padded buffers, or as
 /// this rank's slice in its contiguous shard buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -103,6 +116,40 @@ impl Engine {
         }
     }
 
+    /// Where elements `[start, start + len)` of unit `u` live in the engine, once no
+    /// offloaded update is in flight.
+    fn place(&mut self, u: usize, (start, len): (i64, i64)) -> Result<Place> {
+        if let Optimizer::Host(h) = &mut self.optimizer {
+            h.adam_idle()?;
+        }
+        let (master, region) = self.master_region();
+        let moment_at = self.offset_of(self.moment_region(), u, start);
+        Ok(Place {
+            unit: self.mover.layout.units[u].unit.clone(),
+            len,
+            master_at: self.offset_of(region, u, start),
+            master,
+            moments: match &self.optimizer {
+                Optimizer::Device(a) => {
+                    let (m, v) = a.moments();
+                    Some((m.shallow_clone(), v.shallow_clone(), moment_at))
+                }
+                Optimizer::Host(_) => None,
+            },
+            host_at: self.mover.layout.shard_offsets[u] as usize,
+        })
+    }
+
+    /// The CPU AdamW of an offloaded optimizer (idle).
+    fn host_adam(&mut self) -> Result<&mut zrun_optim::CpuAdamW> {
+        match &mut self.optimizer {
+            Optimizer::Host(h) => h.adam_idle(),
+            Optimizer::Device(_) => Err(Error::Unsupported(
+                "the optimizer state is on the device, not offloaded".into(),
+            )),
+        }
+    }
+
     /// Hands `put` the little-endian bytes of this rank's [`Engine::saved_range`] of unit
     /// `u`'s master, then its moments, straight from the engine's memory where it is host
     /// memory (through a host copy from a device). Waits for any offloaded update in flight.
@@ -112,38 +159,27 @@ impl Engine {
         mut put: impl FnMut(StatePart, &[u8]) -> std::result::Result<(), E>,
     ) -> std::result::Result<(), E> {
         let _guard = tch::no_grad_guard();
-        if let Optimizer::Host(h) = &mut self.optimizer {
-            h.adam_idle()?;
+        let p = self.place(u, self.saved_range(u))?;
+        let (unit, len) = (&p.unit, p.len);
+        with_bytes(&p.master, p.master_at, len, unit, |b| {
+            put(StatePart::Master, b)
+        })?;
+        if let Some((m, v, at)) = &p.moments {
+            with_bytes(m, *at, len, unit, |b| put(StatePart::ExpAvg, b))?;
+            return with_bytes(v, *at, len, unit, |b| put(StatePart::ExpAvgSq, b));
         }
-        let (start, len) = self.saved_range(u);
-        let unit = self.mover.layout.units[u].unit.clone();
-        let (master, region) = self.master_region();
-        let at = self.offset_of(region, u, start);
-        with_bytes(&master, at, len, &unit, |b| put(StatePart::Master, b))?;
-        let moment_at = self.offset_of(self.moment_region(), u, start);
-        let host_at = self.mover.layout.shard_offsets[u] as usize;
-        match &mut self.optimizer {
-            Optimizer::Device(a) => {
-                let (m, v) = a.moments();
-                let (m, v) = (m.shallow_clone(), v.shallow_clone());
-                with_bytes(&m, moment_at, len, &unit, |b| put(StatePart::ExpAvg, b))?;
-                with_bytes(&v, moment_at, len, &unit, |b| put(StatePart::ExpAvgSq, b))
+        match self
+            .host_adam()?
+            .moments_range(p.host_at, len as usize)
+            .map_err(Error::from)?
+        {
+            MomentSlices::F32(m, v) => {
+                put(StatePart::ExpAvg, as_bytes(m))?;
+                put(StatePart::ExpAvgSq, as_bytes(v))
             }
-            Optimizer::Host(h) => {
-                let slices = h
-                    .adam_idle()?
-                    .moments_range(host_at, len as usize)
-                    .map_err(Error::from)?;
-                match slices {
-                    MomentSlices::F32(m, v) => {
-                        put(StatePart::ExpAvg, as_bytes(m))?;
-                        put(StatePart::ExpAvgSq, as_bytes(v))
-                    }
-                    MomentSlices::Bf16(m, v) => {
-                        put(StatePart::ExpAvg, as_bytes(m))?;
-                        put(StatePart::ExpAvgSq, as_bytes(v))
-                    }
-                }
+            MomentSlices::Bf16(m, v) => {
+                put(StatePart::ExpAvg, as_bytes(m))?;
+                put(StatePart::ExpAvgSq, as_bytes(v))
             }
         }
     }
@@ -158,38 +194,26 @@ impl Engine {
         mut fill: impl FnMut(StatePart, &mut [f32]) -> std::result::Result<(), E>,
     ) -> std::result::Result<(), E> {
         let _guard = tch::no_grad_guard();
-        if let Optimizer::Host(h) = &mut self.optimizer {
-            h.adam_idle()?;
+        let p = self.place(u, self.loaded_range(u))?;
+        let (unit, len) = (&p.unit, p.len);
+        fill_tensor(&p.master, p.master_at, len, unit, |b| {
+            fill(StatePart::Master, b)
+        })?;
+        if let Some((m, v, at)) = &p.moments {
+            fill_tensor(m, *at, len, unit, |b| fill(StatePart::ExpAvg, b))?;
+            return fill_tensor(v, *at, len, unit, |b| fill(StatePart::ExpAvgSq, b));
         }
-        let (start, len) = self.loaded_range(u);
-        let unit = self.mover.layout.units[u].unit.clone();
-        let (dst, region) = self.master_region();
-        let at = self.offset_of(region, u, start);
-        fill_tensor(&dst, at, len, &unit, |b| fill(StatePart::Master, b))?;
-        let moment_at = self.offset_of(self.moment_region(), u, start);
-        let host_at = self.mover.layout.shard_offsets[u] as usize;
-        match &mut self.optimizer {
-            Optimizer::Device(a) => {
-                let (m, v) = a.moments();
-                let (m, v) = (m.shallow_clone(), v.shallow_clone());
-                fill_tensor(&m, moment_at, len, &unit, |b| fill(StatePart::ExpAvg, b))?;
-                fill_tensor(&v, moment_at, len, &unit, |b| fill(StatePart::ExpAvgSq, b))
-            }
-            Optimizer::Host(h) => {
-                let adam = h.adam_idle()?;
-                let n = len as usize;
-                if let Some((m, v)) = adam.moments_mut(host_at, n).map_err(Error::from)? {
-                    fill(StatePart::ExpAvg, m)?;
-                    return fill(StatePart::ExpAvgSq, v);
-                }
-                // bf16 moments: read as fp32, rounded to nearest even.
-                let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
-                fill(StatePart::ExpAvg, &mut m)?;
-                fill(StatePart::ExpAvgSq, &mut v)?;
-                adam.load_range(host_at, &m, &v).map_err(Error::from)?;
-                Ok(())
-            }
+        let (adam, n) = (self.host_adam()?, len as usize);
+        if let Some((m, v)) = adam.moments_mut(p.host_at, n).map_err(Error::from)? {
+            fill(StatePart::ExpAvg, m)?;
+            return fill(StatePart::ExpAvgSq, v);
         }
+        // bf16 moments: read as fp32, rounded to nearest even.
+        let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
+        fill(StatePart::ExpAvg, &mut m)?;
+        fill(StatePart::ExpAvgSq, &mut v)?;
+        adam.load_range(p.host_at, &m, &v).map_err(Error::from)?;
+        Ok(())
     }
 
     /// Completes a load: the compute parameters from the loaded master (cast to the compute

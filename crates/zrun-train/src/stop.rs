@@ -15,29 +15,31 @@ extern "C" fn on_signal(sig: libc::c_int) {
 /// Records SIGTERM and SIGUSR1 instead of dying of them, and ignores SIGXFSZ, so that a
 /// file-size limit hit while writing a checkpoint is a write error that can be reported.
 pub fn install() -> std::io::Result<()> {
-    for (sig, handler) in [
-        (
-            libc::SIGTERM,
-            on_signal as extern "C" fn(libc::c_int) as usize,
-        ),
-        (
-            libc::SIGUSR1,
-            on_signal as extern "C" fn(libc::c_int) as usize,
-        ),
-        (libc::SIGXFSZ, libc::SIG_IGN),
-    ] {
-        // SAFETY: `sa` is zero-initialised plain data filled in completely; the handler only
-        // stores to an atomic, which is async-signal-safe; the old action is not asked for.
-        let rc = unsafe {
-            let mut sa: libc::sigaction = std::mem::zeroed();
-            sa.sa_sigaction = handler;
-            sa.sa_flags = libc::SA_RESTART;
-            libc::sigemptyset(&mut sa.sa_mask);
-            libc::sigaction(sig, &sa, std::ptr::null_mut())
-        };
-        if rc != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+    catch(libc::SIGTERM, on_signal)?;
+    catch(libc::SIGUSR1, on_signal)?;
+    set_action(libc::SIGXFSZ, libc::SIG_IGN)
+}
+
+/// Makes `handler` run on signal `sig` (interrupted system calls restart). The handler must
+/// only do async-signal-safe things, such as storing to atomics.
+pub fn catch(sig: libc::c_int, handler: extern "C" fn(libc::c_int)) -> std::io::Result<()> {
+    set_action(sig, handler as libc::sighandler_t)
+}
+
+/// `sigaction(sig)` with `action`: a handler's address, `SIG_IGN` or `SIG_DFL`.
+fn set_action(sig: libc::c_int, action: libc::sighandler_t) -> std::io::Result<()> {
+    // SAFETY: `sa` is zero-initialised plain data filled in completely; `action` is a handler
+    // that is async-signal-safe (the callers' contract) or a disposition constant; the old
+    // action is not asked for.
+    let rc = unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = action;
+        sa.sa_flags = libc::SA_RESTART;
+        libc::sigemptyset(&mut sa.sa_mask);
+        libc::sigaction(sig, &sa, std::ptr::null_mut())
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
     }
     Ok(())
 }

@@ -67,7 +67,7 @@ impl Job<'_> {
                 Ok(w) => workers.push(w),
                 Err(e) => {
                     let mut sup = Supervisor::new(workers, rx);
-                    sup.stop_all(libc::SIGTERM, plan.grace);
+                    sup.stop_all(libc::SIGTERM, plan.grace, plan.grace);
                     let msg = format!("node {}: {e:#}", plan.node_rank);
                     self.rdzv.publish_failure(&msg, true);
                     return Err(e);
@@ -175,7 +175,7 @@ impl Round<'_> {
     /// A local rank failed first: stop the others, report, and restart when allowed.
     fn failed(&self, sup: &mut Supervisor, rank: usize, status: ExitStatus) -> Next {
         let plan = self.plan();
-        let stopped = sup.stop_all(libc::SIGTERM, plan.grace);
+        let stopped = sup.stop_all(libc::SIGTERM, plan.grace, plan.grace);
         sup.drain();
         let how = spawn::describe(&status);
         let tail = sup
@@ -239,7 +239,9 @@ impl Round<'_> {
             plan.grace
         };
         let seen = signals::count();
-        let stopped = sup.stop_all(sig, wait);
+        // The ranks got the signal already: once one fails, the others cannot complete their
+        // checkpoint, so they get a moment, not the whole deadline.
+        let stopped = sup.stop_all(sig, wait, plan.grace.min(Duration::from_secs(1)));
         sup.drain();
         let name = signals::name(sig);
         let here = self.here();
@@ -279,7 +281,7 @@ impl Round<'_> {
     /// failure allows it.
     fn remote(&self, sup: &mut Supervisor, news: Remote) -> Next {
         let plan = self.plan();
-        let stopped = sup.stop_all(libc::SIGTERM, plan.grace);
+        let stopped = sup.stop_all(libc::SIGTERM, plan.grace, plan.grace);
         sup.drain();
         let ranks = format!("zrun: stopped {stopped} rank(s){}", self.here());
         let why = match news {

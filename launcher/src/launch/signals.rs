@@ -23,22 +23,9 @@ extern "C" fn on_signal(sig: libc::c_int) {
 /// Installs the handler for SIGINT, SIGTERM, SIGHUP and SIGUSR1. Children get the default
 /// dispositions back at `exec`.
 pub fn install() -> std::io::Result<()> {
-    for sig in CAUGHT {
-        // SAFETY: `sa` is zero-initialised plain data that we fill in completely; the handler
-        // only touches atomics, which is async-signal-safe; sigaction reads `sa` and writes
-        // nothing because the old-action pointer is null.
-        let rc = unsafe {
-            let mut sa: libc::sigaction = std::mem::zeroed();
-            sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
-            sa.sa_flags = libc::SA_RESTART;
-            libc::sigemptyset(&mut sa.sa_mask);
-            libc::sigaction(sig, &sa, std::ptr::null_mut())
-        };
-        if rc != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-    }
-    Ok(())
+    CAUGHT
+        .iter()
+        .try_for_each(|&sig| zrun_train::stop::catch(sig, on_signal))
 }
 
 /// The last signal received and how many have arrived, or `None` when none has.

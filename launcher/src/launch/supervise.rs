@@ -141,9 +141,11 @@ impl Supervisor {
     }
 
     /// Stops every worker still running: `first` (SIGTERM, or the signal the launcher got) to
-    /// each process group, SIGKILL after `wait` or at a further signal to the launcher; then
-    /// waits for them and their output. Returns how many had to be stopped.
-    pub fn stop_all(&mut self, first: i32, wait: Duration) -> usize {
+    /// each process group, SIGKILL after `wait` or at a further signal to the launcher; a
+    /// worker that fails meanwhile (not 0 or 3: the ranks' checkpoint cannot complete without
+    /// it) leaves the others at most `after_failure`. Then waits for them and their output.
+    /// Returns how many had to be stopped.
+    pub fn stop_all(&mut self, first: i32, wait: Duration, after_failure: Duration) -> usize {
         let to_stop: Vec<usize> = (0..self.workers.len())
             .filter(|&i| self.exited[i].is_none())
             .collect();
@@ -151,7 +153,7 @@ impl Supervisor {
             self.workers[i].signal(first);
         }
         let signals_before = signals::count();
-        let deadline = Instant::now() + wait;
+        let mut deadline = Instant::now() + wait;
         let mut killed = false;
         while self.running() > 0 {
             let now = Instant::now();
@@ -172,6 +174,9 @@ impl Supervisor {
             match self.exits.recv_timeout(wait) {
                 Ok(e) => {
                     self.record(&e);
+                    if !matches!(e.status.code(), Some(0 | STOPPED)) {
+                        deadline = deadline.min(Instant::now() + after_failure);
+                    }
                 }
                 Err(RecvTimeoutError::Timeout) if killed => break,
                 Err(RecvTimeoutError::Timeout) => {}

@@ -298,6 +298,14 @@ impl Checkpointer {
                 "checkpoint of step {step}: rank 0 could not commit it (see its error); the older checkpoints are untouched"
             )));
         }
+        // Rank 0 renamed the directory on its node: every rank must see its file there.
+        if !final_dir.join(rank_file_name(self.rank)).is_file() {
+            return Err(Error::Save(format!(
+                "checkpoint {}: rank {}'s file is not there after rank 0 committed it; checkpoint.dir must be one directory that every node sees (a shared file system)",
+                final_dir.display(),
+                self.rank
+            )));
+        }
         if self.rank == 0 {
             let bytes: u64 = all
                 .iter()
