@@ -94,18 +94,32 @@ pub fn consolidate(dir: &Path, out: &Path, dtype: OutDtype) -> Result<Consolidat
             buf.resize(v.numel as usize, 0.0);
             reader.read(i, Part::Master, v.offset, &mut buf)?;
             bytes.clear();
-            match dtype {
-                OutDtype::F32 => bytes.extend(buf.iter().flat_map(|x| x.to_le_bytes())),
-                OutDtype::Bf16 => bytes.extend(
-                    buf.iter()
-                        .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()),
-                ),
-                OutDtype::F16 => bytes.extend(
-                    buf.iter()
-                        .flat_map(|&x| half::f16::from_f32(x).to_le_bytes()),
-                ),
-            }
-            put(&mut w, &bytes)?;
+            let data: &[u8] = match dtype {
+                // The values as they are: no second buffer.
+                OutDtype::F32 if cfg!(target_endian = "little") => {
+                    // SAFETY: f32 has no padding bytes; the view covers exactly `buf`.
+                    unsafe { std::slice::from_raw_parts(buf.as_ptr() as *const u8, buf.len() * 4) }
+                }
+                OutDtype::F32 => {
+                    bytes.extend(buf.iter().flat_map(|x| x.to_le_bytes()));
+                    &bytes
+                }
+                OutDtype::Bf16 => {
+                    bytes.extend(
+                        buf.iter()
+                            .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()),
+                    );
+                    &bytes
+                }
+                OutDtype::F16 => {
+                    bytes.extend(
+                        buf.iter()
+                            .flat_map(|&x| half::f16::from_f32(x).to_le_bytes()),
+                    );
+                    &bytes
+                }
+            };
+            put(&mut w, data)?;
             params += v.numel;
         }
     }
