@@ -147,6 +147,14 @@ fn sigterm_saves_one_agreed_step_exits_3_and_the_resumed_run_matches() {
             .collect()
     };
     assert_eq!(lines(&dir), lines(want));
+    // Once more: the newest checkpoint is at train.steps, so there is nothing to do.
+    let o = run(&a);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        common::stdout(&o).contains("nothing to train"),
+        "{}",
+        common::stdout(&o)
+    );
 }
 
 #[test]

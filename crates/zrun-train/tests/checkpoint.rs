@@ -186,21 +186,33 @@ fn a_stage3_checkpoint_loads_at_other_world_sizes_and_stages() {
         want.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
         (11..=15).collect::<Vec<_>>()
     );
-    for (world, stage, mb) in [(1usize, 0u8, 12usize), (3, 1, 4), (4, 2, 3)] {
-        let name = format!("rs-w{world}-s{stage}");
-        // Load, then save again at once: the state is what was saved.
-        let again = job(
-            &format!("{name}-save"),
-            world,
-            &[
-                format!("zero.stage={stage}"),
-                format!("train.micro_batch={mb}"),
-                resume.clone(),
-            ],
-            "reshard",
+    // World size, stage, micro batch, and other settings of the loading run.
+    let offload = ["zero.precision=\"bf16\"", "zero.offload_optimizer=\"cpu\""];
+    let loads: [(usize, u8, usize, &[&str]); 4] = [
+        (1, 0, 12, &[]),
+        (3, 1, 4, &[]),
+        (4, 2, 3, &[]),
+        (2, 2, 6, &offload),
+    ];
+    for (world, stage, mb, extra) in loads {
+        let name = format!(
+            "rs-w{world}-s{stage}{}",
+            if extra.is_empty() {
+                ""
+            } else {
+                "-bf16-offload"
+            }
         );
+        // Load, then save again at once: the state is what was saved.
+        let mut s = vec![
+            format!("zero.stage={stage}"),
+            format!("train.micro_batch={mb}"),
+            resume.clone(),
+        ];
+        s.extend(extra.iter().map(|x| x.to_string()));
+        let again = job(&format!("{name}-save"), world, &s, "reshard");
         assert_same_state(&ckpt, &again.join("ckpt/step-00000010"), &name);
-        if world > 1 {
+        if world > 1 && extra.is_empty() {
             let got = continue_15(&name, world, stage, mb);
             assert_eq!(got.len(), want.len());
             for ((step, a), (_, b)) in got.iter().zip(&want) {
