@@ -40,6 +40,14 @@ pub fn run(config: &Path, overrides: &[String]) -> Result<()> {
         }
     };
     if topo.rank == 0 {
+        println!("{}", zrun_train::report::memory_table(&s.ranks));
+        println!("{}", zrun_train::report::time_table(&s.ranks));
+        if !s.stragglers.is_empty() {
+            println!(
+                "stragglers: rank(s) {:?} are busy over 20% longer per step than the median rank (the others wait for them)",
+                s.stragglers
+            );
+        }
         let gap = floor
             .map(|f| format!(" (floor {f:.4}, {:+.1}%)", 100.0 * (s.eval_loss - f) / f))
             .unwrap_or_default();

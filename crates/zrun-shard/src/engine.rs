@@ -89,6 +89,19 @@ pub struct StepStats {
     pub loss_scale: f64,
 }
 
+/// Where this rank's time went since [`Engine::take_times`] was last called, in seconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepTimes {
+    /// Forward of the micro-steps, without the waits for collectives.
+    pub forward: f64,
+    /// Backward of the micro-steps, without the waits for collectives.
+    pub backward: f64,
+    /// Waiting for collectives: the communication compute did not hide.
+    pub comm_wait: f64,
+    /// The optimizer step (reduction, clipping, update, parameter refresh), without waits.
+    pub optimizer: f64,
+}
+
 /// Where the AdamW step runs.
 pub(crate) enum Optimizer {
     /// On the compute device, libtorch kernels over the owned shard.
@@ -127,6 +140,7 @@ pub struct Engine {
     pub(crate) optimizer: Optimizer,
     pub(crate) scaler: LossScaler,
     pub(crate) early: EarlyStep,
+    pub(crate) times: StepTimes,
 }
 
 impl Engine {
@@ -209,6 +223,7 @@ impl Engine {
             optimizer,
             scaler,
             early: EarlyStep::Off,
+            times: StepTimes::default(),
         })
     }
 
@@ -225,6 +240,18 @@ impl Engine {
     /// The communicator this engine uses.
     pub fn comm(&self) -> &Arc<dyn Communicator> {
         &self.mover.comm
+    }
+
+    /// The most bytes of gathered unit parameters alive at once (stage 3; part of the
+    /// ledger's `buffers`).
+    pub fn gathered_peak(&self) -> i64 {
+        self.mover.peak_gathered
+    }
+
+    /// Where this rank's time went since the last call (forward, backward, waits for
+    /// collectives, optimizer), and starts counting again.
+    pub fn take_times(&mut self) -> StepTimes {
+        std::mem::take(&mut self.times)
     }
 
     /// The current loss scale (1 outside fp16).
@@ -340,6 +367,15 @@ impl Engine {
     /// parameters and clears the gradients. A step whose gradients are not finite on any
     /// rank is skipped (and with fp16 the loss scale halves).
     pub fn step(&mut self, lr: f64, max_norm: f64) -> Result<StepStats> {
+        let (t0, w0) = (std::time::Instant::now(), self.mover.waited);
+        let stats = self.step_inner(lr, max_norm);
+        let waited = self.mover.waited - w0;
+        self.times.comm_wait += waited.as_secs_f64();
+        self.times.optimizer += t0.elapsed().saturating_sub(waited).as_secs_f64();
+        stats
+    }
+
+    fn step_inner(&mut self, lr: f64, max_norm: f64) -> Result<StepStats> {
         let _guard = tch::no_grad_guard();
         let early = std::mem::replace(&mut self.early, EarlyStep::Off);
         if let EarlyStep::Submitted { lr: l, max_norm: m } = early {
@@ -371,7 +407,7 @@ impl Engine {
         let sum_sq = if self.cfg.stage == Stage::Zero0 {
             local
         } else {
-            self.mover.sum_over_ranks(local)?
+            self.mover.sum_over_ranks(local, self.cfg.device)?
         };
         let loss_scale = self.scaler.scale();
         let grad_norm = sum_sq.sqrt() / loss_scale;

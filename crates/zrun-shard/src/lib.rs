@@ -16,7 +16,7 @@ mod scaler;
 mod snapshot;
 mod state;
 
-pub use engine::{Engine, EngineConfig, StepStats};
+pub use engine::{Engine, EngineConfig, StepStats, StepTimes};
 pub use layout::{ShardLayout, UnitLayout, View};
 pub use memory::MemoryLedger;
 pub use policy::{Offload, Precision, ReduceDtype, Stage};

@@ -9,6 +9,7 @@ use crate::engine::{views, EarlyStep, Engine, Optimizer};
 use crate::state::{Mover, Pending};
 use crate::{Context, Error, Result, Stage};
 use std::collections::VecDeque;
+use std::time::Instant;
 use tch::Tensor;
 use zrun_models::lm_loss;
 
@@ -121,6 +122,7 @@ impl Engine {
             }
             EarlyStep::Off => {}
         }
+        let (t0, w0) = (Instant::now(), self.mover.waited);
         let mut x = inputs
             .f_to_device(dev)
             .ctx("move inputs to the device", "-")?;
@@ -166,6 +168,7 @@ impl Engine {
             lm_loss(&x, &targets)?
         };
         let value = loss.f_double_value(&[]).ctx("read loss", "head")?;
+        let (t1, w1) = (Instant::now(), self.mover.waited);
         let loss_seed = weight * self.scaler.scale();
         drop(x);
         // The last unit's backward starts from the loss, which saved what it needs (the
@@ -243,6 +246,11 @@ impl Engine {
         while let Some(p) = reducing.pop_front() {
             self.accumulate_shard(p)?;
         }
+        let (fwd_wait, bwd_wait) = (w1 - w0, self.mover.waited - w1);
+        let t = &mut self.times;
+        t.forward += (t1 - t0).saturating_sub(fwd_wait).as_secs_f64();
+        t.backward += t1.elapsed().saturating_sub(bwd_wait).as_secs_f64();
+        t.comm_wait += (fwd_wait + bwd_wait).as_secs_f64();
         Ok(value)
     }
 
@@ -319,6 +327,14 @@ impl Engine {
 
     /// This rank's mean loss of a batch, without gradients.
     pub fn eval_loss(&mut self, inputs: &Tensor, targets: &Tensor) -> Result<f64> {
+        // Evaluation is not part of a training step: its waits are not counted.
+        let waited = self.mover.waited;
+        let r = self.eval_inner(inputs, targets);
+        self.mover.waited = waited;
+        r
+    }
+
+    fn eval_inner(&mut self, inputs: &Tensor, targets: &Tensor) -> Result<f64> {
         let _guard = tch::no_grad_guard();
         let model = self.model.clone();
         let units = model.units();

@@ -4,6 +4,7 @@
 use crate::layout::ShardLayout;
 use crate::{Context, Error, Result, Stage};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tch::{Kind, Tensor};
 use zrun_comm::{Communicator, ReduceOp, Work};
 
@@ -31,6 +32,11 @@ pub(crate) struct Mover {
     in_flight: i64,
     /// The most bytes of temporary communication buffers alive at once.
     pub(crate) peak_in_flight: i64,
+    /// Time spent waiting for collectives to complete (communication not hidden by compute).
+    pub(crate) waited: Duration,
+    /// Bytes of gathered unit parameters alive now, and at most (stage 3).
+    gathered: i64,
+    pub(crate) peak_gathered: i64,
 }
 
 impl Mover {
@@ -40,6 +46,9 @@ impl Mover {
             layout,
             in_flight: 0,
             peak_in_flight: 0,
+            waited: Duration::ZERO,
+            gathered: 0,
+            peak_gathered: 0,
         }
     }
 
@@ -50,23 +59,39 @@ impl Mover {
         device: tch::Device,
         unit: usize,
     ) -> Result<Tensor> {
-        let t = Tensor::f_empty([numel], (kind, device)).ctx(
+        Tensor::f_empty([numel], (kind, device)).ctx(
             "allocate communication buffer",
             &self.layout.units[unit].unit,
-        )?;
-        self.in_flight += numel * kind.elt_size_in_bytes() as i64;
+        )
+    }
+
+    /// Counts `bytes` more in flight.
+    fn count(&mut self, bytes: i64) {
+        self.in_flight += bytes;
         self.peak_in_flight = self.peak_in_flight.max(self.in_flight);
-        Ok(t)
+    }
+
+    /// Counts `bytes` more of gathered parameters in flight.
+    fn count_gathered(&mut self, bytes: i64) {
+        self.gathered += bytes;
+        self.peak_gathered = self.peak_gathered.max(self.gathered);
+        self.count(bytes);
     }
 
     fn release(&mut self, t: &Tensor) {
         self.in_flight -= t.numel() as i64 * t.kind().elt_size_in_bytes() as i64;
     }
 
+    fn release_gathered(&mut self, t: &Tensor) {
+        self.gathered -= t.numel() as i64 * t.kind().elt_size_in_bytes() as i64;
+        self.release(t);
+    }
+
     /// Starts gathering unit `u` from this rank's `shard` slice into a new full buffer.
     pub(crate) fn start_gather(&mut self, shard: &Tensor, u: usize) -> Result<Pending> {
         let numel = self.layout.units[u].padded;
         let full = self.alloc(numel, shard.kind(), shard.device(), u)?;
+        self.count_gathered(numel * shard.kind().elt_size_in_bytes() as i64);
         let input = self.shard_of(shard, u)?;
         let work = self.comm.all_gather(&input, &full).map_err(Error::Comm)?;
         Ok(Pending {
@@ -79,7 +104,15 @@ impl Mover {
 
     /// Waits for a gather and returns the full unit buffer (still counted until `done_with`).
     pub(crate) fn finish_gather(&mut self, p: Pending) -> Result<Tensor> {
-        Ok(p.wait()?.2)
+        Ok(self.timed(|| p.wait())?.2)
+    }
+
+    /// Runs `wait`, adding its time to [`Mover::waited`].
+    fn timed<T>(&mut self, wait: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let r = wait();
+        self.waited += t.elapsed();
+        r
     }
 
     /// Re-gathers unit `u` into `full`, a buffer whose storage was freed with [`Mover::free`]
@@ -95,8 +128,7 @@ impl Mover {
         let bytes = full.numel() as i64 * full.kind().elt_size_in_bytes() as i64;
         zrun_torch_ext::resize_storage(full, bytes as usize)
             .map_err(|e| Error::Storage(name.clone(), e))?;
-        self.in_flight += bytes;
-        self.peak_in_flight = self.peak_in_flight.max(self.in_flight);
+        self.count_gathered(bytes);
         let input = self.shard_of(shard, u)?;
         let output = full.data();
         let work = self.comm.all_gather(&input, &output).map_err(Error::Comm)?;
@@ -112,19 +144,20 @@ impl Mover {
     pub(crate) fn free(&mut self, full: &Tensor) -> Result<()> {
         zrun_torch_ext::resize_storage(full, 0)
             .map_err(|e| Error::Storage("gathered unit".into(), e))?;
-        self.release(full);
+        self.release_gathered(full);
         Ok(())
     }
 
     /// Stops counting a gathered buffer that the caller keeps (it is no longer in flight).
     pub(crate) fn untrack(&mut self, full: &Tensor) {
-        self.release(full);
+        self.release_gathered(full);
     }
 
     /// Starts averaging unit `u`'s full gradient `grad` over the ranks into a new shard buffer.
     pub(crate) fn start_reduce_scatter(&mut self, grad: Tensor, u: usize) -> Result<Pending> {
         let len = self.layout.units[u].shard_len();
         let shard = self.alloc(len, grad.kind(), grad.device(), u)?;
+        self.count(len * grad.kind().elt_size_in_bytes() as i64);
         let work = self
             .comm
             .reduce_scatter(&grad, &shard, ReduceOp::Avg)
@@ -139,7 +172,7 @@ impl Mover {
 
     /// Waits for a reduce-scatter; returns the unit and its reduced shard (count released).
     pub(crate) fn finish_reduce_scatter(&mut self, p: Pending) -> Result<(usize, Tensor)> {
-        let (u, _grad, shard) = p.wait()?;
+        let (u, _grad, shard) = self.timed(|| p.wait())?;
         self.release(&shard);
         Ok((u, shard))
     }
@@ -157,9 +190,11 @@ impl Mover {
                     .map_err(Error::Comm)?,
             );
         }
-        pending
-            .into_iter()
-            .try_for_each(|w| w.wait().map_err(Error::Comm))
+        self.timed(|| {
+            pending
+                .into_iter()
+                .try_for_each(|w| w.wait().map_err(Error::Comm))
+        })
     }
 
     /// Averages every unit of the full buffer `grads` over the ranks and writes the owned
@@ -202,7 +237,7 @@ impl Mover {
                 output: full,
             });
         }
-        pending.into_iter().try_for_each(|p| p.wait().map(drop))
+        self.timed(|| pending.into_iter().try_for_each(|p| p.wait().map(drop)))
     }
 
     /// Unit `u`'s padded region of a full buffer of all units.
@@ -236,17 +271,20 @@ impl Mover {
             .ctx("slice shard", &l.unit)
     }
 
-    /// Sum over the ranks of a local sum of squares.
-    pub(crate) fn sum_over_ranks(&self, local: f64) -> Result<f64> {
+    /// Sum over the ranks of a local sum of squares, reduced on `device` (NCCL takes device
+    /// tensors only) and read back once.
+    pub(crate) fn sum_over_ranks(&mut self, local: f64, device: tch::Device) -> Result<f64> {
         if self.comm.world_size() == 1 {
             return Ok(local);
         }
-        let t = Tensor::from_slice(&[local as f32]);
-        self.comm
+        let t = Tensor::f_from_slice(&[local as f32])
+            .and_then(|t| t.f_to_device(device))
+            .ctx("place value to reduce", "-")?;
+        let work = self
+            .comm
             .all_reduce(&t, ReduceOp::Sum)
-            .map_err(Error::Comm)?
-            .wait()
             .map_err(Error::Comm)?;
+        self.timed(|| work.wait()).map_err(Error::Comm)?;
         t.f_double_value(&[0]).ctx("read reduced value", "-")
     }
 }

@@ -220,7 +220,7 @@ int zrun_ext_grad(const at::Tensor* const* outputs, const at::Tensor* const* gra
 // Sets *available to 0 where CUDA is absent (libtorch_cuda not loaded, no GPU, or a device
 // index out of range); otherwise fills the caching allocator's aggregate figures.
 int zrun_ext_cuda_memory(int64_t device, int* available, int64_t* allocated, int64_t* peak,
-                         int64_t* reserved, char** err) {
+                         int64_t* reserved, int64_t* peak_reserved, char** err) {
   return guard(err, [&] {
     *available = 0;
     if (!at::globalContext().hasCUDA()) {
@@ -236,6 +236,7 @@ int zrun_ext_cuda_memory(int64_t device, int* available, int64_t* allocated, int
     *allocated = stats.allocated_bytes[agg].current;
     *peak = stats.allocated_bytes[agg].peak;
     *reserved = stats.reserved_bytes[agg].current;
+    *peak_reserved = stats.reserved_bytes[agg].peak;
     *available = 1;
     return ZR_OK;
   });

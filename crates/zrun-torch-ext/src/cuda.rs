@@ -20,6 +20,8 @@ pub struct CudaMemory {
     /// Bytes the allocator holds from the driver, cached ones included
     /// (`torch.cuda.memory_reserved`).
     pub reserved: u64,
+    /// Most bytes reserved since the last [`reset_cuda_peak`] (`max_memory_reserved`).
+    pub peak_reserved: u64,
 }
 
 /// CUDA caching-allocator figures of `device` (bytes allocated now, peak since last reset),
@@ -30,7 +32,7 @@ pub struct CudaMemory {
 pub fn cuda_memory(device: usize) -> Option<CudaMemory> {
     let device = i64::try_from(device).ok()?;
     let mut available: c_int = 0;
-    let (mut allocated, mut peak, mut reserved) = (0i64, 0i64, 0i64);
+    let (mut allocated, mut peak, mut reserved, mut peak_reserved) = (0i64, 0i64, 0i64, 0i64);
     let mut err = ptr::null_mut();
     // SAFETY: every out-pointer is a valid, exclusive place of its type for the call; the
     // shim catches every C++ exception and reports it through `err`.
@@ -41,6 +43,7 @@ pub fn cuda_memory(device: usize) -> Option<CudaMemory> {
             &mut allocated,
             &mut peak,
             &mut reserved,
+            &mut peak_reserved,
             &mut err,
         )
     };
@@ -49,6 +52,7 @@ pub fn cuda_memory(device: usize) -> Option<CudaMemory> {
         allocated: allocated.max(0) as u64,
         peak_allocated: peak.max(0) as u64,
         reserved: reserved.max(0) as u64,
+        peak_reserved: peak_reserved.max(0) as u64,
     })
 }
 

@@ -41,6 +41,7 @@ extern "C" {
         allocated: *mut i64,
         peak: *mut i64,
         reserved: *mut i64,
+        peak_reserved: *mut i64,
         err: *mut *mut c_char,
     ) -> c_int;
     pub(crate) fn zrun_ext_reset_cuda_peak(device: i64, err: *mut *mut c_char) -> c_int;

@@ -8,6 +8,7 @@ pub mod config;
 pub mod data;
 pub mod metrics;
 mod reduce;
+pub mod report;
 pub mod stop;
 pub mod trainer;
 

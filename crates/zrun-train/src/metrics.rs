@@ -1,5 +1,6 @@
 //! `metrics.jsonl` (one JSON object per logged step) and `summary.json` in `log.dir`.
 
+use crate::report::RankFigures;
 use serde::Serialize;
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -43,6 +44,10 @@ pub struct StepMetrics {
     /// Evaluation loss, on the steps that evaluated.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
+    /// Training tokens consumed so far, over all ranks.
+    pub tokens: u64,
+    /// Every rank's time breakdown (means over the steps since the previous line) and memory.
+    pub ranks: Vec<RankFigures>,
 }
 
 /// End-of-run figures.
@@ -75,6 +80,11 @@ pub struct Summary {
     pub world_size: usize,
     /// Wall time of the run, seconds.
     pub wall_time_s: f64,
+    /// Every rank's time breakdown (means per step over the run, the first step excluded)
+    /// and memory at the end.
+    pub ranks: Vec<RankFigures>,
+    /// Ranks whose busy time per step exceeds the median rank's by more than 20%.
+    pub stragglers: Vec<usize>,
 }
 
 /// Appends step metrics to `metrics.jsonl`, flushed line by line so a crash loses nothing.
@@ -217,12 +227,14 @@ mod tests {
             peak_rss_bytes: 2,
             cuda_peak_bytes: None,
             eval_loss: None,
+            tokens: 64,
+            ranks: Vec::new(),
         };
         w.write(&m).unwrap();
         w.write(&StepMetrics {
             step: 2,
             eval_loss: Some(2.0),
-            ..m
+            ..m.clone()
         })
         .unwrap();
         let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();

@@ -5,6 +5,7 @@ use crate::config::{Config, DataKind, DeviceChoice};
 use crate::data::{Cursor, DataOptions, DataSource, Dataset, Loader};
 use crate::metrics::{cuda_peak_bytes, median, rss_bytes, MetricsWriter, StepMetrics, Summary};
 use crate::reduce::{gather_bytes, reduce};
+use crate::report;
 use crate::Error;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -150,6 +151,17 @@ impl Run {
             .collect())
     }
 
+    /// Every rank's figures (`time` is this rank's; every rank calls).
+    fn figures(&self, time: report::Breakdown) -> Result<Vec<report::RankFigures>, Error> {
+        let mine = report::RankFigures {
+            rank: self.rank.rank,
+            time,
+            memory: report::MemoryByKind::of(&self.engine, self.base_rss),
+        };
+        let device = self.engine.config().device;
+        report::gather(self.engine.comm().as_ref(), device, &mine)
+    }
+
     /// Removes what interrupted saves left, then loads the checkpoint `checkpoint.resume`
     /// names (or finds) into the engine; every rank calls it. `None`: a fresh start.
     pub fn restore(&mut self) -> Result<Option<Resumed>, Error> {
@@ -236,6 +248,11 @@ impl Run {
             total_steps: t.steps,
         };
         let r = self.rank;
+        if r.rank == 0 {
+            for note in &self.cfg.notes {
+                tracing::warn!("{note}");
+            }
+        }
         let resumed = self.restore()?;
         let first = resumed.as_ref().map_or(0, |c| c.step);
         if let Some(c) = resumed.as_ref().filter(|c| c.step >= t.steps) {
@@ -301,6 +318,11 @@ impl Run {
             }
         }
         let mut rates = Vec::new();
+        // Where the steps' time went: since the last logged line, and over the run.
+        let (mut since_log, mut run_time) = (report::Sum::default(), report::Sum::default());
+        let started = Instant::now();
+        // The launcher draws rank 0's progress from metrics.jsonl: no per-step lines then.
+        let lines = r.rank == 0 && std::env::var("ZRUN_PROGRESS").as_deref() != Ok("launcher");
         let mut last_loss = f64::NAN;
         let mut eval_loss = None;
         let mut skipped = 0u64;
@@ -309,12 +331,15 @@ impl Run {
         for step in first..t.steps {
             let t0 = Instant::now();
             let mut loss = 0.0;
+            let mut data_s = 0.0;
             let lr = schedule.at(step);
             for micro in 0..t.grad_accum {
                 if micro + 1 == t.grad_accum {
                     self.engine.prepare_step(lr, t.grad_clip);
                 }
+                let read = Instant::now();
                 let (x, y) = loader.next_micro_batch()?;
+                data_s += read.elapsed().as_secs_f64();
                 loss += self
                     .engine
                     .forward_backward(&x, &y, 1.0 / t.grad_accum as f64)?
@@ -339,8 +364,11 @@ impl Run {
                 });
             }
             let dt = t0.elapsed().as_secs_f64();
+            let spent = breakdown(dt, data_s, self.engine.take_times());
+            since_log.add(spent);
             if step > first || t.steps == first + 1 {
                 rates.push(tokens_per_step / dt);
+                run_time.add(spent);
             }
             let done = step + 1;
             let evaluate = t.eval_every > 0 && done % t.eval_every == 0 || done == t.steps;
@@ -356,6 +384,7 @@ impl Run {
                 let (rss, peak) = rss_bytes();
                 let mem = self.engine.memory();
                 let tokens_per_s = tokens_per_step / dt;
+                let ranks = self.figures(std::mem::take(&mut since_log).mean())?;
                 let m = StepMetrics {
                     step: done,
                     loss,
@@ -374,17 +403,24 @@ impl Run {
                     peak_rss_bytes: peak,
                     cuda_peak_bytes: cuda_peak_bytes(self.engine.config().device),
                     eval_loss,
+                    tokens: loader.cursor().next_sample * self.model.seq_len() as u64,
+                    ranks,
                 };
                 // Every rank logs the same averaged figures: rank 0 speaks for the job.
-                if r.rank == 0 {
+                if lines {
+                    let elapsed = started.elapsed().as_secs_f64();
+                    let eta = elapsed / (done - first) as f64 * (t.steps - done) as f64;
                     tracing::info!(
-                        "step {done}/{} loss {loss:.4}{} lr {lr:.3e} grad_norm {:.3} {:.0} tok/s {:.3}s rss {} MiB",
+                        "step {done}/{} loss {loss:.4}{} lr {lr:.3e} grad_norm {:.3} {:.0} tok/s{} {:.3}s rss {} MiB elapsed {} eta {}",
                         t.steps,
                         eval_loss.map(|e| format!(" eval {e:.4}")).unwrap_or_default(),
                         stats.grad_norm,
                         m.tokens_per_s,
+                        m.mfu.map(|f| format!(" mfu {:.1}%", 100.0 * f)).unwrap_or_default(),
                         dt,
-                        rss >> 20
+                        rss >> 20,
+                        clock(elapsed),
+                        clock(eta)
                     );
                 }
                 if let Some(w) = metrics.as_mut() {
@@ -407,7 +443,11 @@ impl Run {
             }
         }
         self.ckpt.flush(&mut self.engine)?;
+        let ranks = self.figures(run_time.mean())?;
+        let stragglers = report::stragglers(&ranks);
         let summary = Summary {
+            stragglers,
+            ranks,
             steps: t.steps,
             final_loss: last_loss,
             eval_loss: eval_loss.unwrap_or(f64::NAN),
@@ -478,4 +518,29 @@ fn set_threads(configured: usize, local_world_size: usize) -> usize {
     };
     tch::set_num_threads(n as i32);
     n
+}
+
+/// A step's parts: `dt` seconds in all, `data_s` reading data, the engine's `times`, and
+/// the rest.
+fn breakdown(dt: f64, data_s: f64, times: zrun_shard::StepTimes) -> report::Breakdown {
+    let parts = data_s + times.forward + times.backward + times.comm_wait + times.optimizer;
+    report::Breakdown {
+        step_time_s: dt,
+        data_s,
+        forward_s: times.forward,
+        backward_s: times.backward,
+        comm_wait_s: times.comm_wait,
+        optimizer_s: times.optimizer,
+        other_s: (dt - parts).max(0.0),
+    }
+}
+
+/// Seconds as `1h02m03s`, `2m03s` or `3s`.
+fn clock(s: f64) -> String {
+    let s = s.max(0.0).round() as u64;
+    match (s / 3600, s / 60 % 60, s % 60) {
+        (0, 0, sec) => format!("{sec}s"),
+        (0, m, sec) => format!("{m}m{sec:02}s"),
+        (h, m, sec) => format!("{h}h{m:02}m{sec:02}s"),
+    }
 }

@@ -40,6 +40,16 @@ impl Config {
                 one_line(e.inner().message())
             ))
         })?;
+        let mut cfg = cfg;
+        let t = &mut cfg.train;
+        if t.warmup_steps > t.steps {
+            // A short trial run of a long config: the warmup fits the run instead.
+            cfg.notes.push(format!(
+                "train.warmup_steps = {} is more than train.steps = {}: the warmup is shortened to {} steps",
+                t.warmup_steps, t.steps, t.steps
+            ));
+            t.warmup_steps = t.steps;
+        }
         cfg.validate().map_err(|(key, value, allowed)| {
             let source = source_of(&key, &file, &set_keys);
             ConfigError(format!("{source}: {key} = {value}: {allowed}"))
@@ -137,13 +147,6 @@ impl Config {
             if !(m.is_finite() && (0.0..=t.lr).contains(&m)) {
                 return bad("train.min_lr", m, "must be between 0 and train.lr");
             }
-        }
-        if t.warmup_steps > t.steps {
-            return bad(
-                "train.warmup_steps",
-                t.warmup_steps,
-                "must be at most train.steps",
-            );
         }
         if !(t.weight_decay.is_finite() && t.weight_decay >= 0.0) {
             return bad("train.weight_decay", t.weight_decay, "must be >= 0");

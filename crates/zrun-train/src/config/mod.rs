@@ -34,6 +34,9 @@ pub struct Config {
     pub checkpoint: CheckpointConfig,
     /// `[log]`: metrics directory and cadence.
     pub log: LogConfig,
+    /// What loading adjusted, as warnings for the run's log (not a config key).
+    #[serde(skip)]
+    pub notes: Vec<String>,
 }
 
 /// Model architecture family.
