@@ -16,6 +16,8 @@ need make command -v make
 need pkg-config command -v pkg-config
 need python3 command -v python3
 need python3-venv python3 -c 'import venv, ensurepip'
+# `zrun plot` draws text with a TTF font read at run time (or $ZRUN_FONT).
+need fonts-dejavu-core test -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf
 # MPI backend (cargo feature `mpi`): OpenMPI and libclang for bindgen.
 need libopenmpi-dev command -v mpicc
 need openmpi-bin command -v mpirun

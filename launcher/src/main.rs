@@ -12,6 +12,12 @@
 //!     zrun --max-restarts 3 --nproc 8 train.toml               # restart from the newest checkpoint
 //!     zrun consolidate runs/x/ckpt/step-00001000 -o model.safetensors
 //!
+//! Output: on a terminal node 0's launcher draws rank 0's progress as one live line (step,
+//! loss, tokens/s, MFU, memory, ETA) with every other line above it; elsewhere (a pipe, a
+//! file, CI, under mpirun/srun) the ranks print plain lines every `log.every` steps.
+//! `--quiet` leaves the final line and errors; `--log-format json` makes every line a JSON
+//! object. Lines carry the time of day (`12:34:56`), and `RUST_LOG` sets what is logged.
+//!
 //! Launcher or rank: a process whose environment holds rank variables (zrun's and torchrun's
 //! `RANK`/`WORLD_SIZE`, OpenMPI's, PMI's or Slurm's) trains as that one rank; without them it
 //! is the launcher and starts the ranks. Layout flags (`--nproc`, `--nnodes`, ...) together
@@ -27,6 +33,7 @@ mod bench_adam;
 mod bench_ckpt;
 mod consolidate;
 mod launch;
+mod plot;
 mod worker;
 
 use clap::{Parser, Subcommand};
@@ -34,7 +41,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use launch::{BadInput, LaunchFlags, Program};
+use launch::{output, BadInput, LaunchFlags, Level, Program, Style};
 use zrun_comm::{Topology, TopologySource};
 
 /// Command line of `zrun`.
@@ -70,6 +77,9 @@ enum Cmd {
     Exec(ExecArgs),
     /// Write one safetensors file of full, named parameters from a sharded checkpoint.
     Consolidate(consolidate::ConsolidateArgs),
+    /// Draw PNG and SVG charts (loss, throughput, memory, step-time breakdown) of one run or
+    /// several, compared, from their metrics.jsonl and summary.json.
+    Plot(plot::PlotArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -94,14 +104,50 @@ enum BenchCmd {
     Ckpt(bench_ckpt::CkptArgs),
 }
 
+/// What `zrun` alone prints (then it exits 2).
+const USAGE: &str = "\
+zrun: sharded data-parallel training (ZeRO stages 0-3) on CPUs and GPUs
+
+Usage: zrun [OPTIONS] CONFIG.toml [--set KEY=VALUE]...
+       zrun COMMAND [ARGS]...
+
+Common commands:
+  zrun configs/tiny-cpu.toml                      train (ranks: --nproc, default the GPUs or 1)
+  zrun --nproc 4 train.toml                       4 ranks on this node
+  zrun train.toml --set train.steps=50            override a config key
+  zrun --dry-run --nproc 8 train.toml             layout and bytes per rank, no training
+  zrun exec --nproc 2 -- sh -c 'echo $RANK'       any program as the ranks
+  zrun consolidate runs/x/ckpt/step-00001000 -o model.safetensors
+  zrun bench comm --nproc 2                       collective bandwidth
+  zrun plot runs/a runs/b -o plots/               charts from metrics.jsonl
+
+Output: --quiet (the final line and errors), --log-format json (one object per line)
+More: zrun --help, zrun COMMAND --help
+";
+
 fn main() -> ExitCode {
+    if std::env::args_os().len() <= 1 {
+        eprint!("{USAGE}");
+        return ExitCode::from(2);
+    }
     let cli = Cli::parse();
-    init_logging();
+    let flags = match &cli.command {
+        None => Some(&cli.launch),
+        Some(Cmd::Exec(e)) => Some(&e.launch),
+        Some(_) => None,
+    };
+    let style = Style::resolve(
+        flags.and_then(|f| f.log_format),
+        flags.is_some_and(|f| f.quiet),
+    );
+    output::set_style(style);
+    init_logging(style);
     let result = match cli.command {
         Some(Cmd::Bench(BenchCmd::Comm(ref args))) => bench::run_comm(args).map(|()| 0),
         Some(Cmd::Bench(BenchCmd::Adam(ref args))) => bench_adam::run_adam(args).map(|()| 0),
         Some(Cmd::Bench(BenchCmd::Ckpt(ref args))) => bench_ckpt::run_ckpt(args).map(|()| 0),
         Some(Cmd::Consolidate(ref args)) => consolidate::run(args),
+        Some(Cmd::Plot(ref args)) => plot::run(args),
         Some(Cmd::Exec(ref e)) => exec(e),
         None => train(&cli),
     };
@@ -109,11 +155,11 @@ fn main() -> ExitCode {
         Ok(code) => ExitCode::from(code),
         Err(e) if worker::exit_code(&e) == 3 => {
             // Not a failure: a requested stop, with the state saved.
-            eprintln!("zrun: {e:#}");
+            output::say(Level::Warn, &format!("{e:#}"));
             ExitCode::from(3)
         }
         Err(e) => {
-            eprintln!("zrun: error: {e:#}");
+            output::say(Level::Error, &format!("error: {e:#}"));
             ExitCode::from(if is_bad_input(&e) {
                 2
             } else {
@@ -181,10 +227,15 @@ fn train(cli: &Cli) -> anyhow::Result<u8> {
         args,
     };
     // The ranks save a checkpoint on SIGTERM/SIGUSR1; the launcher kills them after this.
+    // Rank 0 writes metrics.jsonl, which feeds the progress line on a terminal.
     let opts = launch::Options {
         stop_deadline: Some(std::time::Duration::from_secs(
             cfg.checkpoint.signal_deadline_s,
         )),
+        progress: Some(launch::Source {
+            metrics: cfg.log.dir.join("metrics.jsonl"),
+            steps: cfg.train.steps,
+        }),
     };
     launch::run(&cli.launch, &program, &opts)
 }
@@ -210,13 +261,29 @@ fn exec(e: &ExecArgs) -> anyhow::Result<u8> {
     launch::run(&e.launch, &program, &launch::Options::default())
 }
 
-fn init_logging() {
+/// Logs to stderr (through [`output`], so above a progress line) at `RUST_LOG`'s levels, else
+/// INFO, or WARN with `--quiet`/`ZRUN_QUIET=1`. Human lines carry the local time of day to the
+/// second (`12:34:56  INFO ...`): enough to line a log up with the system's and to see a stall,
+/// short enough to read; JSON lines (`--log-format json`/`ZRUN_LOG_FORMAT=json`) carry the
+/// full UTC timestamp and the event's fields at the top level.
+fn init_logging(style: Style) {
+    let level = if style.quiet { "warn" } else { "info" };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_target(false)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(output::LogWriter);
+    match style.format {
+        launch::LogFormat::Human => fmt
+            .with_timer(output::Clock)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+        launch::LogFormat::Json => fmt
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .with_span_list(false)
+            .init(),
+    }
 }

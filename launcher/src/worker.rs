@@ -39,10 +39,13 @@ pub fn run(config: &Path, overrides: &[String]) -> Result<()> {
             return Ok(());
         }
     };
-    if topo.rank == 0 {
+    let quiet = std::env::var("ZRUN_QUIET").as_deref() == Ok("1");
+    if topo.rank == 0 && !quiet {
         println!("{}", zrun_train::report::memory_table(&s.ranks));
         println!("{}", zrun_train::report::time_table(&s.ranks));
-        if !s.stragglers.is_empty() {
+    }
+    if topo.rank == 0 {
+        if !s.stragglers.is_empty() && !quiet {
             println!(
                 "stragglers: rank(s) {:?} are busy over 20% longer per step than the median rank (the others wait for them)",
                 s.stragglers

@@ -7,8 +7,13 @@
 //! starts its workers again, together. SIGTERM and SIGUSR1 are forwarded as they are and the
 //! workers get the stop deadline to save a checkpoint and exit 3. Workers die with the
 //! launcher (parent-death signal), so none outlives it.
+//!
+//! Every line goes through [`output`]: human or JSON (`--log-format`), `--quiet`, and above
+//! rank 0's live progress line ([`progress`]) when node 0's launcher draws one on a terminal.
 
+pub mod output;
 mod plan;
+mod progress;
 mod rendezvous;
 mod round;
 mod signals;
@@ -20,7 +25,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
+pub use output::{Level, LogFormat, Style};
 pub use plan::Plan;
+pub use progress::Source;
 pub use spawn::Program;
 
 use rendezvous::Rendezvous;
@@ -75,6 +82,13 @@ pub struct LaunchFlags {
     /// a worker exits 2 (bad input) or zrun gets a signal. Give every node the same N.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub max_restarts: u32,
+    /// Print only warnings, errors and the final line (the ranks get ZRUN_QUIET=1).
+    #[arg(long, short)]
+    pub quiet: bool,
+    /// How every line is printed; the ranks get ZRUN_LOG_FORMAT [default: human, or
+    /// ZRUN_LOG_FORMAT].
+    #[arg(long, value_enum, value_name = "FORMAT")]
+    pub log_format: Option<LogFormat>,
 }
 
 impl LaunchFlags {
@@ -100,6 +114,9 @@ pub struct Options {
     /// Time between forwarding SIGTERM or SIGUSR1 to the workers and SIGKILL, for them to
     /// save a checkpoint (training: `checkpoint.signal_deadline_s`); `None`: `--grace-s`.
     pub stop_deadline: Option<Duration>,
+    /// Training: rank 0's metrics, for the live progress line that node 0's launcher draws
+    /// when stderr is a terminal (human format, not `--quiet`).
+    pub progress: Option<Source>,
 }
 
 /// Runs `program` as this node's ranks and supervises them, restarting the group up to
@@ -112,11 +129,27 @@ pub fn run(flags: &LaunchFlags, program: &Program, opts: &Options) -> anyhow::Re
     } else {
         Rendezvous::join(&plan)?
     };
+    let style = output::style();
+    let mut env = style.worker_env();
+    // Only node 0 hosts rank 0, whose metrics the line shows; it clears itself when dropped.
+    let draw = opts.progress.clone().filter(|_| {
+        plan.node_rank == 0
+            && style == Style::default()
+            && std::io::IsTerminal::is_terminal(&std::io::stderr())
+    });
+    let progress = match draw {
+        Some(src) => Some(progress::Progress::start(src).context("starting the progress line")?),
+        None => None,
+    };
+    if progress.is_some() {
+        env.push((output::PROGRESS_ENV.to_string(), "launcher".to_string()));
+    }
     let job = Job {
         plan: &plan,
         program,
         rdzv: &rdzv,
         stop_deadline: opts.stop_deadline.unwrap_or(plan.grace),
+        env,
     };
     let mut round = 0;
     let code = loop {
@@ -126,7 +159,7 @@ pub fn run(flags: &LaunchFlags, program: &Program, opts: &Options) -> anyhow::Re
         }
         // Every node meets before any starts again (nothing to wait for on one node).
         if let Err(msg) = rdzv.ready(round + 1, Instant::now() + plan.rdzv_timeout) {
-            eprintln!("zrun: not restarting: {msg}");
+            output::say(Level::Error, &format!("not restarting: {msg}"));
             rdzv.publish_failure(
                 &format!("node {} did not restart: {msg}", plan.node_rank),
                 true,
@@ -137,7 +170,10 @@ pub fn run(flags: &LaunchFlags, program: &Program, opts: &Options) -> anyhow::Re
         if let Some((sig, _)) = signals::received() {
             // Published as round `round`'s failure: the others watch that key now.
             rdzv.set_round(round);
-            eprintln!("zrun: received {}; not restarting", signals::name(sig));
+            output::say(
+                Level::Warn,
+                &format!("received {}; not restarting", signals::name(sig)),
+            );
             rdzv.publish_failure(
                 &format!(
                     "node {}'s zrun received {}",
@@ -149,6 +185,9 @@ pub fn run(flags: &LaunchFlags, program: &Program, opts: &Options) -> anyhow::Re
             break signals::exit_code(sig);
         }
     };
+    if let Some(p) = progress {
+        p.finish();
+    }
     rdzv.close();
     Ok(code)
 }

@@ -251,6 +251,8 @@ mod tests {
             run_id: None,
             rdzv_timeout_s: 300,
             max_restarts: 0,
+            quiet: false,
+            log_format: None,
         }
     }
 

@@ -9,6 +9,7 @@ use std::process::ExitStatus;
 use std::sync::mpsc::channel;
 use std::time::{Duration, Instant};
 
+use super::output::{self, Level};
 use super::plan::{omp_threads_for, Plan};
 use super::rendezvous::{Remote, Rendezvous, Waited};
 use super::signals;
@@ -34,6 +35,8 @@ pub struct Job<'a> {
     pub rdzv: &'a Rendezvous,
     /// Time between forwarding SIGTERM/SIGUSR1 and SIGKILL.
     pub stop_deadline: Duration,
+    /// Variables every worker gets besides the plan's (output format, progress line).
+    pub env: Vec<(String, String)>,
 }
 
 impl Job<'_> {
@@ -59,7 +62,8 @@ impl Job<'_> {
         let (tx, rx) = channel();
         let mut workers = Vec::with_capacity(plan.nproc);
         for local in 0..plan.nproc {
-            let env = plan.worker_env(&layout, local, omp, round);
+            let mut env = plan.worker_env(&layout, local, omp, round);
+            env.extend(self.env.iter().cloned());
             let rank = layout.rank_offset + local;
             let log_dir = plan.log_dir.as_deref();
             let prefix = layout.world_size > 1;
@@ -142,10 +146,10 @@ impl Round<'_> {
         let waited = rdzv.finish(how, left, None, signals::count());
         let msg = match waited {
             Waited::Done if stopped => {
-                eprintln!(
-                    "zrun: the ranks{} stopped after saving a checkpoint (exit code 3); run the same command to resume",
+                output::say(Level::Warn, &format!(
+                    "the ranks{} stopped after saving a checkpoint (exit code 3); run the same command to resume",
                     self.here()
-                );
+                ));
                 return Next::Exit(STOPPED as u8);
             }
             Waited::Done => return Next::Exit(0),
@@ -153,8 +157,14 @@ impl Round<'_> {
                 let cause = stopped.then_some("this node's ranks had stopped (exit code 3)");
                 let why = self.why_not_restart(cause);
                 if why.is_none() {
-                    eprintln!("zrun: this node's ranks finished, but another node failed: {m}");
-                    eprintln!("zrun: restarting the group ({})", self.next());
+                    output::say(
+                        Level::Error,
+                        &format!("this node's ranks finished, but another node failed: {m}"),
+                    );
+                    output::say(
+                        Level::Warn,
+                        &format!("restarting the group ({})", self.next()),
+                    );
                     return Next::Restart;
                 }
                 format!(
@@ -168,7 +178,10 @@ impl Round<'_> {
             &format!("node {} ended the job: {msg}", self.plan().node_rank),
             true,
         );
-        eprintln!("zrun: this node's ranks finished, but the job failed: {msg}");
+        output::say(
+            Level::Error,
+            &format!("this node's ranks finished, but the job failed: {msg}"),
+        );
         Next::Exit(signals::received().map_or(1, |(sig, _)| signals::exit_code(sig)))
     }
 
@@ -208,12 +221,18 @@ impl Round<'_> {
             None => format!("; restarting the group ({})", self.next()),
             Some(w) => self.not_restarted(w),
         };
-        eprintln!("zrun: rank {rank}{here} failed{first}: {how}{others}{then}");
+        let failed = format!("rank {rank}{here} failed{first}: {how}{others}{then}");
         if self.job.rdzv.layout.world_size > 1 && !tail.is_empty() {
-            eprintln!("zrun: last {} lines of rank {rank}:", tail.len());
-            for l in &tail {
-                eprintln!("    | {l}");
+            match output::style().format {
+                output::LogFormat::Human => {
+                    output::say(Level::Error, &failed);
+                    let last = format!("last {} lines of rank {rank}:", tail.len());
+                    output::say_with(Level::Error, &last, &tail);
+                }
+                output::LogFormat::Json => output::say_with(Level::Error, &failed, &tail),
             }
+        } else {
+            output::say(Level::Error, &failed);
         }
         if plan.nnodes > 1 {
             let mut msg = format!("rank {rank} on node {} failed first: {how}", plan.node_rank);
@@ -254,15 +273,15 @@ impl Round<'_> {
                 .finish("stopped", true, Some(Instant::now() + wait), seen)
             {
                 Waited::Done => {
-                    eprintln!(
-                        "zrun: received {name}; every rank saved a checkpoint and stopped; run the same command to resume"
-                    );
+                    output::say(Level::Warn, &format!(
+                        "received {name}; every rank saved a checkpoint and stopped; run the same command to resume"
+                    ));
                     return Next::Exit(STOPPED as u8);
                 }
                 Waited::Failed(m) | Waited::Ended(m) => {
-                    eprintln!(
-                        "zrun: received {name}; the ranks{here} saved a checkpoint and stopped, but the job failed: {m}"
-                    );
+                    output::say(Level::Error, &format!(
+                        "received {name}; the ranks{here} saved a checkpoint and stopped, but the job failed: {m}"
+                    ));
                     report.push_str(&format!("; {m}"));
                 }
             }
@@ -271,7 +290,7 @@ impl Round<'_> {
                 0 => String::new(),
                 n => format!("; stopped {n} rank{}{here}", if n == 1 { "" } else { "s" }),
             };
-            eprintln!("zrun: received {name}{ranks}");
+            output::say(Level::Warn, &format!("received {name}{ranks}"));
         }
         self.job.rdzv.publish_failure(&report, true);
         Next::Exit(signals::exit_code(sig))
@@ -283,35 +302,44 @@ impl Round<'_> {
         let plan = self.plan();
         let stopped = sup.stop_all(libc::SIGTERM, plan.grace, plan.grace);
         sup.drain();
-        let ranks = format!("zrun: stopped {stopped} rank(s){}", self.here());
+        let ranks = format!("stopped {stopped} rank(s){}", self.here());
         let why = match news {
             Remote::Failed(msg) => {
-                eprintln!("zrun: another node failed: {msg}");
+                output::say(Level::Error, &format!("another node failed: {msg}"));
                 let cause = sup
                     .saw_stop()
                     .then_some("a rank had stopped after saving a checkpoint (exit code 3)");
                 match self.why_not_restart(cause) {
                     None => {
-                        eprintln!("{ranks}; restarting the group ({})", self.next());
+                        output::say(
+                            Level::Warn,
+                            &format!("{ranks}; restarting the group ({})", self.next()),
+                        );
                         return Next::Restart;
                     }
                     Some(why) => {
-                        eprintln!("{ranks}{}", self.not_restarted(&why));
+                        output::say(
+                            Level::Error,
+                            &format!("{ranks}{}", self.not_restarted(&why)),
+                        );
                         format!("node {} does not restart: {why}", plan.node_rank)
                     }
                 }
             }
             Remote::NodeLost(msg) => {
-                eprintln!("zrun: another node failed: {msg}");
-                eprintln!("{ranks}");
+                output::say(Level::Error, &format!("another node failed: {msg}"));
+                output::say(Level::Error, &ranks);
                 msg
             }
             Remote::StoreLost(e) => {
-                eprintln!(
-                    "zrun: lost node 0's rendezvous store at {}:{} (its zrun ended?): {e}",
-                    plan.master_addr, self.job.rdzv.layout.master_port
+                output::say(
+                    Level::Error,
+                    &format!(
+                        "lost node 0's rendezvous store at {}:{} (its zrun ended?): {e}",
+                        plan.master_addr, self.job.rdzv.layout.master_port
+                    ),
                 );
-                eprintln!("{ranks}");
+                output::say(Level::Error, &ranks);
                 return Next::Exit(1);
             }
         };

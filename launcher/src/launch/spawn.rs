@@ -1,6 +1,7 @@
 //! Starting one worker: its own process group, a parent-death signal, and its output copied
-//! line by line to the launcher's stdout/stderr (prefixed with the rank), to a per-rank log
-//! file, and into a ring of its last lines for the failure report.
+//! line by line to the launcher's stdout/stderr (tagged with the rank, through
+//! [`super::output`]), to a per-rank log file, and into a ring of its last lines for the
+//! failure report.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -51,7 +52,9 @@ pub struct Worker {
 /// Where a worker's lines go.
 #[derive(Clone)]
 struct Sink {
-    prefix: String,
+    rank: usize,
+    /// Tag the lines `[rank R] ` (human format).
+    prefix: bool,
     to_stderr: bool,
     log: Option<Arc<Mutex<File>>>,
     tail: Arc<Mutex<VecDeque<String>>>,
@@ -61,12 +64,7 @@ impl Sink {
     fn line(&self, raw: &[u8]) {
         let text = String::from_utf8_lossy(raw);
         let text = text.trim_end_matches(['\n', '\r']);
-        // Errors writing our own stdout/stderr (a closed pipe) must not stop the worker.
-        let _ = if self.to_stderr {
-            writeln!(std::io::stderr().lock(), "{}{text}", self.prefix)
-        } else {
-            writeln!(std::io::stdout().lock(), "{}{text}", self.prefix)
-        };
+        super::output::relay(self.rank, self.prefix, self.to_stderr, text);
         if let Some(log) = &self.log {
             let mut f = log.lock().unwrap_or_else(|p| p.into_inner());
             let _ = writeln!(f, "{text}");
@@ -112,6 +110,14 @@ pub fn spawn(
     exits: Sender<Exit>,
 ) -> anyhow::Result<Worker> {
     let mut cmd = Command::new(&program.exe);
+    // The launcher's output settings reach the workers only as `env` gives them.
+    for k in [
+        super::output::FORMAT_ENV,
+        super::output::QUIET_ENV,
+        super::output::PROGRESS_ENV,
+    ] {
+        cmd.env_remove(k);
+    }
     cmd.args(&program.args)
         .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
@@ -178,11 +184,8 @@ pub fn spawn(
         None => None,
     };
     let sink = |to_stderr| Sink {
-        prefix: if prefix {
-            format!("[rank {rank}] ")
-        } else {
-            String::new()
-        },
+        rank,
+        prefix,
         to_stderr,
         log: log.clone(),
         tail: tail.clone(),

@@ -1,0 +1,266 @@
+//! `zrun plot` end to end: charts of synthetic run directories, compared; runs without the
+//! optional fields; bad input.
+
+mod common;
+
+use std::path::Path;
+
+use common::{scratch, stderr, stdout, zrun};
+use serde_json::json;
+
+/// What a synthetic run has.
+#[derive(Clone, Copy)]
+struct Has {
+    eval: bool,
+    mfu: bool,
+    /// `tokens` and `ranks` in metrics.jsonl, `ranks` and `stragglers` in summary.json.
+    ranks: bool,
+    summary: bool,
+}
+
+const FULL: Has = Has {
+    eval: true,
+    mfu: true,
+    ranks: true,
+    summary: true,
+};
+
+const BARE: Has = Has {
+    eval: false,
+    mfu: false,
+    ranks: false,
+    summary: true,
+};
+
+fn memory(rank: u64, step: u64) -> serde_json::Value {
+    let mib = 1u64 << 20;
+    json!({"params": 4 * mib, "grads": 4 * mib, "master": 0, "optimizer": 8 * mib, "host": 0,
+           "buffers": mib, "gathered": 0, "activations": (20 + step + rank) * mib,
+           "rss": (150 + step) * mib, "rss_peak": (160 + step) * mib})
+}
+
+fn breakdown(rank: u64) -> serde_json::Value {
+    let comm = 0.01 + 0.01 * rank as f64;
+    json!({"step_time_s": 0.1 + comm, "data_s": 0.005, "forward_s": 0.03, "backward_s": 0.05,
+           "comm_wait_s": comm, "optimizer_s": 0.01, "other_s": 0.005})
+}
+
+/// Writes a two-rank run of 5 logged steps (every 10) into `dir`.
+fn write_run(dir: &Path, has: Has, slower: f64) {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut lines = String::new();
+    for i in 1..=5u64 {
+        let step = 10 * i;
+        let mut m = json!({"step": step, "loss": 5.0 / i as f64, "lr": 1e-3, "grad_norm": 1.0,
+            "tokens_per_s": 20000.0 / slower, "step_time_s": 0.1 * slower,
+            "model_state_bytes": 16 << 20, "engine_bytes": 17 << 20,
+            "rss_bytes": 150 << 20, "peak_rss_bytes": 160 << 20});
+        if has.eval && i % 2 == 0 {
+            m["eval_loss"] = json!(5.2 / i as f64);
+        }
+        if has.mfu {
+            m["mfu"] = json!(0.3 / slower);
+        }
+        if has.ranks {
+            m["tokens"] = json!(step * 2048);
+            let ranks: Vec<_> = (0..2u64)
+                .map(|r| {
+                    let mut o = breakdown(r);
+                    o["rank"] = json!(r);
+                    o["memory"] = memory(r, step);
+                    o
+                })
+                .collect();
+            m["ranks"] = json!(ranks);
+        }
+        lines.push_str(&m.to_string());
+        lines.push('\n');
+    }
+    std::fs::write(dir.join("metrics.jsonl"), lines).unwrap();
+    if has.summary {
+        let mut s = json!({"steps": 50, "final_loss": 1.0, "eval_loss": 1.04, "loss_floor": 0.9,
+            "tokens_per_s": 20000.0, "peak_rss_bytes": [1, 1], "base_rss_bytes": [1, 1],
+            "model_state_bytes": [1, 1], "params": 100, "world_size": 2, "wall_time_s": 5.0});
+        if has.ranks {
+            let ranks: Vec<_> = (0..2u64)
+                .map(|r| {
+                    let mut o = breakdown(r);
+                    o["rank"] = json!(r);
+                    o["memory"] = memory(r, 50);
+                    o
+                })
+                .collect();
+            s["ranks"] = json!(ranks);
+            s["stragglers"] = json!([1]);
+        }
+        std::fs::write(dir.join("summary.json"), s.to_string()).unwrap();
+    }
+}
+
+/// Asserts `out/NAME.png` is a PNG and returns `out/NAME.svg`'s text.
+fn chart(out: &Path, name: &str) -> String {
+    let png = std::fs::read(out.join(format!("{name}.png")))
+        .unwrap_or_else(|e| panic!("{name}.png: {e}"));
+    assert!(
+        png.len() > 5000 && png.starts_with(b"\x89PNG\r\n\x1a\n"),
+        "{name}.png: {} bytes",
+        png.len()
+    );
+    let svg = std::fs::read_to_string(out.join(format!("{name}.svg")))
+        .unwrap_or_else(|e| panic!("{name}.svg: {e}"));
+    assert!(
+        svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"),
+        "{name}.svg"
+    );
+    svg
+}
+
+#[test]
+fn two_runs_are_compared_on_every_chart() {
+    let dir = scratch("plot-two");
+    let (a, b, out) = (dir.join("stage0"), dir.join("stage3"), dir.join("out"));
+    write_run(&a, FULL, 1.0);
+    write_run(&b, FULL, 1.5);
+    let o = zrun(&[
+        "plot",
+        a.to_str().unwrap(),
+        b.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}{}", stdout(&o), stderr(&o));
+    let labels: [(&str, &[&str]); 5] = [
+        (
+            "loss",
+            &["step", "loss (nats)", "stage0 eval", "loss floor"],
+        ),
+        ("loss_tokens", &["tokens", "loss (nats)", "stage3 train"]),
+        ("throughput", &["step", "tokens/s", "MFU (%)"]),
+        ("memory", &["step", "MiB", "activations", "peak RSS"]),
+        (
+            "breakdown",
+            &["rank", "s per step", "comm wait", "rank 1*", "straggler"],
+        ),
+    ];
+    for (name, want) in labels {
+        let svg = chart(&out, name);
+        for w in want.iter().chain(&["stage0", "stage3"]) {
+            assert!(svg.contains(w), "{name}.svg lacks {w:?}");
+        }
+    }
+    let text = stdout(&o);
+    let wrote = text.lines().filter(|l| l.starts_with("wrote ")).count();
+    assert_eq!(wrote, 10, "{text}");
+    assert!(text.contains(&format!("wrote {}", out.join("breakdown.svg").display())));
+}
+
+#[test]
+fn a_run_without_optional_fields_plots_the_rest() {
+    let dir = scratch("plot-bare");
+    let run = dir.join("old");
+    write_run(&run, BARE, 1.0);
+    // One run: the charts go to RUN_DIR/plots.
+    let o = zrun(&["plot", run.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}{}", stdout(&o), stderr(&o));
+    let out = run.join("plots");
+    for name in ["loss", "loss_tokens", "throughput", "memory"] {
+        let svg = chart(&out, name);
+        assert!(svg.contains("old"), "{name}.svg lacks the run's name");
+    }
+    assert!(!chart(&out, "throughput").contains("MFU"));
+    assert!(
+        !out.join("breakdown.png").exists(),
+        "breakdown without per-rank figures"
+    );
+    let err = stderr(&o);
+    for note in [
+        "no eval_loss",
+        "no mfu",
+        "tokens estimated",
+        "no per-rank memory",
+        "breakdown: skipped",
+    ] {
+        assert!(err.contains(note), "no note {note:?} in:\n{err}");
+    }
+    // A run still going: no summary.json, a half-written last line.
+    let running = dir.join("running");
+    write_run(
+        &running,
+        Has {
+            summary: false,
+            ..FULL
+        },
+        1.0,
+    );
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(running.join("metrics.jsonl"))
+        .unwrap();
+    std::io::Write::write_all(&mut f, br#"{"step":60,"loss":0.8,"#).unwrap();
+    let o = zrun(&["plot", running.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}{}", stdout(&o), stderr(&o));
+    assert!(
+        stderr(&o).contains("unfinished last line"),
+        "{}",
+        stderr(&o)
+    );
+    chart(&running.join("plots"), "breakdown");
+}
+
+#[test]
+fn bad_input_is_one_line_and_exit_2() {
+    let dir = scratch("plot-bad");
+    let empty = dir.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let o = zrun(&["plot", empty.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(
+        err.contains(&empty.join("metrics.jsonl").display().to_string()),
+        "{err}"
+    );
+
+    let bad = dir.join("bad");
+    write_run(&bad, FULL, 1.0);
+    let text = std::fs::read_to_string(bad.join("metrics.jsonl")).unwrap();
+    let mut lines: Vec<&str> = text.lines().collect();
+    lines[2] = r#"{"step": 30, "loss": }"#;
+    std::fs::write(bad.join("metrics.jsonl"), lines.join("\n") + "\n").unwrap();
+    let o = zrun(&["plot", bad.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(
+        err.contains(&format!("{}:3:", bad.join("metrics.jsonl").display())),
+        "{err}"
+    );
+    assert!(
+        !bad.join("plots").exists(),
+        "nothing is written for bad input"
+    );
+
+    std::fs::write(bad.join("metrics.jsonl"), text).unwrap();
+    std::fs::write(bad.join("summary.json"), "{\"steps\": 5,").unwrap();
+    let o = zrun(&["plot", bad.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("summary.json"), "{}", stderr(&o));
+}
+
+#[test]
+fn a_missing_font_names_the_fix() {
+    let dir = scratch("plot-font");
+    write_run(&dir.join("r"), FULL, 1.0);
+    let o = common::zrun_child(
+        &["plot", dir.join("r").to_str().unwrap()],
+        &[("ZRUN_FONT", "/nonexistent/font.ttf")],
+    )
+    .wait_with_output()
+    .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("ZRUN_FONT=/nonexistent/font.ttf"),
+        "{}",
+        stderr(&o)
+    );
+}
