@@ -22,10 +22,10 @@ clippy: setup
 test: setup
 	$(ENV) cargo fmt --all -- --check
 	$(ENV) cargo clippy $(CARGO_FLAGS) --all-targets -- -D warnings
-	$(ENV) cargo test $(CARGO_FLAGS)
+	$(ENV) scripts/test.sh
 	$(ENV) cargo clippy --release -p zrun-comm --features mpi,cuda --all-targets -- -D warnings
 	$(ENV) cargo test --release -p zrun-comm --features mpi,cuda --lib --test mpi
-	$(ENV) cargo test --release -p zrun --features mpi --test launcher mpirun
+	$(ENV) cargo test --release -p zrun --features mpi --test launcher --test examples mpirun
 
 clean:
 	cargo clean

@@ -247,3 +247,101 @@ pub fn rank_pid(run_id: &str, rank: usize) -> i32 {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+impl Job {
+    /// Starts `cmd` (stdin closed, stdout and stderr collected) in a process group of its own,
+    /// so that [`Script`] can end it with everything it started.
+    pub fn spawn(mut cmd: Command) -> Job {
+        use std::os::unix::process::CommandExt;
+        let mut child = cmd
+            .process_group(0)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("the command starts");
+        let (out, r1) = collect(child.stdout.take().unwrap());
+        let (err, r2) = collect(child.stderr.take().unwrap());
+        Job {
+            child,
+            out,
+            err,
+            readers: vec![r1, r2],
+        }
+    }
+}
+
+/// A shell script (an example's run.sh or sbatch file) running under bash in the repository
+/// root with `ZRUN` set to the binary under test. A test that fails midway kills the script's
+/// whole process group (zrun's ranks follow zrun through their parent-death signal).
+pub struct Script {
+    /// The bash process and its collected output.
+    pub job: Job,
+    /// Its group was killed after bash exited: the id may be reused from then on.
+    ended: bool,
+}
+
+impl Script {
+    /// Starts `bash script args` with extra `env` (on top of `ZRUN`).
+    pub fn start(script: &str, args: &[&str], env: &[(&str, &str)]) -> Script {
+        let mut cmd = Command::new("bash");
+        cmd.arg(script)
+            .args(args)
+            .current_dir(root())
+            .env("ZRUN", env!("CARGO_BIN_EXE_zrun"))
+            .env("RUST_BACKTRACE", "0")
+            .envs(env.iter().copied());
+        Script {
+            job: Job::spawn(cmd),
+            ended: false,
+        }
+    }
+
+    /// Waits for bash to exit and returns its exit code (-1 when ended by a signal); panics
+    /// with the output after `timeout`. Whatever the script left running in its group (say a
+    /// zrun it started in the background and never waited for) is killed then, so that its
+    /// output pipes close.
+    pub fn code_within(&mut self, timeout: Duration) -> i32 {
+        let t = Instant::now();
+        while self.job.child.try_wait().unwrap().is_none() {
+            if t.elapsed() > timeout {
+                self.kill_group();
+                panic!(
+                    "{timeout:?} passed and the script still runs:\n{}",
+                    self.job.text()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.kill_group();
+        self.ended = true;
+        self.job.exit_within(timeout).code().unwrap_or(-1)
+    }
+
+    /// SIGKILL to the script's process group; a no-op (ESRCH) once the group is empty.
+    fn kill_group(&self) {
+        // SAFETY: kill has no memory-safety preconditions; the group is the script's own.
+        unsafe { libc::kill(-(self.job.child.id() as i32), libc::SIGKILL) };
+    }
+
+    /// stdout followed by stderr so far.
+    pub fn text(&self) -> String {
+        self.job.text()
+    }
+}
+
+impl Drop for Script {
+    fn drop(&mut self) {
+        // a test that failed midway: end the script and everything it started
+        if !self.ended {
+            self.kill_group();
+        }
+    }
+}
+
+/// A JSON file, parsed.
+pub fn read_json(path: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}

@@ -616,3 +616,36 @@ fn mpirun_runs_each_process_as_one_rank() {
         assert!(!o.contains("[rank "), "{o}");
     }
 }
+
+#[test]
+fn an_sbatch_script_without_a_task_count_launches_and_its_ranks_see_their_own_place() {
+    // sbatch sets SLURM_PROCID but no SLURM_NTASKS when no task count was asked for.
+    let id = run_id("sbatch-no-ntasks");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_zrun"))
+        .args([
+            "exec",
+            "--nproc",
+            "2",
+            "--run-id",
+            &id,
+            "--",
+            "sh",
+            "-c",
+            "echo \"rank=$RANK world=$WORLD_SIZE slurm=${SLURM_PROCID-none}\"",
+        ])
+        .env("SLURM_PROCID", "0")
+        .env("SLURM_LOCALID", "0")
+        .env("SLURM_NNODES", "1")
+        .env_remove("SLURM_NTASKS")
+        .env_remove("SLURM_NPROCS")
+        .output()
+        .unwrap();
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}{}", stderr(&o));
+    for r in 0..2 {
+        assert!(
+            out.contains(&format!("rank={r} world=2 slurm=none")),
+            "{out}"
+        );
+    }
+}

@@ -126,6 +126,13 @@ More: zrun --help, zrun COMMAND --help
 ";
 
 fn main() -> ExitCode {
+    // Output piped into `head` ends zrun quietly, as it ends other tools (Rust ignores
+    // SIGPIPE, so a print would panic instead).
+    // SAFETY: setting a signal's disposition to the default has no memory-safety
+    // preconditions; no handler for SIGPIPE is installed anywhere.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     if std::env::args_os().len() <= 1 {
         eprint!("{USAGE}");
         return ExitCode::from(2);
@@ -174,8 +181,19 @@ fn is_bad_input(e: &anyhow::Error) -> bool {
 }
 
 /// Reads the rank variables; malformed ones are bad input.
-fn topology() -> anyhow::Result<Topology> {
-    Topology::from_env().map_err(|e| BadInput(e.to_string()).into())
+/// The rank variables, for a command with `flags`: inside an `sbatch` script Slurm's are
+/// incomplete when no task count was asked for (no `SLURM_NTASKS`), and with layout flags
+/// zrun launches there anyway, as it does with complete ones.
+fn topology_for(flags: &LaunchFlags) -> anyhow::Result<Topology> {
+    match Topology::from_env() {
+        Ok(t) => Ok(t),
+        Err(zrun_comm::Error::Topology { source_name, .. })
+            if source_name == "Slurm" && flags.any_layout_flag() =>
+        {
+            Ok(Topology::single())
+        }
+        Err(e) => Err(BadInput(e.to_string()).into()),
+    }
 }
 
 /// True when this process is one rank of a job started by someone else (zrun, torchrun,
@@ -197,7 +215,7 @@ fn train(cli: &Cli) -> anyhow::Result<u8> {
     let Some(config) = cli.config.as_ref() else {
         return Err(BadInput("give a training config: zrun train.toml".into()).into());
     };
-    let topo = topology()?;
+    let topo = topology_for(&cli.launch)?;
     if is_rank(&topo, &cli.launch)? {
         if cli.dry_run {
             worker::dry_run(config, &cli.set, topo.world_size)?;
@@ -241,7 +259,7 @@ fn train(cli: &Cli) -> anyhow::Result<u8> {
 }
 
 fn exec(e: &ExecArgs) -> anyhow::Result<u8> {
-    let topo = topology()?;
+    let topo = topology_for(&e.launch)?;
     if is_rank(&topo, &e.launch)? {
         return Err(BadInput(format!(
             "zrun exec starts ranks, but this process already is rank {} of {} ({:?} variables are set); run the program directly",

@@ -111,10 +111,17 @@ pub fn spawn(
 ) -> anyhow::Result<Worker> {
     let mut cmd = Command::new(&program.exe);
     // The launcher's output settings reach the workers only as `env` gives them.
+    // Nor do Slurm's rank variables: inside an allocation they describe the batch script,
+    // not these ranks, whose place is in `env`.
     for k in [
         super::output::FORMAT_ENV,
         super::output::QUIET_ENV,
         super::output::PROGRESS_ENV,
+        "SLURM_PROCID",
+        "SLURM_LOCALID",
+        "SLURM_NTASKS",
+        "SLURM_NPROCS",
+        "SLURM_NODEID",
     ] {
         cmd.env_remove(k);
     }

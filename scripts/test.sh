@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The workspace's tests, then the ten slowest. Run by `make test` (after fmt and clippy) with
+# scripts/env.sh sourced. cargo-nextest runs every test in its own process and the binaries
+# side by side; without it, cargo test runs them binary after binary.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+if cargo nextest --version >/dev/null 2>&1; then
+    # Two tests run at once, each with the ranks it starts: one libtorch thread per process,
+    # or threads that spin waiting for a core (OpenMP) make the machine crawl.
+    export OMP_NUM_THREADS=1
+    set +e
+    cargo nextest run --release --workspace --no-fail-fast --status-level pass \
+        --final-status-level none 2>&1 | tee "$log"
+    status=${PIPESTATUS[0]}
+    set -e
+    # nextest does not run doc tests.
+    cargo test --release --workspace --doc
+    echo
+    echo "slowest tests:"
+    grep -E '^\s+PASS \[' "$log" | sed -E 's/^\s+PASS \[\s*([0-9.]+)s\]\s+/\1 /' \
+        | sort -rn | head -n 10 | awk '{ printf "  %7.1f s  %s\n", $1, substr($0, length($1) + 2) }'
+    exit "$status"
+fi
+echo "test: cargo-nextest not found (cargo install cargo-nextest); running cargo test, no timings"
+cargo test --release --workspace
