@@ -2,7 +2,7 @@
 //! communication that compute did not hide, optimizer, the rest), the memory it holds by
 //! kind and the allocator's view, stragglers, and the memory table printed at the end.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tch::Device;
 use zrun_comm::Communicator;
 use zrun_shard::Engine;
@@ -12,7 +12,7 @@ use crate::reduce::gather_bytes;
 use crate::Error;
 
 /// Where one rank's step time went, seconds per step.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Breakdown {
     /// The whole step (micro-steps and optimizer step).
     pub step_time_s: f64,
@@ -60,6 +60,18 @@ impl Breakdown {
     pub fn busy_s(&self) -> f64 {
         self.step_time_s - self.comm_wait_s
     }
+
+    /// The parts of the step in stacking order, with their chart labels.
+    pub fn phases(&self) -> [(&'static str, f64); 6] {
+        [
+            ("data", self.data_s),
+            ("forward", self.forward_s),
+            ("backward", self.backward_s),
+            ("comm wait", self.comm_wait_s),
+            ("optimizer", self.optimizer_s),
+            ("other", self.other_s),
+        ]
+    }
 }
 
 /// Sums of breakdowns, for means over steps.
@@ -85,8 +97,10 @@ impl Sum {
     }
 }
 
-/// Bytes a rank holds, by kind, and the allocator's view.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+/// Bytes a rank holds, by kind, and the allocator's view (figures an older run did not
+/// record read as 0 or absent).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct MemoryByKind {
     /// Compute-dtype parameters resident (full or shard).
     pub params: i64,

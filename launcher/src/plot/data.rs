@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use crate::launch::BadInput;
+pub use zrun_train::report::{Breakdown, MemoryByKind as Memory};
 
 /// One run directory, read.
 #[derive(Debug)]
@@ -63,69 +64,6 @@ pub struct RankStep {
     pub breakdown: Breakdown,
     /// Bytes by kind.
     pub memory: Memory,
-}
-
-/// Seconds of one step by phase (or means per step, in the summary).
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq)]
-pub struct Breakdown {
-    /// The whole step.
-    pub step_time_s: f64,
-    /// Loading the batch.
-    pub data_s: f64,
-    /// Forward passes.
-    pub forward_s: f64,
-    /// Backward passes.
-    pub backward_s: f64,
-    /// Communication not hidden behind compute.
-    pub comm_wait_s: f64,
-    /// The optimizer step.
-    pub optimizer_s: f64,
-    /// The rest.
-    pub other_s: f64,
-}
-
-impl Breakdown {
-    /// The phases in stacking order, with their chart labels.
-    pub fn phases(&self) -> [(&'static str, f64); 6] {
-        [
-            ("data", self.data_s),
-            ("forward", self.forward_s),
-            ("backward", self.backward_s),
-            ("comm wait", self.comm_wait_s),
-            ("optimizer", self.optimizer_s),
-            ("other", self.other_s),
-        ]
-    }
-}
-
-/// Bytes one rank holds, by kind. The first seven are disjoint parts; the rest are totals.
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq)]
-#[serde(default)]
-pub struct Memory {
-    /// Compute-dtype parameters.
-    pub params: i64,
-    /// Gradient buffers.
-    pub grads: i64,
-    /// fp32 master parameters.
-    pub master: i64,
-    /// Optimizer state on the compute device.
-    pub optimizer: i64,
-    /// Master and optimizer state offloaded to host memory.
-    pub host: i64,
-    /// Scratch and in-flight buffers.
-    pub buffers: i64,
-    /// Activations.
-    pub activations: i64,
-    /// Resident set size.
-    pub rss: i64,
-    /// Peak resident set size.
-    pub rss_peak: i64,
-    /// Peak bytes allocated on the CUDA device.
-    pub cuda_allocated_peak: Option<i64>,
-    /// Peak bytes reserved by the CUDA caching allocator.
-    pub cuda_reserved_peak: Option<i64>,
-    /// Reserved but unallocated CUDA bytes.
-    pub cuda_reserved_unallocated: Option<i64>,
 }
 
 /// `summary.json`: only what the charts use.
