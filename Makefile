@@ -18,11 +18,15 @@ fmt:
 
 clippy: setup
 	$(ENV) cargo clippy $(CARGO_FLAGS) --all-targets -- -D warnings
+	$(ENV) cargo clippy $(CARGO_FLAGS) --features zrun/cuda --all-targets -- -D warnings
 
 test: setup
 	$(ENV) cargo fmt --all -- --check
 	$(ENV) cargo clippy $(CARGO_FLAGS) --all-targets -- -D warnings
+# The CUDA build (NCCL backend, libtorch's CUDA part) is checked too, though no GPU is here.
+	$(ENV) cargo clippy $(CARGO_FLAGS) --features zrun/cuda --all-targets -- -D warnings
 	$(ENV) scripts/test.sh
+	$(ENV) cargo test --release -p zrun-torch-ext --features cuda --lib
 	$(ENV) cargo clippy --release -p zrun-comm --features mpi,cuda --all-targets -- -D warnings
 	$(ENV) cargo test --release -p zrun-comm --features mpi,cuda --lib --test mpi
 	$(ENV) cargo test --release -p zrun --features mpi --test launcher --test examples mpirun

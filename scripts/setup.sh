@@ -55,3 +55,13 @@ if ! .venv/bin/python -c "import safetensors.torch" 2>/dev/null; then
     echo "setup: installing safetensors into .venv"
     .venv/bin/python -m pip install -q safetensors
 fi
+# The nccl backend (feature `cuda`): cudarc loads NCCL as libnccl.so, but pip's nvidia-nccl
+# wheel (a dependency of torch) ships only libnccl.so.2. Link it under cudarc's name in
+# .venv/zrun-lib, which scripts/env.sh puts on LD_LIBRARY_PATH; it is the very file
+# libtorch_cuda loads, so the process holds one NCCL. The link is relative to stay valid
+# when the checkout moves.
+nccl="$(ls .venv/lib/python3*/site-packages/nvidia/nccl/lib/libnccl.so.2 2>/dev/null | head -n 1 || true)"
+if [ -n "$nccl" ]; then
+    mkdir -p .venv/zrun-lib
+    ln -sfn "../${nccl#.venv/}" .venv/zrun-lib/libnccl.so
+fi

@@ -119,3 +119,71 @@ fn dry_run_prints_the_layout_without_training() {
         "a dry run must not train"
     );
 }
+
+#[test]
+fn backend_and_device_that_cannot_work_are_refused_before_any_rank_starts() {
+    let cfg = "configs/tiny-cpu.toml";
+    let set = |kv: &[&str]| -> Vec<String> {
+        kv.iter()
+            .flat_map(|s| ["--set".to_string(), s.to_string()])
+            .collect()
+    };
+    let run = |kv: &[&str], needles: &[&str]| {
+        let mut args = vec!["--nproc".to_string(), "2".into(), cfg.into()];
+        args.extend(set(kv));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        rejects(&args, needles);
+    };
+    run(
+        &["dist.backend=\"nccl\"", "dist.device=\"cpu\""],
+        &[
+            "dist.backend = \"nccl\" with dist.device = \"cpu\"",
+            "set dist.device = \"cuda\"",
+            "dist.backend = \"tcp\"",
+        ],
+    );
+    run(
+        &["dist.backend=\"tcp\"", "dist.device=\"cuda\""],
+        &[
+            "dist.backend = \"tcp\" with dist.device = \"cuda\"",
+            "until it stages CUDA tensors",
+            "dist.backend = \"nccl\"",
+        ],
+    );
+    if !cfg!(feature = "mpi") {
+        run(
+            &["dist.backend=\"mpi\""],
+            &["dist.backend = \"mpi\"", "without MPI", "--features mpi"],
+        );
+    }
+    if !cfg!(feature = "cuda") {
+        run(
+            &["dist.backend=\"nccl\"", "dist.device=\"auto\""],
+            &["dist.backend = \"nccl\"", "without CUDA", "--features cuda"],
+        );
+    }
+}
+
+#[test]
+fn a_rank_started_by_another_launcher_refuses_the_same_way() {
+    // Under torchrun, mpirun or srun each rank is the first to check (exit 2, one line).
+    let child = zrun_child(
+        &[
+            "configs/tiny-cpu.toml",
+            "--set",
+            "dist.backend=\"nccl\"",
+            "--set",
+            "dist.device=\"cpu\"",
+        ],
+        &[("RANK", "0"), ("WORLD_SIZE", "1")],
+    );
+    let out = child.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.contains("zrun: error:")).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(
+        lines[0].contains("dist.backend = \"nccl\" with dist.device = \"cpu\""),
+        "{err}"
+    );
+}

@@ -17,6 +17,7 @@ use tch::{Device, Kind, Tensor};
 use zrun_comm::{
     chunk_offset, chunk_sizes, Backend, Communicator, ReduceOp, StoreServer, Topology,
 };
+use zrun_train::config::DeviceKind;
 
 /// Set in the ranks that `zrun bench comm` and `zrun bench ckpt` start themselves.
 pub(crate) const WORKER_ENV: &str = "ZRUN_BENCH_WORKER";
@@ -238,13 +239,28 @@ fn count_wrong(got: &Tensor, want: &Tensor) -> anyhow::Result<u64> {
 
 fn bench_rank(args: &CommArgs, topo: &Topology, sizes: &[usize]) -> anyhow::Result<()> {
     let timeout = Duration::from_secs(args.timeout_s);
+    if !zrun_comm::compiled(args.backend) {
+        let feature = if args.backend == Backend::Mpi {
+            "mpi"
+        } else {
+            "cuda"
+        };
+        return Err(zrun_comm::Error::NotCompiled {
+            backend: args.backend.name(),
+            feature,
+        }
+        .into());
+    }
+    // nccl: this rank's own GPU (the rule the backend follows), current before anything
+    // touches CUDA.
+    let kind = if args.backend == Backend::Nccl {
+        DeviceKind::Cuda
+    } else {
+        DeviceKind::Cpu
+    };
+    let dev = zrun_train::trainer::rank_device(kind, topo)?;
     let c = zrun_comm::init(topo, args.backend, timeout)?;
     let (r, w) = (c.rank(), c.world_size());
-    let dev = if args.backend == Backend::Nccl {
-        Device::Cuda(topo.local_rank)
-    } else {
-        Device::Cpu
-    };
     let kind = kind_of(&args.dtype);
     let esz = kind.elt_size_in_bytes();
     let mut rows = Vec::new();

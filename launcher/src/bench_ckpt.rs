@@ -151,7 +151,7 @@ fn bench_rank(args: &CkptArgs, topo: &Topology) -> anyhow::Result<()> {
     cfg.checkpoint.async_save = true;
     cfg.checkpoint.every = 1;
     cfg.gpt()?;
-    let mut run = Run::new(&cfg, comm.clone(), topo.local_world_size)?;
+    let mut run = Run::new(&cfg, comm.clone(), topo)?;
     let params = run.engine().layout().param_count();
     let plain_dir = args.dir.join("plain");
     std::fs::create_dir_all(&plain_dir)?;

@@ -229,8 +229,17 @@ fn train(cli: &Cli) -> anyhow::Result<u8> {
         worker::dry_run(config, &cli.set, world)?;
         return Ok(0);
     }
-    // Check the config once here, so a mistake is one line rather than one per rank.
+    // Check the config once here, so a mistake is one line rather than one per rank: its
+    // keys, and its backend and device against this build and this machine's GPUs.
     let cfg = zrun_train::config::Config::load(config, &cli.set)?;
+    let dist = cfg
+        .dist
+        .resolve(zrun_train::config::Capabilities::detect())?;
+    if dist.device == zrun_train::config::DeviceKind::Cuda {
+        // The ranks inherit this process's CUDA_VISIBLE_DEVICES: they see what it sees.
+        let visible = usize::try_from(tch::Cuda::device_count()).unwrap_or(0);
+        dist.check_node(cli.launch.nproc.unwrap_or(visible), visible)?;
+    }
     let mut args: Vec<OsString> = vec![config.clone().into_os_string()];
     for s in &cli.set {
         args.push("--set".into());

@@ -4,10 +4,10 @@ use anyhow::Result;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
-use zrun_comm::{Backend, Communicator, Topology};
+use zrun_comm::{Communicator, Topology};
 use zrun_shard::{MemoryLedger, ShardLayout};
-use zrun_train::config::{BackendChoice, Config};
-use zrun_train::trainer::{Outcome, Run};
+use zrun_train::config::{Capabilities, Config};
+use zrun_train::trainer::{rank_device, Outcome, Run};
 
 /// Trains this process as one rank. The topology comes from the environment (zrun's and
 /// torchrun's variables, OpenMPI, PMI or Slurm); with none at all it is a world of one.
@@ -17,15 +17,20 @@ pub fn run(config: &Path, overrides: &[String]) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("installing the stop-signal handler: {e}"))?;
     let cfg = Config::load(config, overrides)?;
     let topo = Topology::from_env().map_err(BadInput::from)?;
-    let backend = match cfg.dist.backend {
-        BackendChoice::Auto if tch::Cuda::is_available() => Backend::Nccl,
-        BackendChoice::Auto | BackendChoice::Tcp => Backend::Tcp,
-        BackendChoice::Mpi => Backend::Mpi,
-        BackendChoice::Nccl => Backend::Nccl,
-    };
+    // The device first, then the backend (the launcher checked this once already; under
+    // mpirun or srun this is the first check).
+    let dist = cfg.dist.resolve(Capabilities::detect())?;
+    if topo.rank == 0 {
+        if let Some(chosen) = dist.auto_choices(&cfg.dist) {
+            tracing::info!("{chosen}");
+        }
+    }
+    // This rank's GPU current on this thread before anything touches CUDA; a node with more
+    // ranks than GPUs stops here, as bad input.
+    rank_device(dist.device, &topo)?;
     let timeout = Duration::from_secs(cfg.dist.timeout_s);
-    let comm: Arc<dyn Communicator> = Arc::from(zrun_comm::init(&topo, backend, timeout)?);
-    let mut run = Run::new(&cfg, comm, topo.local_world_size)?;
+    let comm: Arc<dyn Communicator> = Arc::from(zrun_comm::init(&topo, dist.backend, timeout)?);
+    let mut run = Run::new(&cfg, comm, &topo)?;
     let floor = run.loss_floor();
     let s = match run.train()? {
         Outcome::Finished(s) => s,

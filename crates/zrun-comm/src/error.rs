@@ -155,6 +155,19 @@ pub enum Error {
         detail: String,
     },
 
+    /// This rank has no GPU of its own among the CUDA devices it sees ([`crate::gpu_index`]).
+    #[error("LOCAL_RANK {local_rank} of {local_world_size} rank(s) on this node sees {visible} CUDA device(s): {detail}")]
+    Device {
+        /// This rank's place on its node.
+        local_rank: usize,
+        /// Ranks on this node.
+        local_world_size: usize,
+        /// CUDA devices this process sees (after `CUDA_VISIBLE_DEVICES`).
+        visible: usize,
+        /// What is wrong and what to do.
+        detail: String,
+    },
+
     /// A libtorch call failed.
     #[error("rank {rank}, {op}: libtorch: {source}")]
     Torch {

@@ -6,12 +6,16 @@
 //! that must be waited on; every wait has a deadline.
 
 mod buf;
+mod device;
 mod error;
 mod kernels;
 #[cfg_attr(not(feature = "mpi"), path = "mpi_stub.rs")]
 mod mpi;
 #[cfg_attr(not(feature = "cuda"), path = "nccl_stub.rs")]
 mod nccl;
+// Used by nccl.rs only, but built (and tested) without the `cuda` feature too.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod nccl_rendezvous;
 mod single;
 mod store;
 mod tcp;
@@ -20,6 +24,7 @@ mod work;
 
 use std::time::Duration;
 
+pub use device::gpu_index;
 pub use error::Error;
 pub use store::{StoreClient, StoreServer};
 pub use topology::{Topology, TopologySource};
@@ -65,6 +70,16 @@ impl Backend {
             Backend::Mpi => "mpi",
             Backend::Nccl => "nccl",
         }
+    }
+}
+
+/// Whether `backend` is compiled into this build: tcp always, mpi with the cargo feature
+/// `mpi`, nccl with `cuda`.
+pub fn compiled(backend: Backend) -> bool {
+    match backend {
+        Backend::Tcp => true,
+        Backend::Mpi => cfg!(feature = "mpi"),
+        Backend::Nccl => cfg!(feature = "cuda"),
     }
 }
 
@@ -230,6 +245,13 @@ mod tests {
         } else {
             assert!(msg.contains("--features cuda"), "{msg}");
         }
+    }
+
+    #[test]
+    fn compiled_backends_follow_the_features() {
+        assert!(compiled(Backend::Tcp));
+        assert_eq!(compiled(Backend::Mpi), cfg!(feature = "mpi"));
+        assert_eq!(compiled(Backend::Nccl), cfg!(feature = "cuda"));
     }
 
     #[test]

@@ -1,11 +1,16 @@
 //! The `nccl` backend (cargo feature `cuda`): CUDA tensors, NCCL loaded at run time.
 //!
-//! NCCL's id travels through the rendezvous store. Collectives run on a dedicated non-blocking
-//! stream: it first waits on an event recorded on libtorch's stream (the legacy default stream,
-//! which libtorch uses unless a stream guard is set), and libtorch's stream then waits on the
-//! collective's completion event, so kernels queued before and after stay ordered. The
-//! communication thread polls that event against the deadline and aborts the NCCL
-//! communicator when it passes. Uneven chunks use grouped broadcasts/reduces.
+//! Each rank works on the GPU [`crate::gpu_index`] gives it (the trainer uses the same rule),
+//! on a communication thread whose current context is that GPU's primary context, the one
+//! libtorch uses. NCCL's id travels through the rendezvous store, where every rank also marks
+//! its arrival (nccl_rendezvous.rs); `ncclCommInitRank` then has `dist.timeout_s` too.
+//!
+//! Collectives run on a dedicated non-blocking stream: it first waits on an event recorded on
+//! libtorch's stream (the legacy default stream, which libtorch uses unless a stream guard is
+//! set), and libtorch's stream then waits on the collective's completion event, so kernels
+//! queued before and after stay ordered. The communication thread polls that event against
+//! the deadline and aborts the NCCL communicator when it passes. Uneven chunks use grouped
+//! broadcasts/reduces.
 
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
@@ -15,6 +20,7 @@ use cudarc::nccl::{result as nc, sys as ncsys};
 use tch::{Device, Tensor};
 
 use crate::buf::{self, DType, Placement, RawBuf};
+use crate::nccl_rendezvous::{self, ID_BYTES};
 use crate::work::Executor;
 use crate::{
     chunk_offset, chunk_sizes, Backend, Communicator, Error, ReduceOp, StoreClient, StoreServer,
@@ -30,8 +36,32 @@ fn backend_err(rank: usize, op: &'static str, detail: String) -> Error {
     }
 }
 
+/// An NCCL failure as words: the result code's name and NCCL's last error message (cudarc's
+/// `NcclError` prints neither).
+fn nccl_detail(e: &nc::NcclError) -> String {
+    // SAFETY: called only after the library was found (`check_libraries`); NCCL returns a
+    // pointer to a NUL-terminated string it owns (or null), read here and not kept.
+    let last = unsafe {
+        let p = ncsys::ncclGetLastError(std::ptr::null_mut());
+        if p.is_null() {
+            String::new()
+        } else {
+            std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+        }
+    };
+    if last.is_empty() {
+        format!("{:?}", e.0)
+    } else {
+        format!("{:?}: {last}", e.0)
+    }
+}
+
+fn nccl_err(rank: usize, op: &'static str, e: &nc::NcclError) -> Error {
+    backend_err(rank, op, nccl_detail(e))
+}
+
 /// Fails with a clear error when libcuda or libnccl cannot be loaded (instead of the panic
-/// that calling into a missing library would give).
+/// that calling into a missing library would give). Runs before any other CUDA or NCCL call.
 pub(crate) fn check_libraries(rank: usize) -> Result<(), Error> {
     // SAFETY: only tries to load the library by its usual names.
     if !unsafe { cusys::is_culib_present() } {
@@ -46,7 +76,7 @@ pub(crate) fn check_libraries(rank: usize) -> Result<(), Error> {
         return Err(backend_err(
             rank,
             "load libnccl",
-            "libnccl.so was not found on the loader path; pip's nvidia-nccl ships only libnccl.so.2: add a symlink libnccl.so -> libnccl.so.2 in a directory on LD_LIBRARY_PATH".into(),
+            "libnccl.so was not found on the loader path (pip's nvidia-nccl wheel ships only libnccl.so.2); run `make setup` and `source scripts/env.sh` (they link .venv/zrun-lib/libnccl.so to the wheel's libnccl.so.2 and put that folder on LD_LIBRARY_PATH), or make such a link by hand in a folder on LD_LIBRARY_PATH".into(),
         ));
     }
     Ok(())
@@ -82,17 +112,31 @@ impl Drop for State {
     }
 }
 
+fn cuerr(rank: usize, op: &'static str) -> impl Fn(cu::DriverError) -> Error {
+    move |e| backend_err(rank, op, format!("{e:?}"))
+}
+
+/// This rank's GPU: [`crate::gpu_index`] over the devices the driver sees, as the trainer
+/// decides it over the devices libtorch sees (the same ones, after `CUDA_VISIBLE_DEVICES`).
+fn this_rank_gpu(topo: &Topology) -> Result<usize, Error> {
+    let rank = topo.rank;
+    cu::init().map_err(cuerr(rank, "cuInit"))?;
+    let visible = cu::device::get_count().map_err(cuerr(rank, "count CUDA devices"))?;
+    topo.gpu_index(usize::try_from(visible).unwrap_or(0))
+}
+
+/// Runs on the communication thread: makes `gpu`'s primary context current there (so every
+/// CUDA and NCCL call of this thread is on the rank's GPU), then creates the communicator.
 fn connect(
     rank: usize,
     world: usize,
-    local: usize,
+    gpu: usize,
     id: ncsys::ncclUniqueId,
     timeout: Duration,
 ) -> Result<State, Error> {
-    let cuerr =
-        |op: &'static str| move |e: cu::DriverError| backend_err(rank, op, format!("{e:?}"));
+    let cuerr = |op: &'static str| cuerr(rank, op);
     cu::init().map_err(cuerr("cuInit"))?;
-    let dev = cu::device::get(local as i32).map_err(cuerr("get device (LOCAL_RANK)"))?;
+    let dev = cu::device::get(gpu as i32).map_err(cuerr("get this rank's CUDA device"))?;
     // SAFETY: plain driver calls on a valid device; the primary context is the one libtorch uses.
     let ctx = unsafe { cu::primary_ctx::retain(dev) }.map_err(cuerr("retain primary context"))?;
     // SAFETY: `ctx` is a live context retained above.
@@ -105,9 +149,10 @@ fn connect(
     // SAFETY: a 4-byte device allocation for barriers, freed in Drop.
     let one = unsafe { cu::malloc_sync(4) }.map_err(cuerr("allocate"))?;
     let mut comm = std::mem::MaybeUninit::<ncsys::ncclComm_t>::uninit();
-    // SAFETY: `comm` is written by NCCL on success; the id came from rank 0.
+    // SAFETY: `comm` is written by NCCL on success; the id came from rank 0. A blocking
+    // init: `init` gives up on it after the deadline (see there).
     unsafe { nc::comm_init_rank(comm.as_mut_ptr(), world as i32, id, rank as i32) }
-        .map_err(|e| backend_err(rank, "ncclCommInitRank", format!("{e:?}")))?;
+        .map_err(|e| nccl_err(rank, "ncclCommInitRank", &e))?;
     Ok(State {
         rank,
         dev,
@@ -143,7 +188,7 @@ impl State {
             )
             .map_err(cuerr)?;
         }
-        launch(self).map_err(|e| backend_err(self.rank, op, format!("{e:?}")))?;
+        launch(self).map_err(|e| nccl_err(self.rank, op, &e))?;
         // SAFETY: as above.
         unsafe {
             cu::event::record(self.done, self.stream).map_err(cuerr)?;
@@ -202,14 +247,20 @@ fn redop(op: ReduceOp) -> ncsys::ncclRedOp_t {
 pub(crate) struct NcclComm {
     rank: usize,
     world: usize,
+    /// This rank's GPU: the communication thread's device, and where tensors must be.
     device: usize,
     exec: Executor<State>,
     _store: Option<StoreClient>,
     _server: Option<StoreServer>,
 }
 
-/// Creates the NCCL communicator; the id comes from rank 0 through the store (none needed
-/// for one rank).
+/// Creates the NCCL communicator on this rank's GPU; the id comes from rank 0 through the
+/// store (none needed for one rank).
+///
+/// Deadlines: the meeting in the store names the ranks that never arrive; then
+/// `ncclCommInitRank` (blocking: a non-blocking communicator would make every later
+/// collective start a thread of NCCL's) is given up on after `timeout` too, leaving the
+/// stuck thread to end with the process.
 pub(crate) fn init(
     topo: &Topology,
     store: Option<StoreClient>,
@@ -218,46 +269,49 @@ pub(crate) fn init(
 ) -> Result<Box<dyn Communicator>, Error> {
     let (rank, world) = (topo.rank, topo.world_size);
     check_libraries(rank)?;
-    let fresh =
-        || nc::get_uniqueid().map_err(|e| backend_err(rank, "ncclGetUniqueId", format!("{e:?}")));
+    let gpu = this_rank_gpu(topo)?;
+    let fresh = || nc::get_uniqueid().map_err(|e| nccl_err(rank, "ncclGetUniqueId", &e));
     let id = match &store {
         None => fresh()?,
         Some(s) => {
-            let gen = s.add(&format!("zrun/nccl/gen/{rank}"), 1)?;
-            let key = format!("zrun/nccl/{gen}/id");
-            if rank == 0 {
-                let id = fresh()?;
-                let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
-                s.set(&key, &bytes)?;
-                id
-            } else {
-                let bytes = s.get(&key)?;
-                let mut id = ncsys::ncclUniqueId { internal: [0; 128] };
-                if bytes.len() != id.internal.len() {
-                    return Err(backend_err(
-                        rank,
-                        "ncclUniqueId",
-                        format!("store holds {} bytes, want 128", bytes.len()),
-                    ));
-                }
-                for (d, b) in id.internal.iter_mut().zip(bytes) {
-                    *d = b as _;
-                }
-                id
+            let bytes = nccl_rendezvous::meet(s, rank, world, timeout, || {
+                Ok(fresh()?.internal.iter().map(|&c| c as u8).collect())
+            })?;
+            let mut id = ncsys::ncclUniqueId {
+                internal: [0; ID_BYTES],
+            };
+            for (d, b) in id.internal.iter_mut().zip(bytes) {
+                *d = b as _;
             }
+            id
         }
     };
-    let local = topo.local_rank;
-    let exec = Executor::spawn(
+    let late = move || {
+        let met = if world > 1 {
+            format!(", although all {world} ranks reached the store")
+        } else {
+            String::new()
+        };
+        backend_err(
+            rank,
+            "ncclCommInitRank",
+            format!(
+                "did not complete within {timeout:?} (dist.timeout_s) on cuda:{gpu}{met}: a rank failed inside NCCL's init (see its log), two ranks share one GPU, or the hosts cannot reach each other on NCCL's network interface (set NCCL_SOCKET_IFNAME; NCCL_DEBUG=INFO shows what NCCL tried)"
+            ),
+        )
+    };
+    let exec = Executor::spawn_within(
         rank,
         timeout,
-        move || connect(rank, world, local, id, timeout),
+        move || connect(rank, world, gpu, id, timeout),
         State::abort,
+        timeout,
+        late,
     )?;
     Ok(Box::new(NcclComm {
         rank,
         world,
-        device: local,
+        device: gpu,
         exec,
         _store: store,
         _server: server,
@@ -271,7 +325,7 @@ impl NcclComm {
                 rank: self.rank,
                 op,
                 detail: format!(
-                    "`{what}` is on {:?}; this rank's GPU is cuda:{} (LOCAL_RANK)",
+                    "`{what}` is on {:?}; this rank's GPU is cuda:{} (zrun_comm::gpu_index of its LOCAL_RANK); put the tensors there",
                     t.device(),
                     self.device
                 ),
@@ -447,5 +501,38 @@ impl Communicator for NcclComm {
                 Ok(())
             })
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::{Path, PathBuf};
+
+    /// `make setup` links .venv/zrun-lib/libnccl.so to the pip wheel's libnccl.so.2 and
+    /// scripts/env.sh puts that folder on LD_LIBRARY_PATH: cudarc then finds NCCL by its name
+    /// and loads its symbols (no GPU needed for the version).
+    #[test]
+    fn the_projects_libnccl_link_is_found_and_loads() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let Ok(dir) = root.join(".venv/zrun-lib").canonicalize() else {
+            eprintln!("skipped: no .venv/zrun-lib (run make setup)");
+            return;
+        };
+        let on_path = std::env::var("LD_LIBRARY_PATH").is_ok_and(|p| {
+            p.split(':')
+                .any(|d| PathBuf::from(d).canonicalize().ok().as_ref() == Some(&dir))
+        });
+        if !dir.join("libnccl.so").exists() || !on_path {
+            eprintln!("skipped: the libnccl.so link or its folder on LD_LIBRARY_PATH is missing (make setup; source scripts/env.sh)");
+            return;
+        }
+        // SAFETY: only tries to load the library by its usual names.
+        assert!(
+            unsafe { ncsys::is_culib_present() },
+            "cudarc does not find libnccl.so"
+        );
+        let v = nc::get_nccl_version().unwrap_or_else(|e| panic!("{}", nccl_detail(&e)));
+        assert!(v >= 21400, "NCCL {v} is older than 2.14");
     }
 }

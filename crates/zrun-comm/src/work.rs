@@ -80,6 +80,38 @@ impl<S: 'static> Executor<S> {
         make: impl FnOnce() -> Result<S, Error> + Send + 'static,
         on_error: fn(&mut S),
     ) -> Result<Executor<S>, Error> {
+        Self::start(
+            rank,
+            timeout,
+            make,
+            on_error,
+            None::<(Duration, fn() -> Error)>,
+        )
+    }
+
+    /// As [`Executor::spawn`], but fails with the error `late` makes when `make` has not
+    /// finished within `within` (a library call that cannot be interrupted, such as
+    /// `ncclCommInitRank` waiting for a peer). The thread is then left behind: it ends when
+    /// `make` returns, or with the process.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the nccl backend's
+    pub(crate) fn spawn_within(
+        rank: usize,
+        timeout: Duration,
+        make: impl FnOnce() -> Result<S, Error> + Send + 'static,
+        on_error: fn(&mut S),
+        within: Duration,
+        late: impl FnOnce() -> Error,
+    ) -> Result<Executor<S>, Error> {
+        Self::start(rank, timeout, make, on_error, Some((within, late)))
+    }
+
+    fn start(
+        rank: usize,
+        timeout: Duration,
+        make: impl FnOnce() -> Result<S, Error> + Send + 'static,
+        on_error: fn(&mut S),
+        within: Option<(Duration, impl FnOnce() -> Error)>,
+    ) -> Result<Executor<S>, Error> {
         let (tx, rx) = mpsc::channel::<Queued<S>>();
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), Error>>();
         let pending = Arc::new(AtomicUsize::new(0));
@@ -124,7 +156,16 @@ impl<S: 'static> Executor<S> {
                 op: "start communication thread",
                 detail: e.to_string(),
             })?;
-        match ready_rx.recv() {
+        let ready = match within {
+            None => ready_rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            Some((d, late)) => match ready_rx.recv_timeout(d) {
+                // Not joined: the thread is stuck in `make`; dropping `tx` on return ends it
+                // as soon as `make` comes back.
+                Err(RecvTimeoutError::Timeout) => return Err(late()),
+                r => r,
+            },
+        };
+        match ready {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
                 let _ = thread.join();
@@ -232,6 +273,46 @@ mod tests {
         assert!(w2.unwrap().wait().unwrap_err().to_string().contains("boom"));
         let e = w3.unwrap().wait().unwrap_err().to_string();
         assert!(e.contains("rank 3, c") && e.contains("boom"), "{e}");
+    }
+
+    #[test]
+    fn a_state_that_is_not_made_in_time_fails_with_the_late_error() {
+        let t = Instant::now();
+        let e = Executor::<()>::spawn_within(
+            2,
+            Duration::from_secs(5),
+            || {
+                std::thread::sleep(Duration::from_millis(1500));
+                Ok(())
+            },
+            |_| {},
+            Duration::from_millis(100),
+            || Error::Connect {
+                rank: 2,
+                detail: "init did not return".into(),
+            },
+        )
+        .err()
+        .expect("too late");
+        assert!(t.elapsed() < Duration::from_millis(1400), "waited for make");
+        assert!(e.to_string().contains("init did not return"), "{e}");
+        // in time: as spawn
+        let ex = Executor::spawn_within(
+            2,
+            Duration::from_secs(5),
+            || Ok(7u32),
+            |_| {},
+            Duration::from_secs(5),
+            || unreachable!("made in time"),
+        )
+        .unwrap();
+        ex.submit("x", 0, |s: &mut u32| {
+            assert_eq!(*s, 7);
+            Ok(())
+        })
+        .unwrap()
+        .wait()
+        .unwrap();
     }
 
     #[test]

@@ -418,6 +418,9 @@ impl HostOptimizer {
             self.grads.shallow_clone(),
             self.half(),
         );
+        // No CUDA device is made current here: the thread touches host memory only (`run`
+        // reads and writes the host buffers; a job's device `dst` only passes through, in the
+        // `Transfer` that the model's thread applies), so it makes no CUDA call.
         let handle = std::thread::Builder::new()
             .name("zrun-cpu-adamw".into())
             .spawn(move || {

@@ -15,6 +15,7 @@
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -252,6 +253,40 @@ int zrun_ext_reset_cuda_peak(int64_t device, char** err) {
     }
     at::globalContext().lazyInitDevice(c10::kCUDA);
     c10::getDeviceAllocator(c10::kCUDA)->resetPeakStats(static_cast<c10::DeviceIndex>(device));
+    return ZR_OK;
+  });
+}
+
+// Makes CUDA device `index` current on the calling thread (torch.cuda.set_device), through
+// c10's device-generic guard interface, so no CUDA header is needed. Refuses where CUDA is
+// absent (libtorch_cuda not loaded, no GPU) or the index is not a visible device.
+int zrun_ext_set_cuda_device(int64_t index, char** err) {
+  return guard(err, [&] {
+    if (!at::globalContext().hasCUDA()) {
+      return refuse(err, "cannot make cuda:" + std::to_string(index) +
+                             " current: CUDA is not available (libtorch's CUDA part is not "
+                             "linked, i.e. not built with feature `cuda` against a CUDA "
+                             "libtorch, or the machine has no GPU)");
+    }
+    const int64_t count = at::detail::getCUDAHooks().deviceCount();
+    if (index < 0 || index >= count) {
+      return refuse(err, "cuda:" + std::to_string(index) + " does not exist: this process sees " +
+                             std::to_string(count) + " CUDA device(s) (CUDA_VISIBLE_DEVICES)");
+    }
+    c10::impl::getDeviceGuardImpl(c10::kCUDA)
+        ->setDevice(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index)));
+    return ZR_OK;
+  });
+}
+
+// The calling thread's current CUDA device in *out, or -1 where CUDA is absent.
+int zrun_ext_current_cuda_device(int64_t* out, char** err) {
+  return guard(err, [&] {
+    *out = -1;
+    if (!at::globalContext().hasCUDA()) {
+      return ZR_OK;
+    }
+    *out = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice().index();
     return ZR_OK;
   });
 }

@@ -1,11 +1,12 @@
 //! Figures of libtorch's CUDA caching allocator (`torch.cuda.memory_allocated`,
-//! `max_memory_allocated`, `memory_reserved`, `reset_peak_memory_stats`).
+//! `max_memory_allocated`, `memory_reserved`, `reset_peak_memory_stats`), and the calling
+//! thread's current CUDA device (`torch.cuda.set_device`, `current_device`).
 //!
-//! Read through c10's device-generic `DeviceAllocator` interface, so the shim needs no CUDA
-//! toolkit headers and builds on machines without CUDA; where libtorch's CUDA part is not
-//! loaded or there is no GPU, the calls report `None` / do nothing.
+//! Read through c10's device-generic `DeviceAllocator` and guard interfaces, so the shim needs
+//! no CUDA toolkit headers and builds on machines without CUDA; where libtorch's CUDA part is
+//! not loaded or there is no GPU, the calls report `None` / do nothing / refuse.
 
-use crate::ffi;
+use crate::{ffi, Error};
 use std::ffi::c_int;
 use std::ptr;
 
@@ -69,11 +70,74 @@ pub fn reset_cuda_peak(device: usize) {
     let _ = ffi::check(status, err, String::new);
 }
 
+/// Makes CUDA device `index` current on the calling thread, as `torch.cuda.set_device` does:
+/// libtorch then allocates there and launches there, unless told otherwise. Call it before
+/// the thread allocates anything on CUDA.
+///
+/// Where CUDA is absent (a build without the `cuda` feature, a CPU libtorch, no GPU) or
+/// `index` is not a visible device, it changes nothing and returns [`Error::Refused`].
+pub fn set_cuda_device(index: usize) -> Result<(), Error> {
+    let op = || format!("set_cuda_device(cuda:{index})");
+    let Ok(i) = i64::try_from(index) else {
+        return Err(Error::Refused {
+            op: op(),
+            reason: "index out of range".into(),
+        });
+    };
+    let mut err = ptr::null_mut();
+    // SAFETY: `err` is a valid out-pointer for the call; the shim catches every C++ exception.
+    let status = unsafe { ffi::zrun_ext_set_cuda_device(i, &mut err) };
+    ffi::check(status, err, op)
+}
+
+/// The calling thread's current CUDA device (`torch.cuda.current_device`), or `None` where
+/// CUDA is absent.
+pub fn current_cuda_device() -> Option<usize> {
+    let mut out = -1i64;
+    let mut err = ptr::null_mut();
+    // SAFETY: as in `set_cuda_device`, with `out` a valid out-pointer.
+    let status = unsafe { ffi::zrun_ext_current_cuda_device(&mut out, &mut err) };
+    ffi::check(status, err, String::new).ok()?;
+    usize::try_from(out).ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::{resize_storage, storage_nbytes};
     use tch::{Cuda, Device, Kind, Tensor};
+
+    #[test]
+    fn setting_the_current_device_refuses_cleanly_without_cuda() -> anyhow::Result<()> {
+        if !Cuda::is_available() {
+            match set_cuda_device(0) {
+                Err(Error::Refused { op, reason }) => {
+                    assert!(
+                        op.contains("cuda:0") && reason.contains("not available"),
+                        "{reason}"
+                    );
+                }
+                other => panic!("expected a refusal without CUDA, got {other:?}"),
+            }
+            assert_eq!(current_cuda_device(), None);
+            return Ok(());
+        }
+        let n = Cuda::device_count() as usize;
+        let e = set_cuda_device(n).unwrap_err().to_string();
+        assert!(e.contains("does not exist"), "{e}");
+        // on a fresh thread, so the test's own thread keeps its device
+        std::thread::spawn(move || -> anyhow::Result<()> {
+            let last = n - 1;
+            set_cuda_device(last)?;
+            assert_eq!(current_cuda_device(), Some(last));
+            let t = tch::Tensor::f_zeros([4], (tch::Kind::Float, Device::Cuda(last)))?;
+            assert_eq!(t.device(), Device::Cuda(last));
+            Ok(())
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("thread panicked"))??;
+        Ok(())
+    }
 
     #[test]
     fn none_without_cuda_else_counts_a_buffer_and_its_release() -> anyhow::Result<()> {

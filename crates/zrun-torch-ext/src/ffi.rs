@@ -45,6 +45,8 @@ extern "C" {
         err: *mut *mut c_char,
     ) -> c_int;
     pub(crate) fn zrun_ext_reset_cuda_peak(device: i64, err: *mut *mut c_char) -> c_int;
+    pub(crate) fn zrun_ext_set_cuda_device(index: i64, err: *mut *mut c_char) -> c_int;
+    pub(crate) fn zrun_ext_current_cuda_device(out: *mut i64, err: *mut *mut c_char) -> c_int;
     pub(crate) fn zrun_ext_rng_state(
         kind: c_int,
         index: i64,

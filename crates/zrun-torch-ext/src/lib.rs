@@ -6,6 +6,7 @@
 //!   backward, as FSDP does with `untyped_storage().resize_()`;
 //! - [`grad`]: `torch.autograd.grad` with explicit output gradients;
 //! - [`cuda_memory`] / [`reset_cuda_peak`]: the CUDA caching allocator's figures;
+//! - [`set_cuda_device`] / [`current_cuda_device`]: the calling thread's current CUDA device;
 //! - [`rng::state`] / [`rng::set_state`]: the default CPU / CUDA generators' state, for
 //!   checkpoints that resume with the same random draws.
 //!
@@ -19,6 +20,6 @@ pub mod rng;
 mod storage;
 
 pub use autograd::grad;
-pub use cuda::{cuda_memory, reset_cuda_peak, CudaMemory};
+pub use cuda::{cuda_memory, current_cuda_device, reset_cuda_peak, set_cuda_device, CudaMemory};
 pub use error::Error;
 pub use storage::{resize_storage, storage_nbytes};

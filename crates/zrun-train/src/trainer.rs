@@ -1,7 +1,7 @@
 //! The training loop of one rank: data, engine, schedule, eval, metrics.
 
 use crate::checkpoint::{Checkpointer, Position, Resumed};
-use crate::config::{Config, DataKind, DeviceChoice};
+use crate::config::{Capabilities, Config, ConfigError, DataKind, DeviceKind, DistConfig};
 use crate::data::{Cursor, DataOptions, DataSource, Dataset, Loader};
 use crate::metrics::{cuda_peak_bytes, median, rss_bytes, MetricsWriter, StepMetrics, Summary};
 use crate::reduce::{gather_bytes, reduce};
@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 use tch::Device;
-use zrun_comm::{Communicator, ReduceOp};
+use zrun_comm::{Communicator, ReduceOp, Topology};
 use zrun_models::{Gpt, Model};
 use zrun_optim::{AdamWConfig, LrSchedule};
 use zrun_shard::{Engine, EngineConfig, Offload, Precision};
@@ -66,17 +66,22 @@ pub struct Run {
 
 impl Run {
     /// Builds model, data and engine for the rank of `comm`; the first place bad input is
-    /// reported. `local_world_size` ranks share this node's cores.
-    pub fn new(
-        cfg: &Config,
-        comm: Arc<dyn Communicator>,
-        local_world_size: usize,
-    ) -> Result<Run, Error> {
+    /// reported. `topo` places the rank on its node: the node's ranks share its cores, and on
+    /// CUDA the rank computes on its own GPU ([`rank_device`]), made current on this thread
+    /// before anything is allocated.
+    pub fn new(cfg: &Config, comm: Arc<dyn Communicator>, topo: &Topology) -> Result<Run, Error> {
         let rank = RankInfo {
             rank: comm.rank(),
             world_size: comm.world_size(),
-            local_world_size,
+            local_world_size: topo.local_world_size,
         };
+        // `dist.device` against the backend actually connected (auto: CPU for tcp and mpi).
+        let dist = DistConfig {
+            backend: comm.backend().into(),
+            ..cfg.dist.clone()
+        }
+        .resolve(Capabilities::detect())?;
+        let device = rank_device(dist.device, topo)?;
         let base_rss = rss_bytes().0;
         let threads = set_threads(cfg.train.threads, rank.local_world_size);
         let gpt = cfg.gpt()?;
@@ -101,7 +106,7 @@ impl Run {
                 offload: cfg.zero.offload_optimizer,
                 optimizer_state_dtype: cfg.zero.optimizer_state_dtype,
                 optimizer_threads: threads,
-                device: device(cfg.dist.device)?,
+                device,
                 seed: t.seed,
                 adamw: AdamWConfig {
                     beta1: t.beta1,
@@ -493,14 +498,21 @@ fn data_options(cfg: &Config, seq_len: i64, vocab_size: i64) -> DataOptions {
     }
 }
 
-fn device(choice: DeviceChoice) -> Result<Device, Error> {
-    match choice {
-        DeviceChoice::Cpu => Ok(Device::Cpu),
-        DeviceChoice::Auto => Ok(Device::cuda_if_available()),
-        DeviceChoice::Cuda if tch::Cuda::is_available() => Ok(Device::Cuda(0)),
-        DeviceChoice::Cuda => Err(Error::Unsupported(
-            "dist.device = \"cuda\" but no CUDA device is visible; use \"cpu\" or \"auto\"".into(),
-        )),
+/// The device of the rank `topo` describes, for a run on `kind`: the CPU, or its own GPU
+/// ([`zrun_comm::gpu_index`] over the devices libtorch sees: the rule the nccl backend
+/// follows too), made the calling thread's current CUDA device so that libtorch allocates
+/// and launches there. Call it on the thread that drives the model, before it allocates.
+pub fn rank_device(kind: DeviceKind, topo: &Topology) -> Result<Device, Error> {
+    match kind {
+        DeviceKind::Cpu => Ok(Device::Cpu),
+        DeviceKind::Cuda => {
+            let visible = usize::try_from(tch::Cuda::device_count()).unwrap_or(0);
+            let gpu = topo
+                .gpu_index(visible)
+                .map_err(|e| ConfigError(e.to_string()))?;
+            zrun_torch_ext::set_cuda_device(gpu)?;
+            Ok(Device::Cuda(gpu))
+        }
     }
 }
 

@@ -298,7 +298,7 @@ fn rank_process() {
     let rank = comm.rank();
     let run = || -> anyhow::Result<()> {
         let cfg = Config::load(Path::new(&env("ZRUN_CK_CONFIG")), &sets)?;
-        let mut run = Run::new(&cfg, comm, 1)?;
+        let mut run = Run::new(&cfg, comm, &zrun_comm::Topology::single())?;
         if env("ZRUN_CK_MODE") == "reshard" {
             let r = run
                 .restore()?

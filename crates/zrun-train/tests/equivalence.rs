@@ -74,7 +74,7 @@ fn train_rank(
 ) -> anyhow::Result<()> {
     let cfg = Config::load(config, sets)?;
     let rank = comm.rank();
-    let mut run = Run::new(&cfg, comm, 1)?;
+    let mut run = Run::new(&cfg, comm, &zrun_comm::Topology::single())?;
     run.train()?;
     let params = run.engine_mut().full_parameters()?;
     if rank == 0 {

@@ -114,7 +114,7 @@ fn rank_process() {
     let dir = env("ZRUN_RP_DIR");
     let sets = vec![format!("log.dir=\"{dir}\"")];
     let cfg = Config::load(Path::new(&env("ZRUN_RP_CONFIG")), &sets).unwrap();
-    let mut run = Run::new(&cfg, common::rank_comm(), 1).unwrap();
+    let mut run = Run::new(&cfg, common::rank_comm(), &zrun_comm::Topology::single()).unwrap();
     if let Err(e) = run.train() {
         eprintln!("rank failed: {e:#}");
         std::process::exit(3);

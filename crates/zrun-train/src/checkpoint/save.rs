@@ -178,6 +178,8 @@ impl Checkpointer {
         let done = Arc::new(AtomicBool::new(false));
         let flag = done.clone();
         let specs = plan.specs;
+        // Reads the host snapshot `buf` only (the device state was copied into it above, on
+        // the model's thread): no CUDA call, so no current device to set.
         let thread = std::thread::Builder::new()
             .name("zrun-ckpt-write".into())
             .spawn(move || {

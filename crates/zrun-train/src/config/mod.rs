@@ -5,7 +5,10 @@
 //! deserializer: an unknown key, a wrong type or an out-of-range value is one line naming the
 //! file (or the override), the key, the value and what is allowed.
 
+mod dist;
 mod load;
+
+pub use dist::{BackendChoice, Capabilities, DeviceChoice, DeviceKind, DistConfig, ResolvedDist};
 
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -220,56 +223,6 @@ impl Default for ZeroConfig {
             loss_scale_window: 1000,
             offload_optimizer: Offload::None,
             optimizer_state_dtype: StateDtype::Fp32,
-        }
-    }
-}
-
-/// Communication backend choice.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum BackendChoice {
-    /// nccl on GPUs, tcp on CPUs.
-    #[default]
-    Auto,
-    /// Built-in TCP rings.
-    Tcp,
-    /// MPI (feature `mpi`, under mpirun).
-    Mpi,
-    /// NCCL (feature `cuda`).
-    Nccl,
-}
-
-/// Device choice.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DeviceChoice {
-    /// CUDA when available, else CPU.
-    #[default]
-    Auto,
-    /// CPU.
-    Cpu,
-    /// CUDA device LOCAL_RANK.
-    Cuda,
-}
-
-/// `[dist]`.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct DistConfig {
-    /// auto, tcp, mpi or nccl.
-    pub backend: BackendChoice,
-    /// auto, cpu or cuda.
-    pub device: DeviceChoice,
-    /// Deadline of every collective and of rendezvous, seconds.
-    pub timeout_s: u64,
-}
-
-impl Default for DistConfig {
-    fn default() -> Self {
-        DistConfig {
-            backend: BackendChoice::Auto,
-            device: DeviceChoice::Auto,
-            timeout_s: 600,
         }
     }
 }

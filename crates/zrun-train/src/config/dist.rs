@@ -1,0 +1,413 @@
+//! `[dist]`: the communication backend and the compute device, and how they resolve against
+//! what this build and this machine offer: once, before any rank starts, with one-line errors
+//! naming the keys and the fix.
+
+use super::ConfigError;
+use serde::{Deserialize, Serialize};
+use zrun_comm::Backend;
+
+/// Communication backend choice.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendChoice {
+    /// nccl when the device is CUDA, else tcp (never mpi: name it).
+    #[default]
+    Auto,
+    /// Built-in TCP rings; CPU tensors.
+    Tcp,
+    /// MPI (feature `mpi`, under mpirun); CPU tensors.
+    Mpi,
+    /// NCCL (feature `cuda`); CUDA tensors.
+    Nccl,
+}
+
+impl From<Backend> for BackendChoice {
+    fn from(b: Backend) -> BackendChoice {
+        match b {
+            Backend::Tcp => BackendChoice::Tcp,
+            Backend::Mpi => BackendChoice::Mpi,
+            Backend::Nccl => BackendChoice::Nccl,
+        }
+    }
+}
+
+/// Device choice.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceChoice {
+    /// CUDA when this build has it, a GPU is visible and the backend moves CUDA tensors
+    /// (auto or nccl); else CPU.
+    #[default]
+    Auto,
+    /// CPU.
+    Cpu,
+    /// This rank's GPU (`zrun_comm::gpu_index`: its LOCAL_RANK, or 0 when it sees one GPU).
+    Cuda,
+}
+
+/// `[dist]`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DistConfig {
+    /// auto, tcp, mpi or nccl.
+    pub backend: BackendChoice,
+    /// auto, cpu or cuda.
+    pub device: DeviceChoice,
+    /// Deadline of every collective and of rendezvous, seconds.
+    pub timeout_s: u64,
+}
+
+impl Default for DistConfig {
+    fn default() -> Self {
+        DistConfig {
+            backend: BackendChoice::Auto,
+            device: DeviceChoice::Auto,
+            timeout_s: 600,
+        }
+    }
+}
+
+/// What this build and this machine offer: the inputs of [`DistConfig::resolve`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capabilities {
+    /// libtorch sees at least one CUDA device.
+    pub cuda_visible: bool,
+    /// Built with zrun's `cuda` feature (the nccl backend and libtorch's CUDA part).
+    pub cuda_built: bool,
+    /// Built with zrun's `mpi` feature (the mpi backend).
+    pub mpi_built: bool,
+}
+
+impl Capabilities {
+    /// This process: the backends compiled into it and the GPUs libtorch sees.
+    pub fn detect() -> Capabilities {
+        Capabilities {
+            cuda_visible: tch::Cuda::is_available(),
+            cuda_built: zrun_comm::compiled(Backend::Nccl),
+            mpi_built: zrun_comm::compiled(Backend::Mpi),
+        }
+    }
+}
+
+/// The kind of device the ranks compute on; which GPU is each rank's own is decided per rank
+/// (`zrun_train::trainer::rank_device`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// Host memory and cores.
+    Cpu,
+    /// One GPU per rank.
+    Cuda,
+}
+
+/// `[dist]` resolved: a backend and a device kind that work together in this build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ResolvedDist {
+    /// The communication backend.
+    pub backend: Backend,
+    /// The compute device kind.
+    pub device: DeviceKind,
+}
+
+impl ResolvedDist {
+    /// What `auto` chose, as one line for the log; `None` when neither key was `auto`.
+    pub fn auto_choices(&self, cfg: &DistConfig) -> Option<String> {
+        let mut parts = Vec::new();
+        if cfg.backend == BackendChoice::Auto {
+            parts.push(format!("dist.backend = \"auto\" chose {}", self.backend));
+        }
+        if cfg.device == DeviceChoice::Auto {
+            let d = match self.device {
+                DeviceKind::Cpu => "cpu",
+                DeviceKind::Cuda => "cuda (one GPU per rank)",
+            };
+            parts.push(format!("dist.device = \"auto\" chose {d}"));
+        }
+        (!parts.is_empty()).then(|| parts.join(", "))
+    }
+}
+
+impl ResolvedDist {
+    /// Checks, in the launcher, that the `nproc` ranks it starts on this node (which inherit
+    /// its `CUDA_VISIBLE_DEVICES`, so each sees the `visible` devices it sees) can each have
+    /// a GPU: refuses more ranks than GPUs ([`zrun_comm::gpu_index`]'s rule), and with nccl
+    /// several ranks on one GPU, which NCCL refuses at its init. Nothing to check on CPU.
+    pub fn check_node(&self, nproc: usize, visible: usize) -> Result<(), ConfigError> {
+        if self.device != DeviceKind::Cuda {
+            return Ok(());
+        }
+        let fix = "start one rank per GPU, or leave --nproc out (it defaults to the visible GPUs)";
+        if nproc > 1 && visible == 1 && self.backend == Backend::Nccl {
+            return Err(ConfigError(format!(
+                "--nproc {nproc} with dist.backend = nccl: the {nproc} ranks would share the one visible GPU, which NCCL refuses; {fix}"
+            )));
+        }
+        zrun_comm::gpu_index(0, nproc, visible)
+            .map(drop)
+            .map_err(|e| ConfigError(format!("--nproc {nproc} on CUDA: {e}")))
+    }
+}
+
+const REBUILD_CUDA: &str = "rebuild with `cargo build --release --features cuda`";
+
+impl DistConfig {
+    /// The backend and device kind this config asks for, given what `caps` offers. The
+    /// device comes first: `cpu` and `cuda` are taken as given; `auto` is CUDA when this
+    /// build has it, a GPU is visible and the backend can move CUDA tensors (`auto` or
+    /// `nccl`), else CPU. Then the backend: `auto` is nccl on CUDA and tcp on CPU (never mpi).
+    ///
+    /// Refused, with one line naming the keys and the fix: nccl with cpu; tcp or mpi with
+    /// cuda (they move CPU tensors only, until tcp stages CUDA tensors); a backend or device
+    /// this build lacks (mpi without the `mpi` feature, nccl or cuda without `cuda`); cuda,
+    /// or nccl with auto, where no GPU is visible.
+    pub fn resolve(&self, caps: Capabilities) -> Result<ResolvedDist, ConfigError> {
+        use BackendChoice as B;
+        use DeviceChoice as D;
+        let err = |m: String| Err(ConfigError(m));
+        // Pairs that cannot work anywhere come first: the config itself is wrong.
+        match (self.backend, self.device) {
+            (B::Nccl, D::Cpu) => {
+                return err("dist.backend = \"nccl\" with dist.device = \"cpu\": NCCL moves CUDA tensors only; set dist.device = \"cuda\" (or \"auto\") to train on GPUs, or dist.backend = \"tcp\" (or \"auto\") to train on CPUs".into());
+            }
+            (B::Tcp | B::Mpi, D::Cuda) => {
+                let b = if self.backend == B::Tcp { "tcp" } else { "mpi" };
+                return err(format!("dist.backend = \"{b}\" with dist.device = \"cuda\": the {b} backend moves CPU tensors only (until it stages CUDA tensors through host memory); set dist.backend = \"nccl\" (or \"auto\") to train on GPUs, or dist.device = \"cpu\""));
+            }
+            _ => {}
+        }
+        // Then what this build lacks.
+        if self.backend == B::Mpi && !caps.mpi_built {
+            return err("dist.backend = \"mpi\" but this zrun was built without MPI; rebuild with `cargo build --release --features mpi` (needs OpenMPI, see make setup), or set dist.backend = \"tcp\" (or \"auto\")".into());
+        }
+        if self.backend == B::Nccl && !caps.cuda_built {
+            return err(format!("dist.backend = \"nccl\" but this zrun was built without CUDA; {REBUILD_CUDA}, or set dist.backend = \"tcp\" (or \"auto\") to train on CPUs"));
+        }
+        if self.device == D::Cuda && !caps.cuda_built {
+            return err(format!("dist.device = \"cuda\" but this zrun was built without CUDA; {REBUILD_CUDA}, or set dist.device = \"cpu\" (or \"auto\")"));
+        }
+        // Then this machine.
+        let cuda = caps.cuda_built && caps.cuda_visible;
+        let device = match (self.device, self.backend) {
+            (D::Cpu, _) => DeviceKind::Cpu,
+            (D::Cuda, _) if cuda => DeviceKind::Cuda,
+            (D::Cuda, _) => {
+                return err("dist.device = \"cuda\" but no CUDA device is visible (check CUDA_VISIBLE_DEVICES and nvidia-smi); run on a GPU machine, or set dist.device = \"cpu\" (or \"auto\")".into());
+            }
+            (D::Auto, B::Tcp | B::Mpi) => DeviceKind::Cpu,
+            (D::Auto, B::Nccl) if !cuda => {
+                return err("dist.backend = \"nccl\" needs a CUDA device, but none is visible (check CUDA_VISIBLE_DEVICES and nvidia-smi); run on a GPU machine, or set dist.backend = \"tcp\" (or \"auto\") to train on CPUs".into());
+            }
+            (D::Auto, _) if cuda => DeviceKind::Cuda,
+            (D::Auto, _) => DeviceKind::Cpu,
+        };
+        let backend = match self.backend {
+            B::Auto if device == DeviceKind::Cuda => Backend::Nccl,
+            B::Auto | B::Tcp => Backend::Tcp,
+            B::Mpi => Backend::Mpi,
+            B::Nccl => Backend::Nccl,
+        };
+        Ok(ResolvedDist { backend, device })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use BackendChoice as B;
+    use DeviceChoice as D;
+
+    fn caps(cuda_visible: bool, cuda_built: bool, mpi_built: bool) -> Capabilities {
+        Capabilities {
+            cuda_visible,
+            cuda_built,
+            mpi_built,
+        }
+    }
+
+    fn resolve(b: B, d: D, c: Capabilities) -> Result<ResolvedDist, String> {
+        let cfg = DistConfig {
+            backend: b,
+            device: d,
+            ..DistConfig::default()
+        };
+        cfg.resolve(c).map_err(|e| e.0)
+    }
+
+    fn ok(b: B, d: D, c: Capabilities) -> (Backend, DeviceKind) {
+        let r = resolve(b, d, c).unwrap_or_else(|e| panic!("{b:?} {d:?} {c:?}: {e}"));
+        (r.backend, r.device)
+    }
+
+    /// The error for (b, d, c), checked to be one line naming `needles`.
+    fn refused(b: B, d: D, c: Capabilities, needles: &[&str]) {
+        let e = resolve(b, d, c).expect_err("must be refused");
+        assert!(!e.contains('\n'), "one line: {e}");
+        for n in needles {
+            assert!(e.contains(n), "{b:?} {d:?} {c:?}: {e:?} lacks {n:?}");
+        }
+    }
+
+    #[test]
+    fn auto_picks_nccl_only_for_a_cuda_device() {
+        let gpu = caps(true, true, false);
+        assert_eq!(ok(B::Auto, D::Auto, gpu), (Backend::Nccl, DeviceKind::Cuda));
+        assert_eq!(ok(B::Auto, D::Cuda, gpu), (Backend::Nccl, DeviceKind::Cuda));
+        // a CPU config on a GPU machine with a CUDA build: tcp, not nccl (the demo, the tests)
+        assert_eq!(ok(B::Auto, D::Cpu, gpu), (Backend::Tcp, DeviceKind::Cpu));
+        // no GPU, or a build without CUDA: CPU and tcp; auto never picks mpi
+        for c in [
+            caps(false, true, true),
+            caps(true, false, true),
+            caps(false, false, false),
+        ] {
+            assert_eq!(ok(B::Auto, D::Auto, c), (Backend::Tcp, DeviceKind::Cpu));
+        }
+    }
+
+    #[test]
+    fn auto_device_follows_an_explicit_backend() {
+        let gpu = caps(true, true, true);
+        assert_eq!(ok(B::Tcp, D::Auto, gpu), (Backend::Tcp, DeviceKind::Cpu));
+        assert_eq!(ok(B::Mpi, D::Auto, gpu), (Backend::Mpi, DeviceKind::Cpu));
+        assert_eq!(ok(B::Nccl, D::Auto, gpu), (Backend::Nccl, DeviceKind::Cuda));
+        assert_eq!(ok(B::Nccl, D::Cuda, gpu), (Backend::Nccl, DeviceKind::Cuda));
+        assert_eq!(ok(B::Tcp, D::Cpu, gpu), (Backend::Tcp, DeviceKind::Cpu));
+        assert_eq!(
+            ok(B::Mpi, D::Cpu, caps(false, false, true)),
+            (Backend::Mpi, DeviceKind::Cpu)
+        );
+    }
+
+    #[test]
+    fn impossible_pairs_are_refused_on_any_machine() {
+        for c in [caps(true, true, true), caps(false, false, false)] {
+            refused(
+                B::Nccl,
+                D::Cpu,
+                c,
+                &[
+                    "dist.backend = \"nccl\"",
+                    "dist.device = \"cpu\"",
+                    "set dist.device = \"cuda\"",
+                ],
+            );
+            for (b, name) in [(B::Tcp, "tcp"), (B::Mpi, "mpi")] {
+                refused(
+                    b,
+                    D::Cuda,
+                    c,
+                    &[
+                        &format!("dist.backend = \"{name}\""),
+                        "dist.device = \"cuda\"",
+                        "CPU tensors only",
+                        "until it stages CUDA tensors",
+                        "dist.backend = \"nccl\"",
+                    ],
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn what_the_build_lacks_is_refused_with_the_feature_to_build() {
+        let gpu_no_features = caps(true, false, false);
+        refused(
+            B::Mpi,
+            D::Auto,
+            gpu_no_features,
+            &["dist.backend = \"mpi\"", "without MPI", "--features mpi"],
+        );
+        refused(
+            B::Nccl,
+            D::Auto,
+            gpu_no_features,
+            &["dist.backend = \"nccl\"", "without CUDA", "--features cuda"],
+        );
+        refused(
+            B::Auto,
+            D::Cuda,
+            gpu_no_features,
+            &["dist.device = \"cuda\"", "without CUDA", "--features cuda"],
+        );
+    }
+
+    #[test]
+    fn cuda_without_a_visible_gpu_is_refused() {
+        let built = caps(false, true, true);
+        refused(
+            B::Auto,
+            D::Cuda,
+            built,
+            &["dist.device = \"cuda\"", "no CUDA device is visible"],
+        );
+        refused(
+            B::Nccl,
+            D::Auto,
+            built,
+            &[
+                "dist.backend = \"nccl\"",
+                "none is visible",
+                "dist.backend = \"tcp\"",
+            ],
+        );
+    }
+
+    #[test]
+    fn the_launcher_refuses_more_ranks_than_gpus_on_its_node() {
+        let nccl = ResolvedDist {
+            backend: Backend::Nccl,
+            device: DeviceKind::Cuda,
+        };
+        assert!(nccl.check_node(8, 8).is_ok());
+        assert!(nccl.check_node(2, 8).is_ok());
+        assert!(nccl.check_node(1, 1).is_ok());
+        let e = nccl.check_node(4, 2).unwrap_err().0;
+        assert!(
+            e.contains("--nproc 4") && e.contains("sees 2 CUDA device") && e.contains("--nproc 2"),
+            "{e}"
+        );
+        let e = nccl.check_node(2, 1).unwrap_err().0;
+        assert!(
+            e.contains("--nproc 2")
+                && e.contains("share the one visible GPU")
+                && e.contains("NCCL"),
+            "{e}"
+        );
+        // on CPU there is nothing to check
+        let cpu = ResolvedDist {
+            backend: Backend::Tcp,
+            device: DeviceKind::Cpu,
+        };
+        assert!(cpu.check_node(16, 0).is_ok());
+    }
+
+    #[test]
+    fn the_log_line_says_what_auto_chose() {
+        let cfg = DistConfig::default();
+        let r = cfg.resolve(caps(true, true, false)).unwrap();
+        assert_eq!(
+            r.auto_choices(&cfg).unwrap(),
+            "dist.backend = \"auto\" chose nccl, dist.device = \"auto\" chose cuda (one GPU per rank)"
+        );
+        let cpu = DistConfig {
+            device: D::Cpu,
+            ..DistConfig::default()
+        };
+        let r = cpu.resolve(caps(true, true, false)).unwrap();
+        assert_eq!(
+            r.auto_choices(&cpu).unwrap(),
+            "dist.backend = \"auto\" chose tcp"
+        );
+        let explicit = DistConfig {
+            backend: B::Tcp,
+            device: D::Cpu,
+            ..DistConfig::default()
+        };
+        assert_eq!(
+            explicit
+                .resolve(caps(false, false, false))
+                .unwrap()
+                .auto_choices(&explicit),
+            None
+        );
+    }
+}
