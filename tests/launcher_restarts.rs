@@ -31,14 +31,26 @@ fn starts(stdout: &str) -> Vec<(usize, u32, u32)> {
 const START: &str =
     "echo \"start count=$TORCHELASTIC_RESTART_COUNT max=$TORCHELASTIC_MAX_RESTARTS\"; ";
 
+/// [`START`], then waits (up to 10 s) until every rank of this round has printed its start line,
+/// so a rank that fails at once cannot stop the others before they print theirs.
+fn start_together(gate: &std::path::Path) -> String {
+    let g = gate.display();
+    format!(
+        "{START}touch {g}/$RANK.$TORCHELASTIC_RESTART_COUNT; n=0; \
+         while [ $(ls {g} | grep -c \"\\.$TORCHELASTIC_RESTART_COUNT\\$\") -lt $WORLD_SIZE ] && [ $n -lt 200 ]; \
+         do sleep 0.05; n=$((n+1)); done; "
+    )
+}
+
 #[test]
 fn a_failed_rank_restarts_the_group_until_it_succeeds() {
     let d = scratch("restart-ok");
     let id = run_id("restart-ok");
     let logs = d.display().to_string();
     // Rank 1 fails in rounds 0 and 1 while rank 0 still runs; round 2 succeeds.
+    let start = start_together(&scratch("restart-ok-gate"));
     let script = format!(
-        "{START}if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT -lt 2 ]; then sleep 0.2; echo failing; exit 1; fi; sleep 0.5"
+        "{start}if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT -lt 2 ]; then echo failing; exit 1; fi; sleep 0.5"
     );
     let flags = [
         "--nproc",
@@ -76,7 +88,8 @@ fn a_failed_rank_restarts_the_group_until_it_succeeds() {
 
 #[test]
 fn restarts_run_out_and_the_failure_counts_them() {
-    let script = format!("{START}if [ $RANK = 1 ]; then exit 1; fi; sleep 0.5");
+    let start = start_together(&scratch("restart-out"));
+    let script = format!("{start}if [ $RANK = 1 ]; then exit 1; fi; sleep 0.5");
     let flags = ["--nproc", "2", "--max-restarts", "1"];
     let mut job = Job::start(&exec_args(&flags, &script), &[]);
     let status = job.exit_within(Duration::from_secs(30));
@@ -100,7 +113,8 @@ fn restarts_run_out_and_the_failure_counts_them() {
 
 #[test]
 fn a_rank_exiting_2_is_not_restarted() {
-    let script = format!("{START}if [ $RANK = 1 ]; then exit 2; fi; sleep 0.5");
+    let start = start_together(&scratch("restart-exit-2"));
+    let script = format!("{start}if [ $RANK = 1 ]; then exit 2; fi; sleep 0.5");
     let flags = ["--nproc", "2", "--max-restarts", "3"];
     let mut job = Job::start(&exec_args(&flags, &script), &[]);
     let status = job.exit_within(Duration::from_secs(30));
