@@ -5,6 +5,8 @@
 //!     zrun --nnodes 2 --node-rank 0 --master-addr h0 --nproc 8 train.toml   # node 0 of 2
 //!     mpirun -np 2 zrun train.toml                             # under mpirun/srun: one rank
 //!     zrun --dry-run --nproc 8 train.toml                      # layout and bytes per rank
+//!     zrun estimate train.toml --nproc 8 --device-mem 80GiB    # memory per rank, every alternative
+//!     zrun plan train.toml --nproc 8 --device-mem 80GiB        # the cheapest config that fits
 //!     zrun exec --nproc 2 -- sh -c 'echo $RANK'                # any program as the ranks
 //!     zrun bench comm --nproc 2                                # collective bandwidth
 //!     zrun bench adam --params 50M --threads 2                 # CPU AdamW Gparam/s
@@ -26,12 +28,14 @@
 //!
 //! Exit codes: 0 success, 1 failure during training, 2 bad input (flags, config, data,
 //! checkpoints), 3 stopped by SIGTERM/SIGUSR1 after every rank saved a checkpoint (run the same
-//! command to resume); 128+N when the launcher was stopped by signal N without a complete save.
+//! command to resume), 4 out of memory (with a diagnosis and the `--set` lines predicted to
+//! fit); 128+N when the launcher was stopped by signal N without a complete save.
 
 mod bench;
 mod bench_adam;
 mod bench_ckpt;
 mod consolidate;
+mod fit;
 mod launch;
 mod plot;
 mod worker;
@@ -80,6 +84,13 @@ enum Cmd {
     /// Draw PNG and SVG charts (loss, throughput, memory, step-time breakdown) of one run or
     /// several, compared, from their metrics.jsonl and summary.json.
     Plot(plot::PlotArgs),
+    /// Every rank's predicted memory before anything is allocated (model states, activations,
+    /// buffers, the runtime, the peak and its phase) and every alternative at the same global
+    /// batch, with whether it fits --device-mem.
+    Estimate(fit::FitArgs),
+    /// The cheapest configuration that fits --device-mem at the config's global batch, as
+    /// --set lines; --verify trains two steps of it and prints measured against predicted.
+    Plan(fit::PlanArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -116,6 +127,8 @@ Common commands:
   zrun --nproc 4 train.toml                       4 ranks on this node
   zrun train.toml --set train.steps=50            override a config key
   zrun --dry-run --nproc 8 train.toml             layout and bytes per rank, no training
+  zrun estimate train.toml --nproc 8 --device-mem 80GiB   memory per rank, every alternative
+  zrun plan train.toml --nproc 8 --device-mem 80GiB       the cheapest config that fits
   zrun exec --nproc 2 -- sh -c 'echo $RANK'       any program as the ranks
   zrun consolidate runs/x/ckpt/step-00001000 -o model.safetensors
   zrun bench comm --nproc 2                       collective bandwidth
@@ -155,6 +168,8 @@ fn main() -> ExitCode {
         Some(Cmd::Bench(BenchCmd::Ckpt(ref args))) => bench_ckpt::run_ckpt(args).map(|()| 0),
         Some(Cmd::Consolidate(ref args)) => consolidate::run(args),
         Some(Cmd::Plot(ref args)) => plot::run(args),
+        Some(Cmd::Estimate(ref args)) => fit::estimate(args),
+        Some(Cmd::Plan(ref args)) => fit::plan(args),
         Some(Cmd::Exec(ref e)) => exec(e),
         None => train(&cli),
     };
@@ -263,6 +278,7 @@ fn train(cli: &Cli) -> anyhow::Result<u8> {
             metrics: cfg.log.dir.join("metrics.jsonl"),
             steps: cfg.train.steps,
         }),
+        reports: Some(cfg.log.dir.clone()),
     };
     launch::run(&cli.launch, &program, &opts)
 }

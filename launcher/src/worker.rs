@@ -16,7 +16,11 @@ pub fn run(config: &Path, overrides: &[String]) -> Result<()> {
     zrun_train::stop::install()
         .map_err(|e| anyhow::anyhow!("installing the stop-signal handler: {e}"))?;
     let cfg = Config::load(config, overrides)?;
+    let allocator = zrun_train::memory::set_allocator();
     let topo = Topology::from_env().map_err(BadInput::from)?;
+    if let (0, Some(a)) = (topo.rank, allocator) {
+        tracing::debug!("{a}");
+    }
     // The device first, then the backend (the launcher checked this once already; under
     // mpirun or srun this is the first check).
     let dist = cfg.dist.resolve(Capabilities::detect())?;
@@ -32,7 +36,14 @@ pub fn run(config: &Path, overrides: &[String]) -> Result<()> {
     let comm: Arc<dyn Communicator> = Arc::from(zrun_comm::init(&topo, dist.backend, timeout)?);
     let mut run = Run::new(&cfg, comm, &topo)?;
     let floor = run.loss_floor();
-    let s = match run.train()? {
+    let trained = run.train();
+    if let Err(zrun_train::Error::OutOfMemory(o)) = &trained {
+        // Without zrun's launcher to print the diagnosis once, each rank prints its own.
+        if std::env::var_os("ZRUN_RUN_ID").is_none() {
+            eprintln!("{}", o.report);
+        }
+    }
+    let s = match trained? {
         Outcome::Finished(s) => s,
         Outcome::AlreadyDone { step, checkpoint } => {
             if topo.rank == 0 {

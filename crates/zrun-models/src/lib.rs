@@ -21,6 +21,7 @@
 //! # Ok::<(), zrun_models::Error>(())
 //! ```
 
+mod activation;
 mod config;
 mod error;
 mod gpt;
@@ -28,6 +29,7 @@ mod loss;
 mod param;
 mod unit;
 
+pub use activation::{Activations, LossBytes};
 pub use config::GptConfig;
 pub use error::{Error, Result};
 pub use gpt::Gpt;

@@ -18,6 +18,9 @@ pub trait Unit: Send + Sync {
     fn forward(&self, params: &[Tensor], x: &Tensor) -> Result<Tensor>;
     /// Forward FLOPs per token of this unit (matmul 2*m*n*k counting, plus attention).
     fn flops_per_token(&self) -> f64;
+    /// Activation bytes of a forward and backward over `b` sequences of `t` tokens whose
+    /// activations have `elt` bytes per element (4 for fp32, 2 for bf16 and fp16).
+    fn activations(&self, b: i64, t: i64, elt: i64) -> crate::Activations;
 }
 
 /// A model is an ordered list of units.

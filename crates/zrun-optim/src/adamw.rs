@@ -95,6 +95,11 @@ impl AdamW {
         4 * self.scratch.numel() as i64
     }
 
+    /// Bytes of the scratch buffer of an AdamW over `numel` elements, without building one.
+    pub fn scratch_bytes_for(numel: i64) -> i64 {
+        4 * CHUNK.min(numel.max(1))
+    }
+
     fn check(&self, what: &'static str, t: &Tensor) -> Result<()> {
         let got = t.numel() as i64;
         if got != self.numel {

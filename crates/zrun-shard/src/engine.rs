@@ -141,6 +141,19 @@ pub struct Engine {
     pub(crate) scaler: LossScaler,
     pub(crate) early: EarlyStep,
     pub(crate) times: StepTimes,
+    /// What the engine is doing now, for an error's report: a phase and a unit index.
+    pub(crate) at: (Phase, usize),
+}
+
+/// The part of a step the engine is in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Phase {
+    Idle,
+    Forward,
+    Loss,
+    Backward,
+    Step,
+    Eval,
 }
 
 impl Engine {
@@ -224,6 +237,7 @@ impl Engine {
             scaler,
             early: EarlyStep::Off,
             times: StepTimes::default(),
+            at: (Phase::Idle, 0),
         })
     }
 
@@ -252,6 +266,28 @@ impl Engine {
     /// collectives, optimizer), and starts counting again.
     pub fn take_times(&mut self) -> StepTimes {
         std::mem::take(&mut self.times)
+    }
+
+    /// Where the engine is (or was when an error stopped it): `"backward of unit h.3"`,
+    /// `"optimizer step"`, in the estimator's words.
+    pub fn phase(&self) -> String {
+        let (p, u) = self.at;
+        let unit = || {
+            self.mover
+                .layout
+                .units
+                .get(u)
+                .map_or("?", |l| l.unit.as_str())
+                .to_string()
+        };
+        match p {
+            Phase::Idle => "between steps".into(),
+            Phase::Forward => format!("forward of unit {}", unit()),
+            Phase::Loss => "loss".into(),
+            Phase::Backward => format!("backward of unit {}", unit()),
+            Phase::Step => "optimizer step".into(),
+            Phase::Eval => format!("evaluation, unit {}", unit()),
+        }
     }
 
     /// The current loss scale (1 outside fp16).
@@ -377,6 +413,7 @@ impl Engine {
 
     fn step_inner(&mut self, lr: f64, max_norm: f64) -> Result<StepStats> {
         let _guard = tch::no_grad_guard();
+        self.at = (Phase::Step, 0);
         let early = std::mem::replace(&mut self.early, EarlyStep::Off);
         if let EarlyStep::Submitted { lr: l, max_norm: m } = early {
             if (l, m) != (lr, max_norm) {

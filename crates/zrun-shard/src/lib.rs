@@ -6,6 +6,7 @@
 //! when each unit's parameters are gathered, freed and its gradients reduced.
 
 mod engine;
+mod estimate;
 mod init;
 pub mod layout;
 mod memory;
@@ -17,6 +18,7 @@ mod snapshot;
 mod state;
 
 pub use engine::{Engine, EngineConfig, StepStats, StepTimes};
+pub use estimate::{estimate, Estimate, EstimateConfig, Term, UnitActivations};
 pub use layout::{ShardLayout, UnitLayout, View};
 pub use memory::MemoryLedger;
 pub use policy::{Offload, Precision, ReduceDtype, Stage};
@@ -54,6 +56,46 @@ pub enum Error {
     Unsupported(String),
 }
 
+impl Error {
+    /// When this error is an allocation that failed for want of memory (libtorch's CPU
+    /// allocator, or CUDA's caching allocator): the bytes it asked for, when the message
+    /// says (`Some(None)` when it does not).
+    pub fn out_of_memory(&self) -> Option<Option<i64>> {
+        out_of_memory(self)
+    }
+}
+
+/// The allocation failure in `e` or any of its sources, and its size when stated.
+pub fn out_of_memory(e: &(dyn std::error::Error + 'static)) -> Option<Option<i64>> {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        let text = err.to_string();
+        if text.contains("can't allocate memory") || text.contains("out of memory") {
+            return Some(requested_bytes(&text));
+        }
+        cur = err.source();
+    }
+    None
+}
+
+/// The size in "you tried to allocate 419430400 bytes" (CPU) or "Tried to allocate
+/// 2.00 GiB" (CUDA).
+fn requested_bytes(text: &str) -> Option<i64> {
+    let lower = text.to_ascii_lowercase();
+    let at = lower.find("tried to allocate ")? + "tried to allocate ".len();
+    let mut words = lower[at..].split_whitespace();
+    let n: f64 = words.next()?.parse().ok()?;
+    let unit = words.next().unwrap_or("bytes");
+    let scale = match unit.trim_end_matches(['.', ';', ')', ',']) {
+        "kib" => 1024.0,
+        "mib" => 1024f64.powi(2),
+        "gib" => 1024f64.powi(3),
+        "tib" => 1024f64.powi(4),
+        _ => 1.0,
+    };
+    Some((n * scale) as i64)
+}
+
 /// Result alias of this crate.
 pub type Result<T> = std::result::Result<T, Error>;
 
@@ -76,5 +118,22 @@ impl<T> Context<T> for std::result::Result<T, tch::TchError> {
             unit: unit.to_string(),
             source,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn allocation_failures_are_recognised_with_their_size() {
+        let cpu = "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate 419430400 bytes. Error code 12 (Cannot allocate memory)";
+        assert_eq!(super::requested_bytes(cpu), Some(419430400));
+        let cuda = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.1 GiB";
+        assert_eq!(super::requested_bytes(cuda), Some(2 << 30));
+        let e = crate::Error::Unsupported(cuda.into());
+        assert_eq!(e.out_of_memory(), Some(Some(2 << 30)));
+        assert_eq!(
+            crate::Error::Unsupported("a peer closed".into()).out_of_memory(),
+            None
+        );
     }
 }

@@ -5,7 +5,7 @@
 //! Stages 2-3 reduce each unit's gradient as soon as its backward is done. Activation
 //! checkpointing keeps only unit inputs and recomputes each unit's forward in its backward.
 
-use crate::engine::{views, EarlyStep, Engine, Optimizer};
+use crate::engine::{views, EarlyStep, Engine, Optimizer, Phase};
 use crate::state::{Mover, Pending};
 use crate::{Context, Error, Result, Stage};
 use std::collections::VecDeque;
@@ -133,6 +133,7 @@ impl Engine {
         let mut saved: Vec<Saved> = Vec::with_capacity(n);
         for (u, unit) in units.iter().enumerate() {
             let name = unit.name();
+            self.at = (Phase::Forward, u);
             let (flat, gathered) = gathers.take(&mut self.mover, &self.params, stage)?;
             if ckpt {
                 let _guard = tch::no_grad_guard();
@@ -163,6 +164,7 @@ impl Engine {
                 graph: Some((leaves, out, gathered.then_some(flat))),
             });
         }
+        self.at = (Phase::Loss, n - 1);
         let loss = {
             let _guard = ckpt.then(tch::no_grad_guard);
             lm_loss(&x, &targets)?
@@ -194,6 +196,7 @@ impl Engine {
         for u in (0..n).rev() {
             let s = saved.pop().expect("one saved entry per unit");
             let name = units[u].name();
+            self.at = (Phase::Backward, u);
             let (leaves, input, output, gathered) = match s.graph {
                 Some((leaves, output, gathered)) => {
                     if refill {
@@ -343,6 +346,7 @@ impl Engine {
             .ctx("move inputs to the device", "-")?;
         let mut gathers = Gathers::new((0..units.len()).collect(), self.cfg.prefetch);
         for (u, unit) in units.iter().enumerate() {
+            self.at = (Phase::Eval, u);
             let (flat, gathered) = gathers.take(&mut self.mover, &self.params, self.cfg.stage)?;
             x = unit.forward(&views(&self.mover.layout.units[u], &flat)?, &x)?;
             if gathered {

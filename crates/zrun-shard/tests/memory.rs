@@ -298,3 +298,57 @@ fn offloaded_optimizer_bytes_are_on_the_host_and_none_on_the_device() {
     let err = Engine::new(model, comm, cfg).err().unwrap().to_string();
     assert!(err.contains("zero.stage to 1, 2 or 3"), "{err}");
 }
+
+#[test]
+fn the_estimators_model_states_equal_the_engines_ledger_everywhere() {
+    let model = tiny();
+    let mut cases = 0;
+    for world in 1..=4usize {
+        for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+            for (precision, reduce_dtype) in [
+                (Precision::Fp32, ReduceDtype::Fp32),
+                (Precision::Bf16, ReduceDtype::Fp32),
+                (Precision::Bf16, ReduceDtype::Bf16),
+                (Precision::Fp16, ReduceDtype::Fp32),
+            ] {
+                for (offload, state) in [
+                    (Offload::None, StateDtype::Fp32),
+                    (Offload::Cpu, StateDtype::Fp32),
+                    (Offload::Cpu, StateDtype::Bf16),
+                ] {
+                    if offload == Offload::Cpu && stage == Stage::Zero0 {
+                        continue;
+                    }
+                    let rank = world - 1;
+                    let comm = Arc::new(Placement { rank, world });
+                    let cfg = EngineConfig {
+                        precision,
+                        reduce_dtype,
+                        offload,
+                        optimizer_state_dtype: state,
+                        ..EngineConfig::fp32(stage, Device::Cpu, 1, adamw())
+                    };
+                    let e = Engine::new(model.clone(), comm, cfg).unwrap();
+                    let ec = e.estimate_config(2, 16);
+                    let planned = zrun_shard::MemoryLedger::planned(e.layout(), &ec);
+                    let what = format!(
+                        "W={world} rank {rank} stage {stage} {precision} reduce {reduce_dtype} offload {offload:?} state {state}"
+                    );
+                    assert_eq!(planned, e.memory(), "{what}");
+                    // The estimate starts from the same ledger and adds the run's terms.
+                    let est = zrun_shard::estimate(model.as_ref(), e.layout(), &ec);
+                    assert_eq!(est.ledger, planned, "{what}");
+                    let states = est.terms.iter().find(|t| t.name == "model states").unwrap();
+                    assert_eq!(
+                        states.bytes,
+                        planned.total(),
+                        "{what}: on CPU every byte is one memory"
+                    );
+                    assert!(est.peak_bytes > planned.total(), "{what}");
+                    cases += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 4 * (4 * 4 + 3 * 4 * 2));
+}

@@ -6,6 +6,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod memory;
 pub mod metrics;
 mod reduce;
 pub mod report;
@@ -66,6 +67,9 @@ pub enum Error {
     /// The run cannot resume from the checkpoint it was given or found.
     #[error("{0}")]
     Resume(String),
+    /// An allocation failed for want of memory (exit code 4); it carries the diagnosis.
+    #[error("{0}")]
+    OutOfMemory(Box<memory::OutOfMemory>),
     /// A stop signal ended the run after its checkpoint was saved (exit code 3).
     #[error(
         "stopped by {} after saving checkpoint {} (step {}); run the same command to resume",
@@ -95,10 +99,11 @@ impl Error {
     }
 
     /// The process exit code for this error: 2 bad input, 3 stopped by a signal after a
-    /// checkpoint, 1 anything else.
+    /// checkpoint, 4 out of memory, 1 anything else.
     pub fn exit_code(&self) -> u8 {
         match self {
             Error::Stopped(_) => 3,
+            Error::OutOfMemory(_) => 4,
             e if e.is_bad_input() => 2,
             _ => 1,
         }

@@ -67,6 +67,11 @@ pub struct Summary {
     pub peak_rss_bytes: Vec<i64>,
     /// Resident set size of each rank before the model was built, bytes.
     pub base_rss_bytes: Vec<i64>,
+    /// Each rank's peak as the estimator predicted it before the run (`zrun estimate`'s
+    /// `peak_bytes`: on CPU to compare with peak_rss_bytes - base_rss_bytes).
+    pub estimated_peak_bytes: Vec<i64>,
+    /// The phase of rank 0's predicted peak.
+    pub estimated_peak_phase: String,
     /// Peak bytes allocated on each rank's CUDA device (on GPU only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cuda_peak_bytes: Option<Vec<i64>>,

@@ -42,7 +42,7 @@ impl RankInfo {
 #[derive(Clone, Debug)]
 pub enum Outcome {
     /// It trained to `train.steps`.
-    Finished(Summary),
+    Finished(Box<Summary>),
     /// The checkpoint it resumed from was at `train.steps` already: nothing to train.
     AlreadyDone {
         /// The step of that checkpoint.
@@ -82,7 +82,16 @@ impl Run {
         }
         .resolve(Capabilities::detect())?;
         let device = rank_device(dist.device, topo)?;
+        crate::memory::warm_up(device, cfg.zero.precision.kind())?;
         let base_rss = rss_bytes().0;
+        if let Some(l) = crate::memory::apply_memory_limit(cfg, device, base_rss)? {
+            if rank.rank == 0 {
+                tracing::info!(
+                    "dist.memory_limit: each rank may use {}",
+                    crate::memory::human(l)
+                );
+            }
+        }
         let threads = set_threads(cfg.train.threads, rank.local_world_size);
         let gpt = cfg.gpt()?;
         let dataset = Arc::new(Dataset::open(&data_options(
@@ -126,6 +135,14 @@ impl Run {
             ckpt,
             base_rss,
         })
+    }
+
+    /// This rank's predicted memory for the run's config (see `zrun estimate`).
+    pub fn estimate(&self) -> zrun_shard::Estimate {
+        let ec = self
+            .engine
+            .estimate_config(self.cfg.train.micro_batch as i64, self.model.seq_len());
+        zrun_shard::estimate(self.model.as_ref(), self.engine.layout(), &ec)
     }
 
     /// The engine (for inspection before training).
@@ -243,6 +260,60 @@ impl Run {
 
     /// Trains `train.steps` steps, writing metrics (rank 0); returns the summary.
     pub fn train(&mut self) -> Result<Outcome, Error> {
+        match self.train_steps() {
+            Err(e) => match zrun_shard::out_of_memory(&e) {
+                Some(bytes) => Err(self.out_of_memory(bytes)),
+                None => Err(e),
+            },
+            ok => ok,
+        }
+    }
+
+    /// The error of an allocation that failed for want of `bytes`: the diagnosis, written to
+    /// `<log.dir>/oom-rank-N.txt` for the launcher to print once.
+    fn out_of_memory(&self, bytes: Option<i64>) -> Error {
+        let device = self.engine.config().device;
+        let fixed = if device.is_cuda() {
+            crate::memory::CUDA_FIXED_BYTES
+        } else {
+            self.base_rss
+        };
+        let phase = self.engine.phase();
+        let report = crate::memory::budget(&self.cfg, device, self.rank.local_world_size)
+            .and_then(|budget| {
+                crate::memory::Diagnosis {
+                    cfg: &self.cfg,
+                    rank: self.rank.rank,
+                    world: self.rank.world_size,
+                    phase: phase.clone(),
+                    bytes,
+                    held: report::MemoryByKind::of(&self.engine, self.base_rss),
+                    predicted: self.estimate(),
+                    fixed,
+                    budget,
+                }
+                .render()
+            })
+            .unwrap_or_else(|e| format!("(no diagnosis: {e})"));
+        let path = self
+            .cfg
+            .log
+            .dir
+            .join(format!("oom-rank-{}.txt", self.rank.rank));
+        let file = std::fs::create_dir_all(&self.cfg.log.dir)
+            .and_then(|()| std::fs::write(&path, format!("{report}\n")))
+            .is_ok()
+            .then_some(path);
+        Error::OutOfMemory(Box::new(crate::memory::OutOfMemory {
+            rank: self.rank.rank,
+            phase,
+            bytes,
+            report,
+            file,
+        }))
+    }
+
+    fn train_steps(&mut self) -> Result<Outcome, Error> {
         let start = Instant::now();
         let t = self.cfg.train.clone();
         let every = self.cfg.log.every;
@@ -449,6 +520,7 @@ impl Run {
         }
         self.ckpt.flush(&mut self.engine)?;
         let ranks = self.figures(run_time.mean())?;
+        let estimate = self.estimate();
         let stragglers = report::stragglers(&ranks);
         let summary = Summary {
             stragglers,
@@ -460,6 +532,8 @@ impl Run {
             tokens_per_s: median(&rates),
             peak_rss_bytes: self.gather(rss_bytes().1)?,
             base_rss_bytes: self.gather(self.base_rss)?,
+            estimated_peak_bytes: self.gather(estimate.peak_bytes)?,
+            estimated_peak_phase: estimate.phase,
             cuda_peak_bytes: match cuda_peak_bytes(self.engine.config().device) {
                 Some(b) => Some(self.gather(b)?),
                 None => None,
@@ -476,7 +550,7 @@ impl Run {
                 source: e,
             })?;
         }
-        Ok(Outcome::Finished(summary))
+        Ok(Outcome::Finished(Box::new(summary)))
     }
 }
 

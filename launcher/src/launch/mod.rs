@@ -114,6 +114,9 @@ pub struct Options {
     /// Time between forwarding SIGTERM or SIGUSR1 to the workers and SIGKILL, for them to
     /// save a checkpoint (training: `checkpoint.signal_deadline_s`); `None`: `--grace-s`.
     pub stop_deadline: Option<Duration>,
+    /// Training: the directory where a rank that ran out of memory (exit code 4) wrote its
+    /// diagnosis (`oom-rank-N.txt`), printed once by the launcher.
+    pub reports: Option<std::path::PathBuf>,
     /// Training: rank 0's metrics, for the live progress line that node 0's launcher draws
     /// when stderr is a terminal (human format, not `--quiet`).
     pub progress: Option<Source>,
@@ -150,6 +153,7 @@ pub fn run(flags: &LaunchFlags, program: &Program, opts: &Options) -> anyhow::Re
         rdzv: &rdzv,
         stop_deadline: opts.stop_deadline.unwrap_or(plan.grace),
         env,
+        reports: opts.reports.clone(),
     };
     let mut round = 0;
     let code = loop {

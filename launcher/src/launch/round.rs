@@ -25,6 +25,9 @@ pub enum Next {
     Restart,
 }
 
+/// The exit code of a rank that ran out of memory, and of zrun then.
+pub const OUT_OF_MEMORY: i32 = 4;
+
 /// What a round needs: the plan, the program, the store and the stop deadline.
 pub struct Job<'a> {
     /// The validated launch.
@@ -37,6 +40,8 @@ pub struct Job<'a> {
     pub stop_deadline: Duration,
     /// Variables every worker gets besides the plan's (output format, progress line).
     pub env: Vec<(String, String)>,
+    /// Where ranks write an out-of-memory diagnosis (see `Options::reports`).
+    pub reports: Option<std::path::PathBuf>,
 }
 
 impl Job<'_> {
@@ -197,9 +202,16 @@ impl Round<'_> {
             .find(|w| w.rank == rank)
             .map(|w| w.last_lines())
             .unwrap_or_default();
-        let code = if status.code() == Some(2) { 2 } else { 1 };
+        let code = match status.code() {
+            Some(c @ (2 | OUT_OF_MEMORY)) => c as u8,
+            _ => 1,
+        };
         let cause = if code == 2 {
             Some("exit code 2 means bad input, which a restart cannot fix")
+        } else if code == OUT_OF_MEMORY as u8 {
+            Some(
+                "exit code 4 means out of memory, which a restart with the same config meets again",
+            )
         } else if sup.saw_stop() {
             Some("another rank had stopped after saving a checkpoint (exit code 3)")
         } else {
@@ -233,6 +245,17 @@ impl Round<'_> {
             }
         } else {
             output::say(Level::Error, &failed);
+        }
+        if code == OUT_OF_MEMORY as u8 {
+            let file = self
+                .job
+                .reports
+                .as_ref()
+                .map(|d| d.join(format!("oom-rank-{rank}.txt")));
+            if let Some(text) = file.and_then(|f| std::fs::read_to_string(f).ok()) {
+                let lines: Vec<String> = text.lines().map(str::to_string).collect();
+                output::say_with(Level::Error, "out of memory:", &lines);
+            }
         }
         if plan.nnodes > 1 {
             let mut msg = format!("rank {rank} on node {} failed first: {how}", plan.node_rank);

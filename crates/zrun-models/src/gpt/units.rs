@@ -5,6 +5,7 @@
 
 use tch::{Kind, Tensor};
 
+use crate::activation::Activations;
 use crate::error::{Error, Result, TorchCtx};
 use crate::param::{Init, ParamSpec};
 use crate::unit::{check_params, Unit};
@@ -61,6 +62,7 @@ fn check_activation(unit: &str, x: &Tensor, c: i64, seq_len: i64) -> Result<(i64
 pub(crate) struct Embed {
     specs: Vec<ParamSpec>,
     seq_len: i64,
+    c: i64,
 }
 
 impl Embed {
@@ -73,6 +75,7 @@ impl Embed {
                 spec("wpe.weight".into(), vec![seq_len, c], n),
             ],
             seq_len,
+            c,
         }
     }
 }
@@ -115,6 +118,18 @@ impl Unit for Embed {
     /// A table lookup: no matmul FLOPs.
     fn flops_per_token(&self) -> f64 {
         0.0
+    }
+
+    /// The output (B, T, C); the looked-up rows (B, T, C) live until the position add.
+    fn activations(&self, b: i64, t: i64, elt: i64) -> Activations {
+        let x = b * t * self.c * elt;
+        Activations {
+            output: x,
+            saved: 0,
+            forward_temp: x,
+            backward_temp: 0,
+            no_grad_temp: x,
+        }
     }
 }
 
@@ -234,6 +249,25 @@ impl Unit for Block {
         let (c, t) = (self.c as f64, self.seq_len as f64);
         2.0 * 12.0 * c * c + 4.0 * t * c
     }
+
+    /// Per token, in the compute dtype: ln_1's output C, qkv 3C (q, k, v are views of it),
+    /// the attention output C (the CPU and flash kernels lay it out as (B, T, nh, hs), so
+    /// merging the heads is a view), the residual sum C, ln_2's output C, the MLP's 4C
+    /// before and 4C after GELU: 15C besides the input (Korthikanti et al. 2022's 34sbh
+    /// without dropout masks and with no T x T matrix); in fp32: the two LayerNorms' mean
+    /// and rstd (4) and attention's logsumexp (one per head). The backward holds the
+    /// gradients of GELU's input and output (4C each) while GELU's input is still saved;
+    /// without autograd the MLP's two 4C tensors and the residual sum are alive at once.
+    fn activations(&self, b: i64, t: i64, elt: i64) -> Activations {
+        let (n, c) = (b * t, self.c);
+        Activations {
+            output: n * c * elt,
+            saved: n * (15 * c * elt + (4 + self.n_head) * 4),
+            forward_temp: n * c * elt,
+            backward_temp: 4 * n * c * elt + 2 * n * c * elt,
+            no_grad_temp: 9 * n * c * elt,
+        }
+    }
 }
 
 /// Unit `"head"`: `ln_f.weight/bias` (C) and an untied `lm_head.weight` (V, C);
@@ -285,5 +319,18 @@ impl Unit for Head {
     /// `2 * V * C` for the logits matmul.
     fn flops_per_token(&self) -> f64 {
         2.0 * self.v as f64 * self.c as f64
+    }
+
+    /// The logits (B, T, V); ln_f's output C and its fp32 mean and rstd are saved; the
+    /// backward makes the gradient of ln_f's output. The loss is [`crate::LossBytes`].
+    fn activations(&self, b: i64, t: i64, elt: i64) -> Activations {
+        let n = b * t;
+        Activations {
+            output: n * self.v * elt,
+            saved: n * (self.c * elt + 2 * 4),
+            forward_temp: 0,
+            backward_temp: n * self.c * elt,
+            no_grad_temp: n * self.c * elt,
+        }
     }
 }

@@ -55,6 +55,9 @@ pub struct DistConfig {
     pub device: DeviceChoice,
     /// Deadline of every collective and of rendezvous, seconds.
     pub timeout_s: u64,
+    /// Everything one rank may use, e.g. "6GiB": a real limit on CPU (the process's data
+    /// segment), the caching allocator's share of the GPU on CUDA; `zrun plan` fits to it.
+    pub memory_limit: Option<String>,
 }
 
 impl Default for DistConfig {
@@ -63,7 +66,21 @@ impl Default for DistConfig {
             backend: BackendChoice::Auto,
             device: DeviceChoice::Auto,
             timeout_s: 600,
+            memory_limit: None,
         }
+    }
+}
+
+impl DistConfig {
+    /// `memory_limit` in bytes; a malformed size is a config error naming the key.
+    pub fn memory_limit_bytes(&self) -> Result<Option<i64>, ConfigError> {
+        self.memory_limit
+            .as_deref()
+            .map(|s| {
+                crate::memory::parse_bytes(s)
+                    .map_err(|e| ConfigError(format!("dist.memory_limit: {e}")))
+            })
+            .transpose()
     }
 }
 

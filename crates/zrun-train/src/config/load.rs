@@ -196,6 +196,11 @@ impl Config {
         if !(d.eval_fraction > 0.0 && d.eval_fraction <= 0.5) {
             return bad("data.eval_fraction", d.eval_fraction, "must be in (0, 0.5]");
         }
+        if let Some(l) = &self.dist.memory_limit {
+            if let Err(e) = crate::memory::parse_bytes(l) {
+                return bad("dist.memory_limit", format!("{l:?}"), &e);
+            }
+        }
         let z = &self.zero;
         if z.precision == Precision::Fp32 && z.reduce_dtype != ReduceDtype::Fp32 {
             return bad(

@@ -1,0 +1,51 @@
+//! What a unit's forward leaves in memory for its backward, counted from the ops it runs, so
+//! memory can be estimated before anything is allocated.
+
+/// Bytes of one unit's activations for a micro-batch of `b` sequences of `t` tokens.
+///
+/// Counts follow what libtorch's autograd keeps: each op saves the tensors its backward
+/// reads (a linear its input, GELU its input, LayerNorm its input plus fp32 mean and rstd,
+/// CPU/flash SDPA its q, k, v (views of the qkv output), its output and an fp32 logsumexp).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Activations {
+    /// The unit's output: the next unit's input, or the logits of the head.
+    pub output: i64,
+    /// Kept by autograd between forward and backward, besides the input and output.
+    pub saved: i64,
+    /// The most the forward allocates at once beyond `saved` and `output` (temporaries
+    /// freed before it returns; all of a checkpointed forward's intermediates but the largest
+    /// pair are freed as it goes).
+    pub forward_temp: i64,
+    /// The most the backward allocates at once beyond the saved tensors, not counting the
+    /// parameter gradients: the gradients of intermediate tensors.
+    pub backward_temp: i64,
+    /// The most a forward without autograd (evaluation, or the first forward of a
+    /// checkpointed unit) holds at once beyond its input and output.
+    pub no_grad_temp: i64,
+}
+
+/// The loss on logits (B, T, V): fp32 log-probabilities kept for the backward, the fp32 copy
+/// of 16-bit logits made on the way, and the backward's gradients of both.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LossBytes {
+    /// fp32 log-probabilities kept for the backward.
+    pub saved: i64,
+    /// Alive at once while the loss is computed (the fp32 copy of 16-bit logits).
+    pub forward_temp: i64,
+    /// Gradients of the log-probabilities and of the logits, alive at once in the backward.
+    pub backward_temp: i64,
+}
+
+impl LossBytes {
+    /// For `tokens` positions over a vocabulary of `v`, with logits of `elt` bytes.
+    pub fn new(tokens: i64, v: i64, elt: i64) -> LossBytes {
+        let fp32 = 4 * tokens * v;
+        let copy = if elt == 4 { 0 } else { fp32 };
+        LossBytes {
+            saved: fp32,
+            forward_temp: copy,
+            // d(log-probs) and d(logits) in fp32, then d(logits) in the compute dtype.
+            backward_temp: 2 * fp32 + if elt == 4 { 0 } else { tokens * v * elt },
+        }
+    }
+}

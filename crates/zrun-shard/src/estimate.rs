@@ -1,0 +1,386 @@
+//! A rank's memory before anything is allocated: the model states by the rules the engine
+//! allocates by, and a walk through one step (forward unit by unit, the loss, backward in
+//! reverse, the optimizer step, an evaluation) that adds what each phase holds on top of
+//! them: activations, stage-3 gathers in flight, gradient reductions, loss temporaries. The
+//! peak is the largest of these sums and the phase it falls in; `docs/memory.md` gives every
+//! term's formula.
+
+use crate::{Engine, MemoryLedger, Offload, Precision, ReduceDtype, ShardLayout, Stage};
+use serde::Serialize;
+use zrun_models::{Activations, LossBytes, Model};
+use zrun_optim::{AdamW, StateDtype};
+
+/// What the estimate depends on besides the model and the layout.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EstimateConfig {
+    /// ZeRO stage.
+    pub stage: Stage,
+    /// Compute precision.
+    pub precision: Precision,
+    /// dtype of gradient reduction and accumulation.
+    pub reduce_dtype: ReduceDtype,
+    /// Where the fp32 master and AdamW state live.
+    pub offload: Offload,
+    /// dtype of offloaded AdamW moments.
+    pub state_dtype: StateDtype,
+    /// Recompute each unit's forward in its backward.
+    pub activation_checkpointing: bool,
+    /// Stage 3: units gathered ahead of the one computing.
+    pub prefetch: usize,
+    /// Sequences per micro-step on this rank.
+    pub micro_batch: i64,
+    /// Tokens per sequence.
+    pub seq_len: i64,
+    /// Sequences per evaluation batch.
+    pub eval_batch: i64,
+    /// Whether compute runs on a CUDA device (then host memory is not device memory).
+    pub cuda: bool,
+}
+
+/// Small allocations the allocator keeps in its heap rather than returning them (LayerNorm
+/// statistics, autograd's nodes, the runtime's bookkeeping): measured at 2-4 MiB on CPU ranks
+/// with the allocator settings zrun sets (docs/memory.md).
+pub const HEAP_BYTES: i64 = 4 << 20;
+
+/// One term of a rank's memory at its peak.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Term {
+    /// What it is, e.g. `"activations kept"`.
+    pub name: &'static str,
+    /// Bytes.
+    pub bytes: i64,
+}
+
+/// One unit's activations, with and without activation checkpointing.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct UnitActivations {
+    /// Unit name.
+    pub unit: String,
+    /// What its forward keeps until its backward without checkpointing (output included).
+    pub kept: i64,
+    /// What it keeps with checkpointing (its output, the next unit's input).
+    pub kept_checkpointed: i64,
+}
+
+/// A rank's predicted memory.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Estimate {
+    /// The engine's model-state bytes and fixed buffers (what `Engine::memory` reports
+    /// after construction).
+    pub ledger: MemoryLedger,
+    /// The predicted peak of the compute device (on CPU: everything this rank allocates).
+    pub peak_bytes: i64,
+    /// Where the peak falls, e.g. `"backward of unit head"`.
+    pub phase: String,
+    /// The terms that sum to `peak_bytes`.
+    pub terms: Vec<Term>,
+    /// Host memory held for the run with a CUDA device (offloaded optimizer, staging).
+    pub host_bytes: i64,
+    /// Every unit's activations at this micro-batch.
+    pub units: Vec<UnitActivations>,
+}
+
+impl MemoryLedger {
+    /// What [`Engine::new`] allocates for `layout`'s rank under `cfg`: the model states where
+    /// they live and the fixed buffers (AdamW scratch, host gradient staging), computed
+    /// without allocating.
+    pub fn planned(layout: &ShardLayout, cfg: &EstimateConfig) -> MemoryLedger {
+        let mut m = MemoryLedger::plan(layout, cfg.stage, cfg.precision, cfg.reduce_dtype);
+        let shard = layout.shard_numel();
+        if cfg.offload == Offload::Cpu {
+            let moments = match cfg.state_dtype {
+                StateDtype::Fp32 => 8,
+                StateDtype::Bf16 => 4,
+            };
+            m.host = 4 * shard + moments * shard;
+            (m.master, m.optimizer) = (0, 0);
+            // The host reads the gradient shard in place only when it already is fp32 host
+            // memory in shard order (stages 2-3 on CPU); otherwise it stages a copy.
+            let in_place = matches!(cfg.stage, Stage::Zero2 | Stage::Zero3)
+                && !cfg.cuda
+                && cfg.reduce_dtype == ReduceDtype::Fp32;
+            let grads = if in_place { 0 } else { 4 * shard };
+            let staging = if cfg.cuda && cfg.precision != Precision::Fp32 {
+                cfg.precision.bytes() * shard
+            } else {
+                0
+            };
+            m.buffers = grads + staging;
+        } else {
+            let owned = if cfg.stage == Stage::Zero0 {
+                layout.full_numel()
+            } else {
+                shard
+            };
+            m.buffers = AdamW::scratch_bytes_for(owned);
+        }
+        m
+    }
+}
+
+/// Running sum of one phase's terms, and the largest seen.
+struct Walk {
+    peak: i64,
+    phase: String,
+    terms: Vec<Term>,
+}
+
+impl Walk {
+    fn at(&mut self, phase: impl FnOnce() -> String, terms: &[(&'static str, i64)]) {
+        let sum: i64 = terms.iter().map(|t| t.1).sum();
+        if sum > self.peak {
+            self.peak = sum;
+            self.phase = phase();
+            self.terms = terms
+                .iter()
+                .filter(|t| t.1 != 0)
+                .map(|&(name, bytes)| Term { name, bytes })
+                .collect();
+        }
+    }
+}
+
+/// Predicts the peak memory of `layout`'s rank training `model` under `cfg`.
+pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -> Estimate {
+    let ledger = MemoryLedger::planned(layout, cfg);
+    let units = model.units();
+    let n = units.len();
+    let elt = cfg.precision.bytes();
+    let rb = cfg.reduce_dtype.kind().elt_size_in_bytes() as i64;
+    let (b, t) = (cfg.micro_batch, cfg.seq_len);
+    let acts: Vec<Activations> = units.iter().map(|u| u.activations(b, t, elt)).collect();
+    let loss = LossBytes::new(b * t, model.vocab_size(), elt);
+    let ckpt = cfg.activation_checkpointing;
+    let stage3 = cfg.stage == Stage::Zero3;
+    let sharded_grads = matches!(cfg.stage, Stage::Zero2 | Stage::Zero3);
+
+    // Held for the whole run: the model states on the device, and on CPU the host's too.
+    let host = ledger.host
+        + if cfg.offload == Offload::Cpu {
+            ledger.buffers
+        } else {
+            0
+        };
+    let device_buffers = ledger.buffers
+        - if cfg.offload == Offload::Cpu {
+            ledger.buffers
+        } else {
+            0
+        };
+    let host_on_device = if cfg.cuda { 0 } else { host };
+    let states = ledger.device_model_states() + device_buffers + host_on_device;
+    let heap = if cfg.cuda { 0 } else { HEAP_BYTES };
+    let batch = 2 * 8 * b * t; // token ids and targets, int64
+
+    let gathered = |first: usize, rev: bool| -> i64 {
+        if !stage3 {
+            return 0;
+        }
+        (0..=cfg.prefetch)
+            .filter_map(|k| {
+                if rev {
+                    first.checked_sub(k)
+                } else {
+                    Some(first + k)
+                }
+            })
+            .filter(|&v| v < n)
+            .map(|v| layout.units[v].padded * elt)
+            .sum()
+    };
+    let reduce = |u: usize| -> i64 {
+        let l = &layout.units[u];
+        (l.padded + l.shard_len()) * rb
+    };
+    // What a unit's forward keeps until its backward.
+    let kept = |u: usize| -> i64 {
+        if ckpt {
+            acts[u].output
+        } else {
+            acts[u].saved + acts[u].output
+        }
+    };
+    let name = |u: usize| units[u].name().to_string();
+
+    let mut walk = Walk {
+        peak: 0,
+        phase: String::new(),
+        terms: Vec::new(),
+    };
+    // Forward, unit by unit.
+    let mut before = 0; // kept by the units before u
+    for (u, a) in acts.iter().enumerate() {
+        let temp = if ckpt { a.no_grad_temp } else { a.forward_temp };
+        walk.at(
+            || format!("forward of unit {}", name(u)),
+            &[
+                ("model states", states),
+                ("allocator heap", heap),
+                ("batch", batch),
+                ("activations kept", before + kept(u)),
+                ("forward temporaries", temp),
+                ("gathered parameters", gathered(u, false)),
+            ],
+        );
+        before += kept(u);
+    }
+    // The loss: with checkpointing it runs without autograd (only its value is needed).
+    walk.at(
+        || "loss".to_string(),
+        &[
+            ("model states", states),
+            ("allocator heap", heap),
+            ("batch", batch),
+            ("activations kept", before),
+            ("loss temporaries", loss.forward_temp + loss.saved),
+        ],
+    );
+    // Backward, in reverse. Unit u holds its graph (recomputed first with checkpointing);
+    // the head's logits were dropped before the backward unless they are recomputed (the
+    // loss kept the log-probabilities it needs); a unit's activations go with its backward.
+    let mut below = before;
+    let mut upstream = 0;
+    for u in (0..n).rev() {
+        let a = acts[u];
+        below -= kept(u);
+        let head = u == n - 1;
+        let own = a.saved + if head && !ckpt { 0 } else { a.output };
+        let loss_bytes = if head {
+            loss.saved + loss.backward_temp
+        } else {
+            0
+        };
+        let param_grads = layout.units[u].numel * elt;
+        let in_flight = if sharded_grads && u + 1 < n {
+            reduce(u + 1)
+        } else {
+            0
+        };
+        walk.at(
+            || format!("backward of unit {}", name(u)),
+            &[
+                ("model states", states),
+                ("allocator heap", heap),
+                ("batch", batch),
+                ("activations kept", below + own),
+                ("loss temporaries", loss_bytes),
+                ("upstream gradient", upstream),
+                ("backward temporaries", a.backward_temp),
+                ("parameter gradients", param_grads),
+                ("gathered parameters", gathered(u, true)),
+                ("gradient reduction", in_flight),
+            ],
+        );
+        // Absorbing the unit's gradients: at stages 2-3 a flat buffer in the reduce dtype
+        // is laid out while the previous unit's reduction may still be in flight.
+        upstream = if u > 0 { acts[u - 1].output } else { 0 };
+        if sharded_grads {
+            walk.at(
+                || format!("gradient reduction of unit {}", name(u)),
+                &[
+                    ("model states", states),
+                    ("allocator heap", heap),
+                    ("batch", batch),
+                    ("activations kept", below),
+                    ("upstream gradient", upstream),
+                    ("parameter gradients", param_grads),
+                    ("gradient reduction", reduce(u) + in_flight),
+                ],
+            );
+        }
+    }
+    // The optimizer step: stage 1 reduces every unit at once, stages 1-2 gather the new
+    // parameters through private copies of the owned slices.
+    let shard = layout.shard_numel();
+    let step_buffers = match cfg.stage {
+        Stage::Zero0 | Stage::Zero3 => 0,
+        Stage::Zero1 => shard * rb + shard * elt,
+        Stage::Zero2 => shard * elt,
+    };
+    // The gradient norm squares chunks of up to 2^20 owned elements in fp64 (8 bytes, and
+    // 8 more for the square).
+    let owned_piece = match cfg.stage {
+        Stage::Zero0 => layout.full_numel(),
+        Stage::Zero1 => layout
+            .units
+            .iter()
+            .map(|l| l.shard_len())
+            .max()
+            .unwrap_or(0),
+        Stage::Zero2 | Stage::Zero3 => shard,
+    };
+    let norm = 16 * owned_piece.min(1 << 20);
+    walk.at(
+        || "optimizer step".to_string(),
+        &[
+            ("model states", states),
+            ("allocator heap", heap),
+            ("step buffers", step_buffers),
+            ("gradient norm scratch", norm),
+        ],
+    );
+    // Evaluation: a forward without autograd at the evaluation batch.
+    let eb = cfg.eval_batch;
+    let eval_loss = LossBytes::new(eb * t, model.vocab_size(), elt);
+    for (u, unit) in units.iter().enumerate() {
+        let a = unit.activations(eb, t, elt);
+        let input = if u == 0 {
+            0
+        } else {
+            units[u - 1].activations(eb, t, elt).output
+        };
+        let tail = if u == n - 1 {
+            eval_loss.forward_temp + eval_loss.saved
+        } else {
+            0
+        };
+        walk.at(
+            || format!("evaluation, unit {}", name(u)),
+            &[
+                ("model states", states),
+                ("allocator heap", heap),
+                ("batch", 2 * 8 * eb * t),
+                ("activations kept", input + a.output),
+                ("forward temporaries", a.no_grad_temp + tail),
+                ("gathered parameters", gathered(u, false)),
+            ],
+        );
+    }
+    Estimate {
+        ledger,
+        peak_bytes: walk.peak,
+        phase: walk.phase,
+        terms: walk.terms,
+        host_bytes: if cfg.cuda { host } else { 0 },
+        units: units
+            .iter()
+            .zip(&acts)
+            .map(|(u, a)| UnitActivations {
+                unit: u.name().to_string(),
+                kept: a.saved + a.output,
+                kept_checkpointed: a.output,
+            })
+            .collect(),
+    }
+}
+
+impl Engine {
+    /// The estimate's configuration for this engine at a micro-batch of `micro_batch`
+    /// sequences of `seq_len` tokens.
+    pub fn estimate_config(&self, micro_batch: i64, seq_len: i64) -> EstimateConfig {
+        let c = self.config();
+        EstimateConfig {
+            stage: c.stage,
+            precision: c.precision,
+            reduce_dtype: c.reduce_dtype,
+            offload: c.offload,
+            state_dtype: c.optimizer_state_dtype,
+            activation_checkpointing: c.activation_checkpointing,
+            prefetch: c.prefetch,
+            micro_batch,
+            seq_len,
+            eval_batch: micro_batch,
+            cuda: c.device.is_cuda(),
+        }
+    }
+}

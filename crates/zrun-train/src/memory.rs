@@ -1,0 +1,599 @@
+//! Memory fit: every rank's predicted peak for a config, the alternatives at the same global
+//! batch (stage, offload, activation checkpointing, micro-batch) and the cheapest that fits.
+
+use crate::config::{Capabilities, Config, ConfigError, DeviceChoice, DeviceKind};
+use crate::Error;
+use serde::Serialize;
+use tch::{Device, Kind, Tensor};
+use zrun_models::{Gpt, Model};
+use zrun_shard::{estimate, Estimate, EstimateConfig, Offload, ShardLayout, Stage};
+
+/// The CUDA context, cuBLAS workspaces and kernels that a rank holds on its GPU before it
+/// allocates anything: an assumption until measured on a GPU (docs/memory.md).
+pub const CUDA_FIXED_BYTES: i64 = 1 << 30;
+
+/// The share of the predicted peak kept free when judging whether a config fits: the
+/// estimate may err low by up to 5% (see docs/memory.md), and allocators fragment.
+pub const MARGIN: f64 = 0.10;
+
+/// One rank's prediction for one config.
+#[derive(Clone, Debug, Serialize)]
+pub struct RankEstimate {
+    /// Global rank.
+    pub rank: usize,
+    /// What the run adds above the runtime's fixed cost at its peak.
+    pub peak_bytes: i64,
+    /// The runtime's fixed cost (libtorch's resident memory on CPU, the CUDA context on GPU).
+    pub fixed_bytes: i64,
+    /// Whether `fixed_bytes + peak_bytes` plus the margin is within the limit (true without one).
+    pub fits: bool,
+    /// The phase of the peak.
+    pub phase: String,
+    /// Host bytes held beside a CUDA device (offloaded optimizer state).
+    pub host_bytes: i64,
+    /// The terms that sum to `peak_bytes`.
+    pub terms: Vec<zrun_shard::Term>,
+    /// Model states as the engine will allocate them.
+    pub ledger: zrun_shard::MemoryLedger,
+    /// Every unit's activations with and without checkpointing.
+    pub units: Vec<zrun_shard::UnitActivations>,
+}
+
+/// The knobs the planner turns; everything else stays as the config has it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Choice {
+    /// ZeRO stage.
+    pub stage: Stage,
+    /// CPU offload of the optimizer.
+    pub offload: bool,
+    /// Activation checkpointing.
+    pub activation_checkpointing: bool,
+    /// Sequences per rank per micro-step.
+    pub micro_batch: usize,
+    /// Micro-steps per optimizer step.
+    pub grad_accum: usize,
+}
+
+impl Choice {
+    /// The config's own choice.
+    pub fn of(cfg: &Config) -> Choice {
+        Choice {
+            stage: cfg.zero.stage,
+            offload: cfg.zero.offload_optimizer == Offload::Cpu,
+            activation_checkpointing: cfg.zero.activation_checkpointing,
+            micro_batch: cfg.train.micro_batch,
+            grad_accum: cfg.train.grad_accum,
+        }
+    }
+
+    /// `cfg` with this choice applied.
+    pub fn apply(&self, cfg: &Config) -> Config {
+        let mut c = cfg.clone();
+        c.zero.stage = self.stage;
+        c.zero.offload_optimizer = if self.offload {
+            Offload::Cpu
+        } else {
+            Offload::None
+        };
+        c.zero.activation_checkpointing = self.activation_checkpointing;
+        c.train.micro_batch = self.micro_batch;
+        c.train.grad_accum = self.grad_accum;
+        c
+    }
+
+    /// The choice as `--set` overrides.
+    pub fn overrides(&self) -> Vec<String> {
+        vec![
+            format!("zero.stage={}", self.stage),
+            format!(
+                "zero.offload_optimizer=\"{}\"",
+                if self.offload { "cpu" } else { "none" }
+            ),
+            format!(
+                "zero.activation_checkpointing={}",
+                self.activation_checkpointing
+            ),
+            format!("train.micro_batch={}", self.micro_batch),
+            format!("train.grad_accum={}", self.grad_accum),
+        ]
+    }
+
+    /// Cheaper first: fewer collectives (lower stage), no offload, no recomputation, then
+    /// the largest micro-batch (fewer, larger kernels).
+    fn rank_key(&self) -> (u8, bool, bool, std::cmp::Reverse<usize>) {
+        (
+            self.stage.number(),
+            self.offload,
+            self.activation_checkpointing,
+            std::cmp::Reverse(self.micro_batch),
+        )
+    }
+
+    /// What this choice costs over plain data parallelism, in words.
+    pub fn cost(&self) -> String {
+        let mut parts = vec![match self.stage {
+            Stage::Zero0 => "all-reduce",
+            Stage::Zero1 => "reduce-scatter + all-gather per step",
+            Stage::Zero2 => "reduce-scatter per unit + all-gather per step",
+            Stage::Zero3 => "all-gather per unit twice + reduce-scatter per unit",
+        }
+        .to_string()];
+        if self.offload {
+            parts.push("optimizer on the host".into());
+        }
+        if self.activation_checkpointing {
+            parts.push("forward recomputed (~+33% compute)".into());
+        }
+        if self.grad_accum > 1 {
+            parts.push(format!("{} micro-steps per step", self.grad_accum));
+        }
+        parts.join(", ")
+    }
+}
+
+/// How a config's ranks fare under a limit.
+#[derive(Clone, Debug, Serialize)]
+pub struct Fit {
+    /// The knobs.
+    pub choice: Choice,
+    /// The largest rank's peak above the fixed cost.
+    pub peak_bytes: i64,
+    /// The fixed cost.
+    pub fixed_bytes: i64,
+    /// The phase of that peak.
+    pub phase: String,
+    /// Whether every rank fits.
+    pub fits: bool,
+}
+
+/// The estimator's configuration for `cfg`.
+pub fn estimate_config(cfg: &Config) -> Result<EstimateConfig, Error> {
+    let gpt = cfg.gpt()?;
+    Ok(EstimateConfig {
+        stage: cfg.zero.stage,
+        precision: cfg.zero.precision,
+        reduce_dtype: cfg.zero.reduce_dtype,
+        offload: cfg.zero.offload_optimizer,
+        state_dtype: cfg.zero.optimizer_state_dtype,
+        activation_checkpointing: cfg.zero.activation_checkpointing,
+        prefetch: cfg.zero.prefetch,
+        micro_batch: cfg.train.micro_batch as i64,
+        seq_len: gpt.seq_len,
+        eval_batch: cfg.train.micro_batch as i64,
+        cuda: match cfg.dist.device {
+            DeviceChoice::Cuda => true,
+            DeviceChoice::Cpu => false,
+            DeviceChoice::Auto => cfg
+                .dist
+                .resolve(Capabilities::detect())
+                .is_ok_and(|d| d.device == DeviceKind::Cuda),
+        },
+    })
+}
+
+/// Whether `fixed + peak` plus the margin is within `limit` (always, without one).
+pub fn fits(fixed: i64, peak: i64, limit: Option<i64>) -> bool {
+    limit.is_none_or(|l| fixed as f64 + peak as f64 * (1.0 + MARGIN) <= l as f64)
+}
+
+/// Every rank's prediction for `cfg` on `world` ranks; `fixed` is the runtime's fixed cost.
+pub fn estimate_ranks(
+    cfg: &Config,
+    world: usize,
+    fixed: i64,
+    limit: Option<i64>,
+) -> Result<Vec<RankEstimate>, Error> {
+    let gpt = Gpt::new(cfg.gpt()?)?;
+    let ec = estimate_config(cfg)?;
+    let w = world.max(1) as i64;
+    Ok((0..w)
+        .map(|r| {
+            let layout = ShardLayout::new(gpt.units(), r, w);
+            let e: Estimate = estimate(&gpt, &layout, &ec);
+            RankEstimate {
+                rank: r as usize,
+                peak_bytes: e.peak_bytes,
+                fixed_bytes: fixed,
+                fits: fits(fixed, e.peak_bytes, limit),
+                phase: e.phase,
+                host_bytes: e.host_bytes,
+                terms: e.terms,
+                ledger: e.ledger,
+                units: e.units,
+            }
+        })
+        .collect())
+}
+
+/// The alternatives to `cfg`'s own choice at its global batch, cheapest first: stages 0-3,
+/// offload off and on (stages 1-3), checkpointing off and on, and every micro-batch that
+/// divides the sequences per rank per step.
+pub fn alternatives(
+    cfg: &Config,
+    world: usize,
+    fixed: i64,
+    limit: Option<i64>,
+) -> Result<Vec<Fit>, Error> {
+    let per_rank = cfg.train.micro_batch * cfg.train.grad_accum;
+    let mut out = Vec::new();
+    for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+        for offload in [false, true] {
+            if offload && stage == Stage::Zero0 {
+                continue;
+            }
+            for ckpt in [false, true] {
+                for mb in (1..=per_rank).rev().filter(|m| per_rank.is_multiple_of(*m)) {
+                    let choice = Choice {
+                        stage,
+                        offload,
+                        activation_checkpointing: ckpt,
+                        micro_batch: mb,
+                        grad_accum: per_rank / mb,
+                    };
+                    let ranks = estimate_ranks(&choice.apply(cfg), world, fixed, limit)?;
+                    let worst = ranks
+                        .iter()
+                        .max_by_key(|r| r.peak_bytes)
+                        .ok_or_else(|| ConfigError("no ranks to estimate".into()))?;
+                    out.push(Fit {
+                        choice,
+                        peak_bytes: worst.peak_bytes,
+                        fixed_bytes: fixed,
+                        phase: worst.phase.clone(),
+                        fits: ranks.iter().all(|r| r.fits),
+                    });
+                }
+            }
+        }
+    }
+    out.sort_by_key(|f| f.choice.rank_key());
+    Ok(out)
+}
+
+/// The cheapest alternative that fits `limit`, or `None` when none does.
+pub fn plan(cfg: &Config, world: usize, fixed: i64, limit: i64) -> Result<Option<Fit>, Error> {
+    Ok(alternatives(cfg, world, fixed, Some(limit))?
+        .into_iter()
+        .find(|f| f.fits))
+}
+
+/// Runs one small forward and backward of each op a GPT step uses, in `kind` on `device`,
+/// so libtorch's lazily made thread pools and kernels' buffers exist before memory is
+/// measured: they belong to the runtime's fixed cost, not to the run.
+pub fn warm_up(device: Device, kind: Kind) -> Result<(), Error> {
+    let cfg = zrun_models::GptConfig {
+        vocab_size: 16,
+        seq_len: 8,
+        n_layer: 1,
+        n_head: 2,
+        d_model: 16,
+        init_std: 0.02,
+    };
+    let gpt = Gpt::new(cfg)?;
+    let params = zrun_models::init_model_params(&gpt, 0, kind, device)?;
+    let leaves: Vec<Vec<Tensor>> = params
+        .into_iter()
+        .map(|u| u.into_iter().map(|p| p.set_requires_grad(true)).collect())
+        .collect();
+    let idx = Tensor::f_zeros([2, 8], (Kind::Int64, device)).map_err(torch)?;
+    let logits = zrun_models::forward_model(&gpt, &leaves, &idx)?;
+    let loss = zrun_models::lm_loss(&logits, &idx)?;
+    loss.f_backward().map_err(torch)?;
+    Ok(())
+}
+
+fn torch(e: tch::TchError) -> Error {
+    Error::Model(zrun_models::Error::Torch {
+        place: "memory warm-up".into(),
+        op: "forward and backward",
+        source: e,
+    })
+}
+
+/// The runtime's fixed cost on this machine: this process's resident memory after
+/// [`warm_up`] on CPU (what a rank holds before its model is built).
+pub fn fixed_bytes(device: Device, kind: Kind) -> Result<i64, Error> {
+    warm_up(device, kind)?;
+    Ok(crate::metrics::rss_bytes().0)
+}
+
+/// Allocations at least this large get their own mapping from glibc's malloc and go back to
+/// the system when freed. glibc's default threshold rises to the largest block freed (up to
+/// 32 MiB), after which freed tensors stay in its heap: a CPU rank's resident memory then
+/// holds ~20-50% more than its tensors at the peak (benches/memory_fit.py measures both).
+pub const MMAP_THRESHOLD: i32 = 64 << 10;
+
+/// Sets glibc's malloc to return large blocks to the system ([`MMAP_THRESHOLD`]), unless
+/// `MALLOC_MMAP_THRESHOLD_` is set (then glibc read it at start). Returns what was set.
+pub fn set_allocator() -> Option<String> {
+    if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_some() {
+        return None;
+    }
+    // SAFETY: mallopt only changes malloc's tuning parameters; it is called before this
+    // process starts other threads that allocate (the rank's first step).
+    let ok = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD) } == 1;
+    ok.then(|| format!("malloc: mmap threshold {} KiB", MMAP_THRESHOLD >> 10))
+}
+
+/// Bytes from a size such as `80GiB`, `6GB`, `512MiB`, `1.5G` or `1000000` (G and GiB are
+/// powers of 2, GB powers of 10).
+pub fn parse_bytes(s: &str) -> Result<i64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => 1024f64.powi(2),
+        "g" | "gib" => 1024f64.powi(3),
+        "t" | "tib" => 1024f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        _ => {
+            return Err(format!(
+                "{s:?} is not a size: write e.g. 80GiB, 6GB or 512MiB"
+            ))
+        }
+    };
+    match num.parse::<f64>() {
+        Ok(n) if n > 0.0 => Ok((n * scale) as i64),
+        _ => Err(format!(
+            "{s:?} is not a size: write e.g. 80GiB, 6GB or 512MiB"
+        )),
+    }
+}
+
+/// `bytes` as `151.0 MiB` or `3.20 GiB`.
+pub fn human(bytes: i64) -> String {
+    let mib = bytes as f64 / (1 << 20) as f64;
+    if mib.abs() >= 1024.0 {
+        format!("{:.2} GiB", mib / 1024.0)
+    } else {
+        format!("{mib:.1} MiB")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_and_decimal_units() {
+        assert_eq!(parse_bytes("80GiB"), Ok(80 << 30));
+        assert_eq!(parse_bytes("6G"), Ok(6 << 30));
+        assert_eq!(parse_bytes("1.5 GiB"), Ok(3 << 29));
+        assert_eq!(parse_bytes("2GB"), Ok(2_000_000_000));
+        assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        for bad in ["", "GiB", "-1G", "6 parsecs", "0"] {
+            let e = parse_bytes(bad).unwrap_err();
+            assert!(e.contains("80GiB"), "{bad}: {e}");
+        }
+    }
+}
+
+/// A rank's allocation that failed for want of memory, with the diagnosis written for it.
+#[derive(Debug)]
+pub struct OutOfMemory {
+    /// The rank.
+    pub rank: usize,
+    /// Where it happened, e.g. `"backward of unit h.3"`.
+    pub phase: String,
+    /// The bytes the failed allocation asked for, when the allocator said.
+    pub bytes: Option<i64>,
+    /// The diagnosis: what was held by kind, the allocator's view, the estimate and the fixes.
+    pub report: String,
+    /// Where the diagnosis was written (`<log.dir>/oom-rank-N.txt`), when it could be.
+    pub file: Option<std::path::PathBuf>,
+}
+
+impl std::fmt::Display for OutOfMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let tried = self
+            .bytes
+            .map_or_else(String::new, |b| format!(" allocating {}", human(b)));
+        write!(
+            f,
+            "rank {}: out of memory in {}{tried}",
+            self.rank, self.phase
+        )?;
+        match &self.file {
+            Some(p) => write!(f, "; the diagnosis is in {}", p.display()),
+            None => write!(f, "\n{}", self.report),
+        }
+    }
+}
+
+/// What a rank may use, for suggesting fixes: `dist.memory_limit`, else the GPU's memory on
+/// CUDA, else this node's memory shared by its ranks.
+pub fn budget(cfg: &Config, device: Device, local_ranks: usize) -> Result<(i64, String), Error> {
+    if let Some(l) = cfg.dist.memory_limit_bytes()? {
+        return Ok((l, format!("dist.memory_limit = {}", human(l))));
+    }
+    if let Some(c) = match device {
+        Device::Cuda(i) => zrun_torch_ext::cuda_memory(i),
+        _ => None,
+    } {
+        // Without the device's capacity (not among the allocator's figures), what the
+        // allocator reserved at its peak is the least the GPU has.
+        return Ok((
+            c.peak_reserved as i64,
+            "at least the CUDA allocator's reserved peak".into(),
+        ));
+    }
+    let total = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<i64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024);
+    let per = total / local_ranks.max(1) as i64;
+    Ok((
+        per,
+        format!("this node's {} over {local_ranks} rank(s)", human(total)),
+    ))
+}
+
+/// Applies `dist.memory_limit` to this process on CPU: the data segment may grow by what
+/// the limit leaves above the resident memory now (`rss`), so the allocator fails where the
+/// rank's resident memory would pass the limit. Returns the limit set, if any.
+pub fn apply_memory_limit(cfg: &Config, device: Device, rss: i64) -> Result<Option<i64>, Error> {
+    let Some(limit) = cfg.dist.memory_limit_bytes()? else {
+        return Ok(None);
+    };
+    if device.is_cuda() {
+        // The caching allocator's per-process fraction needs the GPU's capacity, which this
+        // build cannot read yet: on CUDA the limit is what plans and diagnoses fit to.
+        tracing::warn!(
+            "dist.memory_limit = {} is not enforced on CUDA yet; zrun plan and the out-of-memory diagnosis use it",
+            human(limit)
+        );
+        return Ok(Some(limit));
+    }
+    if limit <= rss {
+        return Err(ConfigError(format!(
+            "dist.memory_limit = {} is below what the rank holds before its model is built ({}); raise it",
+            human(limit),
+            human(rss)
+        ))
+        .into());
+    }
+    let data = vm_data();
+    let cap = (data + limit - rss) as libc::rlim_t;
+    let r = libc::rlimit {
+        rlim_cur: cap,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: setrlimit reads the struct it is given; lowering the soft limit of this
+    // process is always allowed.
+    if unsafe { libc::setrlimit(libc::RLIMIT_DATA, &r) } != 0 {
+        return Err(ConfigError(format!(
+            "dist.memory_limit: setrlimit(RLIMIT_DATA) failed: {}",
+            std::io::Error::last_os_error()
+        ))
+        .into());
+    }
+    Ok(Some(limit))
+}
+
+/// This process's data segment (`VmData`), bytes.
+fn vm_data() -> i64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmData:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<i64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// The diagnosis of an out-of-memory: the phase and request, what was held by kind, the
+/// allocator's view, the estimate for this config and the cheapest changes predicted to fit.
+pub struct Diagnosis<'a> {
+    /// The run's config.
+    pub cfg: &'a Config,
+    /// The rank.
+    pub rank: usize,
+    /// Ranks in the job.
+    pub world: usize,
+    /// Where it failed.
+    pub phase: String,
+    /// The request, when known.
+    pub bytes: Option<i64>,
+    /// What the rank held, by kind.
+    pub held: crate::report::MemoryByKind,
+    /// The rank's predicted peak for this config.
+    pub predicted: Estimate,
+    /// The runtime's fixed cost (the resident memory before the model was built on CPU).
+    pub fixed: i64,
+    /// What a rank may use, and where that figure comes from.
+    pub budget: (i64, String),
+}
+
+impl Diagnosis<'_> {
+    /// The report's lines.
+    pub fn render(&self) -> Result<String, Error> {
+        let mut out = Vec::new();
+        let tried = self.bytes.map_or_else(String::new, |b| {
+            format!(": it tried to allocate {}", human(b))
+        });
+        out.push(format!(
+            "rank {} ran out of memory in {}{tried}",
+            self.rank, self.phase
+        ));
+        let h = &self.held;
+        out.push(format!(
+            "  held by kind: parameters {}, gradients {}, fp32 master {}, AdamW m+v {}, host {}, buffers {} (stage-3 gathers {}), activations and temporaries {}",
+            human(h.params),
+            human(h.grads),
+            human(h.master),
+            human(h.optimizer),
+            human(h.host),
+            human(h.buffers),
+            human(h.gathered),
+            human(h.activations)
+        ));
+        let allocator = match (h.cuda_allocated_peak, h.cuda_reserved_peak) {
+            (Some(a), Some(r)) => format!(
+                "CUDA allocated peak {}, reserved peak {}, reserved but unallocated now {}",
+                human(a),
+                human(r),
+                human(h.cuda_reserved_unallocated.unwrap_or(0))
+            ),
+            _ => format!(
+                "resident {} now, {} at the peak, {} before the model",
+                human(h.rss),
+                human(h.rss_peak),
+                human(self.fixed)
+            ),
+        };
+        out.push(format!(
+            "  allocator: {allocator}; a rank may use {}",
+            self.budget.1
+        ));
+        let p = &self.predicted;
+        out.push(format!(
+            "  estimate for this config: peak {} + runtime {} = {}, in {} ({})",
+            human(p.peak_bytes),
+            human(self.fixed),
+            human(p.peak_bytes + self.fixed),
+            p.phase,
+            if fits(self.fixed, p.peak_bytes, Some(self.budget.0)) {
+                "predicted to fit: the estimate missed something; please report it"
+            } else {
+                "predicted not to fit"
+            }
+        ));
+        let alts = alternatives(self.cfg, self.world, self.fixed, Some(self.budget.0))?;
+        let fitting: Vec<&Fit> = alts.iter().filter(|f| f.fits).take(3).collect();
+        if fitting.is_empty() {
+            out.push(format!(
+                "  nothing at this global batch is predicted to fit {}: add ranks, shorten model.seq_len or use a smaller model",
+                human(self.budget.0)
+            ));
+        } else {
+            out.push("  predicted to fit, cheapest first:".into());
+            for f in fitting {
+                let sets: Vec<String> = f
+                    .choice
+                    .overrides()
+                    .iter()
+                    .map(|o| format!("--set {o}"))
+                    .collect();
+                out.push(format!(
+                    "    {}   (peak {})",
+                    sets.join(" "),
+                    human(f.peak_bytes)
+                ));
+            }
+        }
+        Ok(out.join("\n"))
+    }
+}
