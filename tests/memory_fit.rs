@@ -179,3 +179,152 @@ fn one_rank_out_of_memory_ends_the_other_waiting_in_a_collective() {
     assert!(err.contains("rank 1: out of memory in"), "{err}");
     assert_ne!(status.code(), Some(0), "{}", job.text());
 }
+
+/// A limit that fits micro-batch 2 but not 4 or 8 at stage 2 (~60, ~78 and ~115 MiB above the
+/// runtime's fixed cost).
+fn limit_for_micro_batch_2() -> String {
+    let fixed = estimate(&[])[0]["fixed_bytes"].as_i64().unwrap();
+    format!("dist.memory_limit=\"{}\"", fixed + (70 << 20))
+}
+
+/// Per-step losses of a run's metrics.jsonl.
+fn losses(dir: &std::path::Path) -> Vec<f64> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect()
+}
+
+/// The step-1 checkpoint's parameters, consolidated, by name.
+fn params_after_step_1(dir: &std::path::Path) -> Vec<(String, tch::Tensor)> {
+    let out_file = dir.join("step-1.safetensors");
+    let ckpt = dir.join("ckpt/step-00000001");
+    let o = zrun(&[
+        "consolidate",
+        ckpt.to_str().unwrap(),
+        "-o",
+        out_file.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mut t = tch::Tensor::read_safetensors(&out_file).unwrap();
+    t.sort_by(|a, b| a.0.cmp(&b.0));
+    t
+}
+
+/// The shrunk run against one started at the micro-batch it shrank to: same losses, same
+/// parameters.
+fn assert_same_run(shrunk: &std::path::Path, baseline: &[String]) {
+    let summary = read_json(&shrunk.join("summary.json"));
+    let to = &summary["shrinks"].as_array().unwrap().last().unwrap()["to"];
+    let d = scratch(&format!(
+        "fit-baseline-{}",
+        shrunk.file_name().unwrap().to_string_lossy()
+    ));
+    let mut s = sets(&d, 2);
+    s.extend(baseline.iter().cloned());
+    s.extend([
+        format!("train.micro_batch={}", to[0]),
+        format!("train.grad_accum={}", to[1]),
+        "checkpoint.every=1".to_string(),
+        "log.every=1".to_string(),
+    ]);
+    let out = zrun(&args(&["--nproc", "2", CONFIG], &s));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let (a, b) = (losses(shrunk), losses(&d));
+    assert_eq!(a.len(), 2);
+    for (x, y) in a.iter().zip(&b) {
+        assert!(
+            (x - y).abs() <= 1e-5 * y.abs(),
+            "losses {a:?} against {b:?}"
+        );
+    }
+    let (pa, pb) = (params_after_step_1(shrunk), params_after_step_1(&d));
+    assert_eq!(pa.len(), pb.len());
+    for ((na, ta), (nb, tb)) in pa.iter().zip(&pb) {
+        assert_eq!(na, nb);
+        assert!(ta.allclose(tb, 1e-5, 1e-7, false), "{na} differs");
+    }
+}
+
+#[test]
+fn shrink_drops_the_step_halves_the_micro_batch_and_trains_as_micro_batch_2() {
+    let d = scratch("fit-shrink");
+    let mut s = sets(&d, 2);
+    s.extend([
+        limit_for_micro_batch_2(),
+        "train.on_oom=\"shrink\"".to_string(),
+        "checkpoint.every=1".to_string(),
+        "log.every=1".to_string(),
+    ]);
+    let out = zrun(&args(&["--nproc", "2", CONFIG], &s));
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("out of memory at micro-batch 8 x grad_accum 1 (rank"),
+        "{err}"
+    );
+    let summary = read_json(&d.join("summary.json"));
+    let shrinks = summary["shrinks"].as_array().unwrap();
+    assert_eq!(
+        shrinks.last().unwrap()["to"],
+        serde_json::json!([2, 4]),
+        "{shrinks:?}"
+    );
+    assert!(shrinks.iter().all(|s| s["step"] == 1), "{shrinks:?}");
+    assert_same_run(&d, &[]);
+}
+
+#[test]
+fn shrink_when_one_rank_runs_out_in_backward_while_the_other_waits_in_a_collective() {
+    // Only rank 1 is limited. With activation checkpointing its forward keeps only unit
+    // inputs (~57 MiB at the peak) and its backward recomputes each unit (~71 MiB): a limit
+    // of 62 MiB above the runtime fails in backward, where at stage 3 rank 0 is inside an
+    // all-gather or a reduce-scatter that waits for rank 1.
+    let d = scratch("fit-shrink-one");
+    let stage = [
+        "zero.stage=3".to_string(),
+        "zero.activation_checkpointing=true".to_string(),
+    ];
+    let mut s = sets(&d, 2);
+    s.extend(stage.iter().cloned());
+    s.extend([
+        "train.on_oom=\"shrink\"".to_string(),
+        "checkpoint.every=1".to_string(),
+        "log.every=1".to_string(),
+    ]);
+    let fixed = estimate(&[])[0]["fixed_bytes"].as_i64().unwrap();
+    let limit = format!("dist.memory_limit=\"{}\"", fixed + (62 << 20));
+    let exe = env!("CARGO_BIN_EXE_zrun");
+    let mut all = String::new();
+    for o in &s {
+        all.push_str(&format!(" --set '{o}'"));
+    }
+    let script = format!(
+        "if [ $RANK = 1 ]; then exec {exe} {CONFIG}{all} --set '{limit}'; else exec {exe} {CONFIG}{all}; fi"
+    );
+    let t = Instant::now();
+    let mut job = Job::start(&["exec", "--nproc", "2", "--", "sh", "-c", &script], &[]);
+    let status = job.exit_within(Duration::from_secs(120));
+    assert_eq!(status.code(), Some(0), "{}", job.text());
+    assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
+    let summary = read_json(&d.join("summary.json"));
+    let shrinks = summary["shrinks"].as_array().unwrap();
+    assert!(!shrinks.is_empty(), "{}", job.text());
+    assert!(
+        shrinks.iter().all(|s| s["ranks"] == serde_json::json!([1])),
+        "{shrinks:?}"
+    );
+    let in_backward = shrinks.iter().any(|s| {
+        s["phases"][0]
+            .as_str()
+            .unwrap()
+            .starts_with("backward of unit")
+    });
+    assert!(in_backward, "{shrinks:?}");
+    assert_same_run(&d, &stage);
+}

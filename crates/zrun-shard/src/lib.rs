@@ -13,6 +13,7 @@ mod memory;
 mod micro;
 mod offload;
 mod policy;
+mod recover;
 mod scaler;
 mod snapshot;
 mod state;

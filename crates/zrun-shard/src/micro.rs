@@ -122,6 +122,7 @@ impl Engine {
             }
             EarlyStep::Off => {}
         }
+        self.begin_micro_step();
         let (t0, w0) = (Instant::now(), self.mover.waited);
         let mut x = inputs
             .f_to_device(dev)

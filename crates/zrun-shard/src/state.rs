@@ -37,6 +37,17 @@ pub(crate) struct Mover {
     /// Bytes of gathered unit parameters alive now, and at most (stage 3).
     gathered: i64,
     pub(crate) peak_gathered: i64,
+    /// The collectives issued since the current micro-step began, in order.
+    pub(crate) issued: Vec<(Collective, usize)>,
+}
+
+/// A collective of the micro-step, for matching the other ranks' sequence after a failure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Collective {
+    /// All-gather of a unit's parameters.
+    Gather,
+    /// Reduce-scatter of a unit's gradient.
+    ReduceScatter,
 }
 
 impl Mover {
@@ -49,6 +60,7 @@ impl Mover {
             waited: Duration::ZERO,
             gathered: 0,
             peak_gathered: 0,
+            issued: Vec::new(),
         }
     }
 
@@ -78,6 +90,13 @@ impl Mover {
         self.count(bytes);
     }
 
+    /// Forgets buffers of collectives that were abandoned (their tensors are gone).
+    pub(crate) fn reset_in_flight(&mut self) {
+        self.in_flight = 0;
+        self.gathered = 0;
+        self.issued.clear();
+    }
+
     fn release(&mut self, t: &Tensor) {
         self.in_flight -= t.numel() as i64 * t.kind().elt_size_in_bytes() as i64;
     }
@@ -94,6 +113,7 @@ impl Mover {
         self.count_gathered(numel * shard.kind().elt_size_in_bytes() as i64);
         let input = self.shard_of(shard, u)?;
         let work = self.comm.all_gather(&input, &full).map_err(Error::Comm)?;
+        self.issued.push((Collective::Gather, u));
         Ok(Pending {
             work,
             unit: u,
@@ -132,6 +152,7 @@ impl Mover {
         let input = self.shard_of(shard, u)?;
         let output = full.data();
         let work = self.comm.all_gather(&input, &output).map_err(Error::Comm)?;
+        self.issued.push((Collective::Gather, u));
         Ok(Pending {
             work,
             unit: u,
@@ -162,6 +183,7 @@ impl Mover {
             .comm
             .reduce_scatter(&grad, &shard, ReduceOp::Avg)
             .map_err(Error::Comm)?;
+        self.issued.push((Collective::ReduceScatter, u));
         Ok(Pending {
             work,
             unit: u,

@@ -46,8 +46,26 @@ pub struct StepMetrics {
     pub eval_loss: Option<f64>,
     /// Training tokens consumed so far, over all ranks.
     pub tokens: u64,
+    /// Sequences per rank per micro-step of this step (after any shrink).
+    pub micro_batch: usize,
     /// Every rank's time breakdown (means over the steps since the previous line) and memory.
     pub ranks: Vec<RankFigures>,
+}
+
+/// A step that ran out of memory and was retried at a smaller micro-batch (`train.on_oom =
+/// "shrink"`).
+#[derive(Clone, Debug, Serialize)]
+pub struct Shrink {
+    /// The step (1-based).
+    pub step: u64,
+    /// The ranks whose allocation failed.
+    pub ranks: Vec<usize>,
+    /// Where each of them failed, e.g. "backward of unit h.3".
+    pub phases: Vec<String>,
+    /// Micro-batch and grad_accum before.
+    pub from: (usize, usize),
+    /// Micro-batch and grad_accum after.
+    pub to: (usize, usize),
 }
 
 /// End-of-run figures.
@@ -90,6 +108,8 @@ pub struct Summary {
     pub ranks: Vec<RankFigures>,
     /// Ranks whose busy time per step exceeds the median rank's by more than 20%.
     pub stragglers: Vec<usize>,
+    /// Steps retried at a smaller micro-batch after an out-of-memory.
+    pub shrinks: Vec<Shrink>,
 }
 
 /// Appends step metrics to `metrics.jsonl`, flushed line by line so a crash loses nothing.
@@ -233,6 +253,7 @@ mod tests {
             cuda_peak_bytes: None,
             eval_loss: None,
             tokens: 64,
+            micro_batch: 8,
             ranks: Vec::new(),
         };
         w.write(&m).unwrap();

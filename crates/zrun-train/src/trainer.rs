@@ -16,6 +16,8 @@ use zrun_models::{Gpt, Model};
 use zrun_optim::{AdamWConfig, LrSchedule};
 use zrun_shard::{Engine, EngineConfig, Offload, Precision};
 
+mod shrink;
+
 /// Where this process sits in the job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RankInfo {
@@ -269,50 +271,6 @@ impl Run {
         }
     }
 
-    /// The error of an allocation that failed for want of `bytes`: the diagnosis, written to
-    /// `<log.dir>/oom-rank-N.txt` for the launcher to print once.
-    fn out_of_memory(&self, bytes: Option<i64>) -> Error {
-        let device = self.engine.config().device;
-        let fixed = if device.is_cuda() {
-            crate::memory::CUDA_FIXED_BYTES
-        } else {
-            self.base_rss
-        };
-        let phase = self.engine.phase();
-        let report = crate::memory::budget(&self.cfg, device, self.rank.local_world_size)
-            .and_then(|budget| {
-                crate::memory::Diagnosis {
-                    cfg: &self.cfg,
-                    rank: self.rank.rank,
-                    world: self.rank.world_size,
-                    phase: phase.clone(),
-                    bytes,
-                    held: report::MemoryByKind::of(&self.engine, self.base_rss),
-                    predicted: self.estimate(),
-                    fixed,
-                    budget,
-                }
-                .render()
-            })
-            .unwrap_or_else(|e| format!("(no diagnosis: {e})"));
-        let path = self
-            .cfg
-            .log
-            .dir
-            .join(format!("oom-rank-{}.txt", self.rank.rank));
-        let file = std::fs::create_dir_all(&self.cfg.log.dir)
-            .and_then(|()| std::fs::write(&path, format!("{report}\n")))
-            .is_ok()
-            .then_some(path);
-        Error::OutOfMemory(Box::new(crate::memory::OutOfMemory {
-            rank: self.rank.rank,
-            phase,
-            bytes,
-            report,
-            file,
-        }))
-    }
-
     fn train_steps(&mut self) -> Result<Outcome, Error> {
         let start = Instant::now();
         let t = self.cfg.train.clone();
@@ -404,23 +362,28 @@ impl Run {
         let mut skipped = 0u64;
         let flops_per_token = self.model.flops_per_token();
         let peak_flops = self.cfg.log.peak_tflops.map(|t| t * 1e12);
+        let mut shrinks = Vec::new();
         for step in first..t.steps {
             let t0 = Instant::now();
-            let mut loss = 0.0;
-            let mut data_s = 0.0;
             let lr = schedule.at(step);
-            for micro in 0..t.grad_accum {
-                if micro + 1 == t.grad_accum {
-                    self.engine.prepare_step(lr, t.grad_clip);
+            let start = loader.cursor();
+            let (loss, data_s) = loop {
+                match self.micro_steps(&mut loader, lr)? {
+                    Ok(done) => break done,
+                    Err(failed) => {
+                        let s = self.shrink(step + 1, failed)?;
+                        loader = Loader::new(
+                            self.dataset.clone(),
+                            r.rank,
+                            r.world_size,
+                            s.to.0,
+                            s.to.1,
+                            start,
+                        );
+                        shrinks.push(s);
+                    }
                 }
-                let read = Instant::now();
-                let (x, y) = loader.next_micro_batch()?;
-                data_s += read.elapsed().as_secs_f64();
-                loss += self
-                    .engine
-                    .forward_backward(&x, &y, 1.0 / t.grad_accum as f64)?
-                    / t.grad_accum as f64;
-            }
+            };
             let stats = self.engine.step(lr, t.grad_clip)?;
             let overflow_skip = !stats.applied && self.cfg.zero.precision == Precision::Fp16;
             if overflow_skip {
@@ -480,6 +443,7 @@ impl Run {
                     cuda_peak_bytes: cuda_peak_bytes(self.engine.config().device),
                     eval_loss,
                     tokens: loader.cursor().next_sample * self.model.seq_len() as u64,
+                    micro_batch: self.cfg.train.micro_batch,
                     ranks,
                 };
                 // Every rank logs the same averaged figures: rank 0 speaks for the job.
@@ -524,6 +488,7 @@ impl Run {
         let stragglers = report::stragglers(&ranks);
         let summary = Summary {
             stragglers,
+            shrinks,
             ranks,
             steps: t.steps,
             final_loss: last_loss,

@@ -126,6 +126,8 @@ pub struct Options {
 /// `--max-restarts` times; returns the exit code.
 pub fn run(flags: &LaunchFlags, program: &Program, opts: &Options) -> anyhow::Result<u8> {
     let plan = Plan::new(flags)?;
+    // A second back: file times may be coarser than the clock.
+    let started = std::time::SystemTime::now() - Duration::from_secs(1);
     signals::install().context("installing the SIGINT/SIGTERM/SIGHUP/SIGUSR1 handler")?;
     let mut rdzv = if plan.nnodes == 1 {
         Rendezvous::single(&plan)?
@@ -154,6 +156,7 @@ pub fn run(flags: &LaunchFlags, program: &Program, opts: &Options) -> anyhow::Re
         stop_deadline: opts.stop_deadline.unwrap_or(plan.grace),
         env,
         reports: opts.reports.clone(),
+        started,
     };
     let mut round = 0;
     let code = loop {

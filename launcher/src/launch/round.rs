@@ -28,6 +28,39 @@ pub enum Next {
 /// The exit code of a rank that ran out of memory, and of zrun then.
 pub const OUT_OF_MEMORY: i32 = 4;
 
+/// The diagnosis a rank that ran out of memory wrote in `dir` during this job: `rank`'s own,
+/// else (a rank that stopped because another ran out) the lowest rank's.
+fn oom_report(
+    dir: &std::path::Path,
+    rank: usize,
+    started: std::time::SystemTime,
+) -> Option<String> {
+    let fresh = |p: &std::path::Path| {
+        std::fs::metadata(p)
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t >= started)
+    };
+    let own = dir.join(format!("oom-rank-{rank}.txt"));
+    if fresh(&own) {
+        return std::fs::read_to_string(own).ok();
+    }
+    let mut found: Vec<(usize, std::path::PathBuf)> = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| {
+            let p = e.ok()?.path();
+            let name = p.file_name()?.to_str()?;
+            let r = name
+                .strip_prefix("oom-rank-")?
+                .strip_suffix(".txt")?
+                .parse()
+                .ok()?;
+            fresh(&p).then_some((r, p))
+        })
+        .collect();
+    found.sort();
+    std::fs::read_to_string(&found.first()?.1).ok()
+}
+
 /// What a round needs: the plan, the program, the store and the stop deadline.
 pub struct Job<'a> {
     /// The validated launch.
@@ -42,6 +75,8 @@ pub struct Job<'a> {
     pub env: Vec<(String, String)>,
     /// Where ranks write an out-of-memory diagnosis (see `Options::reports`).
     pub reports: Option<std::path::PathBuf>,
+    /// When the launch began (a diagnosis older than that is from an earlier job).
+    pub started: std::time::SystemTime,
 }
 
 impl Job<'_> {
@@ -247,12 +282,12 @@ impl Round<'_> {
             output::say(Level::Error, &failed);
         }
         if code == OUT_OF_MEMORY as u8 {
-            let file = self
+            if let Some(text) = self
                 .job
                 .reports
-                .as_ref()
-                .map(|d| d.join(format!("oom-rank-{rank}.txt")));
-            if let Some(text) = file.and_then(|f| std::fs::read_to_string(f).ok()) {
+                .as_deref()
+                .and_then(|d| oom_report(d, rank, self.job.started))
+            {
                 let lines: Vec<String> = text.lines().map(str::to_string).collect();
                 output::say_with(Level::Error, "out of memory:", &lines);
             }

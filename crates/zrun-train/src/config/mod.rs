@@ -163,6 +163,20 @@ pub struct TrainConfig {
     pub seed: u64,
     /// Intra-op threads per rank (0 = OMP_NUM_THREADS, else this rank's share of the cores).
     pub threads: usize,
+    /// What an out-of-memory does: "stop" (exit code 4 with a diagnosis) or "shrink" (every
+    /// rank drops the step, halves the micro-batch, doubles grad_accum and retries).
+    pub on_oom: OnOom,
+}
+
+/// `train.on_oom`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnOom {
+    /// Stop with exit code 4 and a diagnosis.
+    #[default]
+    Stop,
+    /// Drop the step, halve the micro-batch (the global batch stays), retry the same samples.
+    Shrink,
 }
 
 impl Default for TrainConfig {
@@ -183,6 +197,7 @@ impl Default for TrainConfig {
             eval_batches: 4,
             seed: 1234,
             threads: 0,
+            on_oom: OnOom::Stop,
         }
     }
 }

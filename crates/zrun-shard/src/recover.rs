@@ -1,0 +1,179 @@
+//! Surviving a failed micro-step (an allocation that ran out of memory) without hanging the
+//! other ranks: the failed rank issues the rest of the micro-step's collectives, in the order
+//! every rank issues them, with stand-in buffers, so the others' collectives complete; then
+//! every rank abandons the step with nothing applied.
+
+use crate::engine::{EarlyStep, Engine};
+use crate::state::Collective;
+use crate::{Context, Result, Stage};
+use tch::Tensor;
+
+/// The collectives of one micro-step in the order the engine issues them, for a model of `n`
+/// units at `stage` with stage-3 gathers `depth` units ahead: forward gathers every unit in
+/// order; backward, for each unit from the last, gathers ahead then reduce-scatters the
+/// unit's gradient (gathers at stage 3 only, reduce-scatters at stages 2-3).
+pub(crate) fn schedule(stage: Stage, n: usize, depth: usize) -> Vec<(Collective, usize)> {
+    let mut out = Vec::new();
+    if stage == Stage::Zero3 {
+        out.extend((0..n).map(|u| (Collective::Gather, u)));
+    }
+    if !matches!(stage, Stage::Zero2 | Stage::Zero3) {
+        return out;
+    }
+    let reverse: Vec<usize> = (0..n).rev().collect();
+    let mut gathered = 0;
+    for (i, &u) in reverse.iter().enumerate() {
+        if stage == Stage::Zero3 {
+            let want = (i + 1 + depth).min(n);
+            out.extend(
+                reverse[gathered..want]
+                    .iter()
+                    .map(|&v| (Collective::Gather, v)),
+            );
+            gathered = gathered.max(want);
+        }
+        out.push((Collective::ReduceScatter, u));
+    }
+    out
+}
+
+impl Engine {
+    /// After `forward_backward` failed on this rank only: issues, with stand-in buffers, the
+    /// collectives of the micro-step this rank had not issued yet, and waits for each, so
+    /// the other ranks' collectives complete. The gradients are left for
+    /// [`Engine::abandon_step`] to clear.
+    pub fn finish_failed_micro_step(&mut self) -> Result<()> {
+        let all = schedule(self.cfg.stage, self.units_len(), self.cfg.prefetch);
+        let done = std::mem::take(&mut self.mover.issued);
+        if !all.starts_with(&done) {
+            return Err(crate::Error::Unsupported(format!(
+                "the failed micro-step issued {done:?}, which is not how every rank's micro-step begins ({all:?}): the ranks cannot be kept in step"
+            )));
+        }
+        let rest = all[done.len()..].to_vec();
+        let _guard = tch::no_grad_guard();
+        for (op, u) in rest {
+            match op {
+                Collective::Gather => {
+                    let p = self.mover.start_gather(&self.params, u)?;
+                    let full = self.mover.finish_gather(p)?;
+                    self.mover.free(&full)?;
+                }
+                Collective::ReduceScatter => {
+                    let l = &self.mover.layout.units[u];
+                    let kind = self.cfg.reduce_dtype.kind();
+                    let zeros = Tensor::f_zeros([l.padded], (kind, self.cfg.device))
+                        .ctx("stand-in gradient", &l.unit.clone())?;
+                    let p = self.mover.start_reduce_scatter(zeros, u)?;
+                    drop(self.mover.finish_reduce_scatter(p)?);
+                }
+            }
+        }
+        self.mover.issued.clear();
+        Ok(())
+    }
+
+    /// Drops the step in progress on every rank after a failed micro-step: the gradients are
+    /// cleared; parameters, master, optimizer state, step count and loss scale are as before
+    /// the step (no update has run: an overlapped update is not armed under this policy).
+    pub fn abandon_step(&mut self) -> Result<()> {
+        if matches!(
+            self.early,
+            EarlyStep::Armed { .. } | EarlyStep::Submitted { .. }
+        ) {
+            return Err(crate::Error::Unsupported(
+                "abandon_step after prepare_step armed an overlapped update: do not call prepare_step when a step may be abandoned".into(),
+            ));
+        }
+        self.early = EarlyStep::Off;
+        let _guard = tch::no_grad_guard();
+        self.grads.f_zero_().done("zero gradients", "-")?;
+        self.mover.reset_in_flight();
+        Ok(())
+    }
+
+    /// Marks the start of a micro-step's collectives (see [`Engine::finish_failed_micro_step`]).
+    pub(crate) fn begin_micro_step(&mut self) {
+        self.mover.issued.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use Collective::{Gather as G, ReduceScatter as R};
+
+    /// The engine's real micro-step issues exactly the schedule, at every stage, prefetch
+    /// depth and checkpointing setting.
+    #[test]
+    fn a_micro_step_issues_its_schedule() {
+        use std::sync::Arc;
+        let gpt = zrun_models::Gpt::new(zrun_models::GptConfig::preset("tiny").unwrap()).unwrap();
+        let model: Arc<dyn zrun_models::Model> = Arc::new(gpt);
+        let adamw = zrun_optim::AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+            for (prefetch, ckpt) in [(1, false), (2, false), (1, true)] {
+                let topo = zrun_comm::Topology::single();
+                let comm = zrun_comm::init(
+                    &topo,
+                    zrun_comm::Backend::Tcp,
+                    std::time::Duration::from_secs(5),
+                )
+                .unwrap();
+                let cfg = crate::EngineConfig {
+                    prefetch,
+                    activation_checkpointing: ckpt,
+                    ..crate::EngineConfig::fp32(stage, tch::Device::Cpu, 1, adamw)
+                };
+                let mut e = Engine::new(model.clone(), Arc::from(comm), cfg).unwrap();
+                let x = Tensor::zeros([2, 8], (tch::Kind::Int64, tch::Device::Cpu));
+                e.forward_backward(&x, &x, 1.0).unwrap();
+                let want = schedule(stage, model.units().len(), prefetch);
+                assert_eq!(
+                    e.mover.issued, want,
+                    "stage {stage} prefetch {prefetch} ckpt {ckpt}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_schedule_is_forward_gathers_then_backward_gathers_ahead_and_reductions() {
+        assert!(schedule(Stage::Zero0, 3, 1).is_empty());
+        assert!(schedule(Stage::Zero1, 3, 1).is_empty());
+        assert_eq!(schedule(Stage::Zero2, 3, 1), vec![(R, 2), (R, 1), (R, 0)]);
+        assert_eq!(
+            schedule(Stage::Zero3, 3, 1),
+            vec![
+                (G, 0),
+                (G, 1),
+                (G, 2),
+                (G, 2),
+                (G, 1),
+                (R, 2),
+                (G, 0),
+                (R, 1),
+                (R, 0)
+            ]
+        );
+        assert_eq!(
+            schedule(Stage::Zero3, 3, 5),
+            vec![
+                (G, 0),
+                (G, 1),
+                (G, 2),
+                (G, 2),
+                (G, 1),
+                (G, 0),
+                (R, 2),
+                (R, 1),
+                (R, 0)
+            ]
+        );
+    }
+}
