@@ -328,3 +328,57 @@ fn shrink_when_one_rank_runs_out_in_backward_while_the_other_waits_in_a_collecti
     assert!(in_backward, "{shrinks:?}");
     assert_same_run(&d, &stage);
 }
+
+#[test]
+fn auto_stage_and_micro_batch_take_the_plans_choice() {
+    let d = scratch("fit-auto");
+    let mut s = sets(&d, 2);
+    s.extend([
+        tight_limit(),
+        "zero.stage=\"auto\"".to_string(),
+        "train.micro_batch=\"auto\"".to_string(),
+        "train.global_batch=16".to_string(),
+        "log.every=1".to_string(),
+    ]);
+    let plan = zrun(&args(&["plan", CONFIG, "--nproc", "2", "--json"], &s));
+    assert!(plan.status.success(), "{}", stderr(&plan));
+    let text = stdout(&plan);
+    let choice: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    let out = zrun(&args(&["--nproc", "2", CONFIG], &s));
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    let want: Vec<&str> = choice["set"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert!(
+        err.contains(&format!("\"auto\": {}", want.join(" "))),
+        "{want:?}: {err}"
+    );
+    let mb = choice["choice"]["micro_batch"].as_u64().unwrap();
+    let line: serde_json::Value = serde_json::from_str(
+        std::fs::read_to_string(d.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(line["micro_batch"].as_u64(), Some(mb));
+    // "auto" micro-batches need the global batch.
+    let o = zrun(&[
+        "--nproc",
+        "2",
+        CONFIG,
+        "--set",
+        "train.micro_batch=\"auto\"",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("needs train.global_batch"),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -67,9 +67,23 @@ fn setting(a: &FitArgs) -> anyhow::Result<Setting> {
     } else {
         memory::fixed_bytes(Device::Cpu, cfg.zero.precision.kind())?
     };
+    let world = a.nproc * a.nnodes;
+    let mut cfg = cfg;
+    if cfg.auto.stage || cfg.auto.micro_batch {
+        let budget = match limit {
+            Some(l) => l,
+            None => memory::budget(&cfg, Device::Cpu, a.nproc)?.0,
+        };
+        cfg = memory::resolve_auto(&cfg, world, fixed, budget)?;
+        println!(
+            "\"auto\" resolved for {} per rank: {}",
+            human(budget),
+            Choice::of(&cfg).overrides().join(" ")
+        );
+    }
     Ok(Setting {
         cfg,
-        world: a.nproc * a.nnodes,
+        world,
         limit,
         fixed,
     })

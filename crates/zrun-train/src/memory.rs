@@ -597,3 +597,46 @@ impl Diagnosis<'_> {
         Ok(out.join("\n"))
     }
 }
+
+/// `cfg` with its `"auto"` knobs chosen for `world` ranks of `limit` bytes each: the cheapest
+/// choice predicted to fit (as `zrun plan` orders them), varying only what is `"auto"`
+/// (`zero.stage`; `train.micro_batch` and `grad_accum` at `train.global_batch`).
+pub fn resolve_auto(cfg: &Config, world: usize, fixed: i64, limit: i64) -> Result<Config, Error> {
+    let auto = cfg.auto;
+    if !auto.stage && !auto.micro_batch {
+        return Ok(cfg.clone());
+    }
+    let mut base = cfg.clone();
+    if auto.micro_batch {
+        let global = cfg.train.global_batch.unwrap_or(0);
+        if global == 0 || global % world.max(1) != 0 {
+            return Err(ConfigError(format!(
+                "train.global_batch = {global} must be a positive multiple of the {world} ranks for train.micro_batch = \"auto\""
+            ))
+            .into());
+        }
+        (base.train.micro_batch, base.train.grad_accum) = (global / world.max(1), 1);
+    }
+    let fixed_choice = Choice::of(cfg);
+    let pick = alternatives(&base, world, fixed, Some(limit))?
+        .into_iter()
+        .filter(|f| f.fits)
+        .find(|f| {
+            let c = f.choice;
+            (auto.stage || c.stage == fixed_choice.stage)
+                && c.offload == fixed_choice.offload
+                && c.activation_checkpointing == fixed_choice.activation_checkpointing
+                && (auto.micro_batch
+                    || (c.micro_batch, c.grad_accum)
+                        == (fixed_choice.micro_batch, fixed_choice.grad_accum))
+        })
+        .ok_or_else(|| {
+            ConfigError(format!(
+                "no choice of the \"auto\" keys is predicted to fit {} per rank on {world} rank(s); see zrun plan for the alternatives",
+                human(limit)
+            ))
+        })?;
+    let mut out = pick.choice.apply(cfg);
+    out.auto = crate::config::Auto::default();
+    Ok(out)
+}

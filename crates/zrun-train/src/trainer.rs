@@ -18,6 +18,53 @@ use zrun_shard::{Engine, EngineConfig, Offload, Precision};
 
 mod shrink;
 
+/// `cfg` with its `"auto"` keys chosen by the planner for this job's ranks and memory; every
+/// rank takes rank 0's choice (their fixed costs may differ by a few pages).
+fn resolve_auto(
+    cfg: &Config,
+    comm: &dyn Communicator,
+    device: Device,
+    fixed: i64,
+    rank: RankInfo,
+) -> Result<Config, Error> {
+    if !cfg.auto.stage && !cfg.auto.micro_batch {
+        return Ok(cfg.clone());
+    }
+    let (limit, _) = crate::memory::budget(cfg, device, rank.local_world_size)?;
+    let mine = crate::memory::resolve_auto(cfg, rank.world_size, fixed, limit)?;
+    let c = crate::memory::Choice::of(&mine);
+    let record: Vec<u8> = [
+        c.stage.number() as u64,
+        u64::from(c.offload),
+        u64::from(c.activation_checkpointing),
+        c.micro_batch as u64,
+        c.grad_accum as u64,
+    ]
+    .iter()
+    .flat_map(|x| x.to_le_bytes())
+    .collect();
+    let all = gather_bytes(comm, device, &record)?;
+    let word =
+        |i: usize| u64::from_le_bytes(all[0][8 * i..8 * i + 8].try_into().unwrap_or_default());
+    let chosen = crate::memory::Choice {
+        stage: zrun_shard::Stage::from_number(word(0) as i64).unwrap_or(c.stage),
+        offload: word(1) == 1,
+        activation_checkpointing: word(2) == 1,
+        micro_batch: word(3) as usize,
+        grad_accum: word(4) as usize,
+    };
+    if rank.rank == 0 {
+        tracing::info!(
+            "\"auto\": {} (the cheapest predicted to fit {} per rank)",
+            chosen.overrides().join(" "),
+            crate::memory::human(limit)
+        );
+    }
+    let mut out = chosen.apply(cfg);
+    out.auto = crate::config::Auto::default();
+    Ok(out)
+}
+
 /// Where this process sits in the job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RankInfo {
@@ -86,6 +133,7 @@ impl Run {
         let device = rank_device(dist.device, topo)?;
         crate::memory::warm_up(device, cfg.zero.precision.kind())?;
         let base_rss = rss_bytes().0;
+        let cfg = &resolve_auto(cfg, comm.as_ref(), device, base_rss, rank)?;
         if let Some(l) = crate::memory::apply_memory_limit(cfg, device, base_rss)? {
             if rank.rank == 0 {
                 tracing::info!(

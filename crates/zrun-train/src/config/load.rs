@@ -6,6 +6,28 @@ use std::path::Path;
 use zrun_models::GptConfig;
 use zrun_shard::{Offload, Precision, ReduceDtype, Stage, StateDtype};
 
+/// Replaces `zero.stage = "auto"` and `train.micro_batch = "auto"` with placeholders (0 and 1)
+/// and says which were there: the planner sets them when the run starts.
+fn take_auto(table: &mut toml::Table) -> super::Auto {
+    let mut take = |section: &str, key: &str, placeholder: i64| {
+        let slot = table
+            .get_mut(section)
+            .and_then(|t| t.as_table_mut())
+            .and_then(|t| t.get_mut(key));
+        match slot {
+            Some(v) if v.as_str() == Some("auto") => {
+                *v = toml::Value::Integer(placeholder);
+                true
+            }
+            _ => false,
+        }
+    };
+    super::Auto {
+        stage: take("zero", "stage", 0),
+        micro_batch: take("train", "micro_batch", 1),
+    }
+}
+
 impl Config {
     /// Reads `path`, applies `overrides` (`key.path=value`, value in TOML syntax or a bare
     /// string) and validates everything.
@@ -28,6 +50,7 @@ impl Config {
         for o in overrides {
             set_keys.push(apply_override(&mut table, o)?);
         }
+        let auto = take_auto(&mut table);
         let value = toml::Value::Table(table.clone());
         let cfg: Config = serde_path_to_error::deserialize(value).map_err(|e| {
             let key = e.path().to_string();
@@ -41,6 +64,12 @@ impl Config {
             ))
         })?;
         let mut cfg = cfg;
+        cfg.auto = auto;
+        if auto.micro_batch && cfg.train.global_batch.is_none() {
+            return Err(ConfigError(format!(
+                "{file}: train.micro_batch = \"auto\" needs train.global_batch (sequences per optimizer step over all ranks), e.g. train.global_batch = 64"
+            )));
+        }
         let t = &mut cfg.train;
         if t.warmup_steps > t.steps {
             // A short trial run of a long config: the warmup fits the run instead.

@@ -40,6 +40,18 @@ pub struct Config {
     /// What loading adjusted, as warnings for the run's log (not a config key).
     #[serde(skip)]
     pub notes: Vec<String>,
+    /// Knobs the config leaves to the planner (`"auto"`), resolved when the run starts.
+    #[serde(skip)]
+    pub auto: Auto,
+}
+
+/// Config keys set to `"auto"`: `zero.stage` and `train.micro_batch`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Auto {
+    /// `zero.stage = "auto"`.
+    pub stage: bool,
+    /// `train.micro_batch = "auto"` (with `train.global_batch`).
+    pub micro_batch: bool,
 }
 
 /// Model architecture family.
@@ -163,6 +175,9 @@ pub struct TrainConfig {
     pub seed: u64,
     /// Intra-op threads per rank (0 = OMP_NUM_THREADS, else this rank's share of the cores).
     pub threads: usize,
+    /// Sequences per optimizer step over all ranks; needed by `micro_batch = "auto"`, which
+    /// then picks micro_batch and grad_accum (micro_batch x grad_accum x ranks = this).
+    pub global_batch: Option<usize>,
     /// What an out-of-memory does: "stop" (exit code 4 with a diagnosis) or "shrink" (every
     /// rank drops the step, halves the micro-batch, doubles grad_accum and retries).
     pub on_oom: OnOom,
@@ -197,6 +212,7 @@ impl Default for TrainConfig {
             eval_batches: 4,
             seed: 1234,
             threads: 0,
+            global_batch: None,
             on_oom: OnOom::Stop,
         }
     }
