@@ -609,7 +609,7 @@ pub fn resolve_auto(cfg: &Config, world: usize, fixed: i64, limit: i64) -> Resul
     let mut base = cfg.clone();
     if auto.micro_batch {
         let global = cfg.train.global_batch.unwrap_or(0);
-        if global == 0 || global % world.max(1) != 0 {
+        if global == 0 || !global.is_multiple_of(world.max(1)) {
             return Err(ConfigError(format!(
                 "train.global_batch = {global} must be a positive multiple of the {world} ranks for train.micro_batch = \"auto\""
             ))
