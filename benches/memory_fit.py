@@ -23,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 # Two model sizes: a small GPT, and gpt2-medium's shape (24 x 1024, vocab 50304) at 128 tokens.
+# bf16 rows use the small model only: on CPUs without AVX-512 a bf16 step of the medium one
+# takes over 20 minutes.
 MODELS = {
     "small": ["model.vocab_size=512", "model.seq_len=128", "model.n_layer=4", "model.n_head=4", "model.d_model=256"],
     "medium": ['model.preset="gpt2-medium"', "model.vocab_size=50304", "model.seq_len=128", "model.n_layer=24",
@@ -46,7 +48,7 @@ MATRIX = [
     ("small", 4, 3, "fp32", False, True, 1),
     ("medium", 1, 0, "fp32", False, False, 1),
     ("medium", 2, 3, "fp32", False, False, 2),
-    ("medium", 2, 3, "bf16", True, False, 4),
+    ("medium", 2, 3, "fp32", True, False, 4),
     ("medium", 2, 2, "fp32", False, True, 1),
     ("medium", 4, 3, "fp32", False, False, 1),
 ]

@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/Allocator.h>
+#include <c10/core/AllocatorConfig.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
@@ -239,6 +240,37 @@ int zrun_ext_cuda_memory(int64_t device, int* available, int64_t* allocated, int
     *reserved = stats.reserved_bytes[agg].current;
     *peak_reserved = stats.reserved_bytes[agg].peak;
     *available = 1;
+    return ZR_OK;
+  });
+}
+
+// Free and total bytes of CUDA device `device` (cudaMemGetInfo, through the device-generic
+// allocator interface); *available = 0 where CUDA is absent or the index is out of range.
+int zrun_ext_cuda_mem_info(int64_t device, int* available, int64_t* free_bytes,
+                           int64_t* total_bytes, char** err) {
+  return guard(err, [&] {
+    *available = 0;
+    if (!at::globalContext().hasCUDA()) {
+      return ZR_OK;
+    }
+    if (device < 0 || device >= at::detail::getCUDAHooks().deviceCount()) {
+      return ZR_OK;
+    }
+    at::globalContext().lazyInitDevice(c10::kCUDA);
+    const auto info =
+        c10::getDeviceAllocator(c10::kCUDA)->getMemoryInfo(static_cast<c10::DeviceIndex>(device));
+    *free_bytes = static_cast<int64_t>(info.first);
+    *total_bytes = static_cast<int64_t>(info.second);
+    *available = 1;
+    return ZR_OK;
+  });
+}
+
+// Sets the device caching allocators' options (the PYTORCH_CUDA_ALLOC_CONF syntax), as
+// torch._C._accelerator_setAllocatorSettings does.
+int zrun_ext_set_allocator_settings(const char* settings, char** err) {
+  return guard(err, [&] {
+    c10::CachingAllocator::setAllocatorSettings(std::string(settings));
     return ZR_OK;
   });
 }

@@ -57,6 +57,36 @@ pub fn cuda_memory(device: usize) -> Option<CudaMemory> {
     })
 }
 
+/// Free and total bytes of CUDA device `device` (`torch.cuda.mem_get_info`), or `None` where
+/// CUDA is absent or the device does not exist.
+pub fn cuda_mem_info(device: usize) -> Option<(i64, i64)> {
+    let device = i64::try_from(device).ok()?;
+    let (mut available, mut free, mut total): (c_int, i64, i64) = (0, 0, 0);
+    let mut err = ptr::null_mut();
+    // SAFETY: as in `cuda_memory`.
+    let status = unsafe {
+        ffi::zrun_ext_cuda_mem_info(device, &mut available, &mut free, &mut total, &mut err)
+    };
+    ffi::check(status, err, String::new).ok()?;
+    (available != 0).then_some((free, total))
+}
+
+/// Sets the caching allocators' options in `PYTORCH_CUDA_ALLOC_CONF` syntax (for example
+/// `expandable_segments:True,per_process_memory_fraction:0.5`), as
+/// `torch._C._accelerator_setAllocatorSettings` does; call it before the first CUDA
+/// allocation. Harmless where CUDA is absent.
+pub fn set_allocator_settings(settings: &str) -> Result<(), Error> {
+    let c = std::ffi::CString::new(settings).map_err(|_| Error::Refused {
+        op: format!("set_allocator_settings({settings:?})"),
+        reason: "a NUL byte in the settings".into(),
+    })?;
+    let mut err = ptr::null_mut();
+    // SAFETY: `c` is a valid NUL-terminated string for the call; `err` a valid out-pointer;
+    // the shim catches every C++ exception.
+    let status = unsafe { ffi::zrun_ext_set_allocator_settings(c.as_ptr(), &mut err) };
+    ffi::check(status, err, || format!("set_allocator_settings({settings:?})"))
+}
+
 /// Resets the peak that [`cuda_memory`] reports for `device` to the bytes allocated now.
 /// Does nothing where CUDA is absent.
 pub fn reset_cuda_peak(device: usize) {
@@ -137,6 +167,20 @@ mod tests {
         .join()
         .map_err(|_| anyhow::anyhow!("thread panicked"))??;
         Ok(())
+    }
+
+    #[test]
+    fn allocator_settings_parse_and_mem_info_is_none_without_cuda() {
+        // c10's parser takes the options on every build; CUDA's allocator reads them.
+        set_allocator_settings("expandable_segments:True").unwrap();
+        let nul = set_allocator_settings("a\0b").unwrap_err().to_string();
+        assert!(nul.contains("NUL"), "{nul}");
+        if !Cuda::is_available() {
+            assert_eq!(cuda_mem_info(0), None);
+        } else {
+            let (free, total) = cuda_mem_info(0).unwrap();
+            assert!(0 < free && free <= total, "{free} {total}");
+        }
     }
 
     #[test]

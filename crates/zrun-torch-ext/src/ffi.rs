@@ -45,6 +45,17 @@ extern "C" {
         err: *mut *mut c_char,
     ) -> c_int;
     pub(crate) fn zrun_ext_reset_cuda_peak(device: i64, err: *mut *mut c_char) -> c_int;
+    pub(crate) fn zrun_ext_cuda_mem_info(
+        device: i64,
+        available: *mut c_int,
+        free_bytes: *mut i64,
+        total_bytes: *mut i64,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    pub(crate) fn zrun_ext_set_allocator_settings(
+        settings: *const c_char,
+        err: *mut *mut c_char,
+    ) -> c_int;
     pub(crate) fn zrun_ext_set_cuda_device(index: i64, err: *mut *mut c_char) -> c_int;
     pub(crate) fn zrun_ext_current_cuda_device(out: *mut i64, err: *mut *mut c_char) -> c_int;
     pub(crate) fn zrun_ext_rng_state(

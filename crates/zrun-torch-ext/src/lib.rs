@@ -20,6 +20,9 @@ pub mod rng;
 mod storage;
 
 pub use autograd::grad;
-pub use cuda::{cuda_memory, current_cuda_device, reset_cuda_peak, set_cuda_device, CudaMemory};
+pub use cuda::{
+    cuda_mem_info, cuda_memory, current_cuda_device, reset_cuda_peak, set_allocator_settings,
+    set_cuda_device, CudaMemory,
+};
 pub use error::Error;
 pub use storage::{resize_storage, storage_nbytes};

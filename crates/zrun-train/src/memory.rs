@@ -304,9 +304,12 @@ pub fn fixed_bytes(device: Device, kind: Kind) -> Result<i64, Error> {
 pub const MMAP_THRESHOLD: i32 = 64 << 10;
 
 /// Sets glibc's malloc to return large blocks to the system ([`MMAP_THRESHOLD`]), unless
-/// `MALLOC_MMAP_THRESHOLD_` is set (then glibc read it at start). Returns what was set.
+/// `MALLOC_MMAP_THRESHOLD_` is set (then glibc read it at start) or `ZRUN_GLIBC_MALLOC=1`
+/// asks for glibc's own defaults. Returns what was set.
 pub fn set_allocator() -> Option<String> {
-    if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_some() {
+    if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_some()
+        || std::env::var("ZRUN_GLIBC_MALLOC").as_deref() == Ok("1")
+    {
         return None;
     }
     // SAFETY: mallopt only changes malloc's tuning parameters; it is called before this
@@ -414,16 +417,11 @@ pub fn budget(cfg: &Config, device: Device, local_ranks: usize) -> Result<(i64, 
     if let Some(l) = cfg.dist.memory_limit_bytes()? {
         return Ok((l, format!("dist.memory_limit = {}", human(l))));
     }
-    if let Some(c) = match device {
-        Device::Cuda(i) => zrun_torch_ext::cuda_memory(i),
+    if let Some((_, total)) = match device {
+        Device::Cuda(i) => zrun_torch_ext::cuda_mem_info(i),
         _ => None,
     } {
-        // Without the device's capacity (not among the allocator's figures), what the
-        // allocator reserved at its peak is the least the GPU has.
-        return Ok((
-            c.peak_reserved as i64,
-            "at least the CUDA allocator's reserved peak".into(),
-        ));
+        return Ok((total, format!("the GPU's {}", human(total))));
     }
     let total = std::fs::read_to_string("/proc/meminfo")
         .ok()
@@ -440,6 +438,30 @@ pub fn budget(cfg: &Config, device: Device, local_ranks: usize) -> Result<(i64, 
     ))
 }
 
+/// Sets the CUDA caching allocator's options for GPU `index` before its first allocation:
+/// `expandable_segments:True` (segments grow in place rather than fragmenting into fixed
+/// blocks) unless `PYTORCH_CUDA_ALLOC_CONF` is set, and with `dist.memory_limit` the
+/// per-process fraction of the GPU that makes the limit real. Returns the settings applied.
+pub fn configure_cuda_allocator(cfg: &Config, index: usize) -> Result<String, Error> {
+    let mut settings = Vec::new();
+    if std::env::var_os("PYTORCH_CUDA_ALLOC_CONF").is_none() {
+        settings.push("expandable_segments:True".to_string());
+    }
+    if let Some(limit) = cfg.dist.memory_limit_bytes()? {
+        let (_, total) = zrun_torch_ext::cuda_mem_info(index).ok_or_else(|| {
+            ConfigError(format!(
+                "dist.memory_limit: cannot read GPU {index}'s capacity to cap this rank"
+            ))
+        })?;
+        let fraction = (limit as f64 / total as f64).min(1.0);
+        settings.push(format!("per_process_memory_fraction:{fraction:.4}"));
+    }
+    if !settings.is_empty() {
+        zrun_torch_ext::set_allocator_settings(&settings.join(","))?;
+    }
+    Ok(settings.join(","))
+}
+
 /// Applies `dist.memory_limit` to this process on CPU: the data segment may grow by what
 /// the limit leaves above the resident memory now (`rss`), so the allocator fails where the
 /// rank's resident memory would pass the limit. Returns the limit set, if any.
@@ -448,12 +470,7 @@ pub fn apply_memory_limit(cfg: &Config, device: Device, rss: i64) -> Result<Opti
         return Ok(None);
     };
     if device.is_cuda() {
-        // The caching allocator's per-process fraction needs the GPU's capacity, which this
-        // build cannot read yet: on CUDA the limit is what plans and diagnoses fit to.
-        tracing::warn!(
-            "dist.memory_limit = {} is not enforced on CUDA yet; zrun plan and the out-of-memory diagnosis use it",
-            human(limit)
-        );
+        // Set before the first allocation by `configure_cuda_allocator`.
         return Ok(Some(limit));
     }
     if limit <= rss {

@@ -131,6 +131,12 @@ impl Run {
         }
         .resolve(Capabilities::detect())?;
         let device = rank_device(dist.device, topo)?;
+        if let Device::Cuda(i) = device {
+            let set = crate::memory::configure_cuda_allocator(cfg, i)?;
+            if rank.rank == 0 && !set.is_empty() {
+                tracing::info!("CUDA caching allocator: {set}");
+            }
+        }
         crate::memory::warm_up(device, cfg.zero.precision.kind())?;
         let base_rss = rss_bytes().0;
         let cfg = &resolve_auto(cfg, comm.as_ref(), device, base_rss, rank)?;
