@@ -85,7 +85,8 @@ pub fn run(config: &Path, overrides: &[String]) -> Result<()> {
 }
 
 /// Validates the config for `world_size` ranks and prints the parameter count, every rank's
-/// unit shards and its model-state bytes, without allocating the model.
+/// unit shards and its model-state bytes (offloaded ones included), without allocating the
+/// model; `zrun estimate` adds activations and buffers.
 pub fn dry_run(config: &Path, overrides: &[String], world_size: usize) -> Result<()> {
     let cfg = Config::load(config, overrides)?;
     let gpt = zrun_models::Gpt::new(cfg.gpt()?)?;
@@ -100,19 +101,15 @@ pub fn dry_run(config: &Path, overrides: &[String], world_size: usize) -> Result
     );
     for r in 0..w {
         let l = ShardLayout::new(units, r, w);
-        let m = MemoryLedger::plan(
-            &l,
-            cfg.zero.stage,
-            cfg.zero.precision,
-            cfg.zero.reduce_dtype,
-        );
+        let m = MemoryLedger::planned(&l, &zrun_train::memory::estimate_config(&cfg)?);
         println!(
-            "rank {r}: model states {:.1} MiB (params {:.1}, grads {:.1}, master {:.1}, optimizer {:.1})",
+            "rank {r}: model states {:.1} MiB (params {:.1}, grads {:.1}, master {:.1}, optimizer {:.1}, on the host {:.1})",
             mib(m.model_states()),
             mib(m.params),
             mib(m.grads),
             mib(m.master),
-            mib(m.optimizer)
+            mib(m.optimizer),
+            mib(m.host)
         );
         for (u, at) in l.units.iter().zip(&l.shard_offsets) {
             let (start, len) = u.shard_range(r);
