@@ -84,7 +84,9 @@ pub fn set_allocator_settings(settings: &str) -> Result<(), Error> {
     // SAFETY: `c` is a valid NUL-terminated string for the call; `err` a valid out-pointer;
     // the shim catches every C++ exception.
     let status = unsafe { ffi::zrun_ext_set_allocator_settings(c.as_ptr(), &mut err) };
-    ffi::check(status, err, || format!("set_allocator_settings({settings:?})"))
+    ffi::check(status, err, || {
+        format!("set_allocator_settings({settings:?})")
+    })
 }
 
 /// Resets the peak that [`cuda_memory`] reports for `device` to the bytes allocated now.

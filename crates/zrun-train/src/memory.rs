@@ -657,3 +657,68 @@ pub fn resolve_auto(cfg: &Config, world: usize, fixed: i64, limit: i64) -> Resul
     out.auto = crate::config::Auto::default();
     Ok(out)
 }
+
+/// The error of a rank whose model states did not fit while its engine was built: the
+/// estimate for the config and the changes predicted to fit, written to
+/// `<log.dir>/oom-rank-N.txt` for the launcher to print once.
+pub fn startup_out_of_memory(
+    cfg: &Config,
+    rank: crate::trainer::RankInfo,
+    fixed: i64,
+    bytes: Option<i64>,
+) -> Error {
+    let phase = "building the engine (allocating the model states)".to_string();
+    let report = (|| -> Result<String, Error> {
+        let (limit, what) = budget(cfg, Device::Cpu, rank.local_world_size)?;
+        let ranks = estimate_ranks(cfg, rank.world_size, fixed, Some(limit))?;
+        let me = &ranks[rank.rank.min(ranks.len() - 1)];
+        let l = &me.ledger;
+        let tried = bytes.map_or_else(String::new, |b| format!(": it tried to allocate {}", human(b)));
+        let mut out = vec![
+            format!("rank {} ran out of memory in {phase}{tried}", rank.rank),
+            format!(
+                "  this config's model states: parameters {}, gradients {}, fp32 master {}, AdamW m+v {}, host {}; a rank may use {what}",
+                human(l.params),
+                human(l.grads),
+                human(l.master),
+                human(l.optimizer),
+                human(l.host)
+            ),
+            format!(
+                "  estimate for this config: peak {} + runtime {} = {}, in {}",
+                human(me.peak_bytes),
+                human(fixed),
+                human(me.peak_bytes + fixed),
+                me.phase
+            ),
+        ];
+        let alts = alternatives(cfg, rank.world_size, fixed, Some(limit))?;
+        let fitting: Vec<&Fit> = alts.iter().filter(|f| f.fits).take(3).collect();
+        if fitting.is_empty() {
+            out.push(format!(
+                "  nothing at this global batch is predicted to fit {}: add ranks, shorten model.seq_len or use a smaller model",
+                human(limit)
+            ));
+        } else {
+            out.push("  predicted to fit, cheapest first:".into());
+            for f in fitting {
+                let sets: Vec<String> = f.choice.overrides().iter().map(|o| format!("--set {o}")).collect();
+                out.push(format!("    {}   (peak {})", sets.join(" "), human(f.peak_bytes)));
+            }
+        }
+        Ok(out.join("\n"))
+    })()
+    .unwrap_or_else(|e| format!("(no diagnosis: {e})"));
+    let path = cfg.log.dir.join(format!("oom-rank-{}.txt", rank.rank));
+    let file = std::fs::create_dir_all(&cfg.log.dir)
+        .and_then(|()| std::fs::write(&path, format!("{report}\n")))
+        .is_ok()
+        .then_some(path);
+    Error::OutOfMemory(Box::new(OutOfMemory {
+        rank: rank.rank,
+        phase,
+        bytes,
+        report,
+        file,
+    }))
+}

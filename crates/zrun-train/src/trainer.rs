@@ -180,7 +180,11 @@ impl Run {
                     weight_decay: t.weight_decay,
                 },
             },
-        )?;
+        )
+        .map_err(|e| match e.out_of_memory() {
+            Some(bytes) => crate::memory::startup_out_of_memory(cfg, rank, base_rss, bytes),
+            None => e.into(),
+        })?;
         let ckpt = Checkpointer::new(cfg, &engine)?;
         Ok(Run {
             cfg: cfg.clone(),
