@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """zrun's malloc setting on CPU ranks (mmap threshold fixed at 64 KiB, so freed tensors go
-back to the system) against glibc's defaults (`ZRUN_GLIBC_MALLOC=1`: a dynamic threshold
+back to the system, and `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, which the launcher gives its
+ranks so those mappings fault in as huge pages) against glibc's defaults (`ZRUN_GLIBC_MALLOC=1`: a dynamic threshold
 that rises to the largest block freed, up to 32 MiB), interleaved: median tokens/s and peak
 resident memory above the rank's start (`peak_rss_bytes - base_rss_bytes`), same config,
 threads and data on both sides.
 
-    python benches/malloc.py [--rounds 3] [--steps 20] [--stage 2] [--nproc 2]
+    python benches/malloc.py [--rounds 3] [--steps 20] [--stage 2] [--nproc 2] [--set KEY=VALUE ...]
+    python benches/malloc.py --steps 6 --micro-batch 4 --set model.d_model=768 --set model.n_head=12 --set model.seq_len=256
 """
 import argparse
 import statistics
@@ -26,16 +28,18 @@ def main():
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--ckpt", action="store_true", help="activation checkpointing on")
+    ap.add_argument("--set", action="append", default=[], help="more config overrides")
     args = ap.parse_args()
     config = common.ROOT / "configs" / "bench-cpu.toml"
     work = Path(tempfile.mkdtemp(prefix="zrun-malloc-"))
     common.ensure_zrun(work)
-    sides = {"zrun (mmap threshold 64 KiB)": {}, "glibc defaults": {"ZRUN_GLIBC_MALLOC": "1"}}
+    sides = {"zrun (mmap 64 KiB, huge pages)": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
+             "glibc defaults": {"ZRUN_GLIBC_MALLOC": "1"}}
     rate = {k: [] for k in sides}
     peak = {k: [] for k in sides}
     load0, t0 = common.load_average(), time.perf_counter()
     overrides = [f"train.steps={args.steps}", f"zero.stage={args.stage}", f"train.micro_batch={args.micro_batch}",
-                 "train.eval_batches=1", f"zero.activation_checkpointing={str(args.ckpt).lower()}"]
+                 "train.eval_batches=1", f"zero.activation_checkpointing={str(args.ckpt).lower()}"] + args.set
     for r in range(args.rounds):
         for name, env in sides.items():
             import os
@@ -48,8 +52,8 @@ def main():
                 os.environ.update(saved)
             rate[name].append(s["tokens_per_s"])
             peak[name].append(max(p - b for p, b in zip(s["peak_rss_bytes"], s["base_rss_bytes"])))
-    print(f"# bench-cpu GPT (3.5M params), {args.nproc} CPU ranks x 1 thread, stage {args.stage}, micro-batch "
-          f"{args.micro_batch} x 128 tokens{', checkpointing' if args.ckpt else ''}, {args.steps} steps, "
+    print(f"# bench-cpu GPT {' '.join(args.set)}, {args.nproc} CPU ranks x 1 thread, stage {args.stage}, micro-batch "
+          f"{args.micro_batch}{', checkpointing' if args.ckpt else ''}, {args.steps} steps, "
           f"{args.rounds} interleaved rounds")
     print(f"{'allocator':<30} {'tokens/s (median)':>18} {'peak above start (MiB)':>24}")
     for name in sides:

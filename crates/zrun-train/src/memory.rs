@@ -303,6 +303,17 @@ pub fn fixed_bytes(device: Device, kind: Kind) -> Result<i64, Error> {
 /// holds ~20-50% more than its tensors at the peak (benches/memory_fit.py measures both).
 pub const MMAP_THRESHOLD: i32 = 64 << 10;
 
+/// Variables a launcher gives CPU ranks at their start (where the ranks cannot set them
+/// themselves): glibc's malloc asks for transparent huge pages for its blocks, which makes a
+/// new mapping per large tensor ([`set_allocator`]) cheaper to fault in. Nothing with
+/// `ZRUN_GLIBC_MALLOC=1` or on CUDA.
+pub fn rank_env(device: DeviceKind) -> Vec<(String, String)> {
+    if device == DeviceKind::Cuda || std::env::var("ZRUN_GLIBC_MALLOC").as_deref() == Ok("1") {
+        return Vec::new();
+    }
+    vec![("GLIBC_TUNABLES".into(), "glibc.malloc.hugetlb=1".into())]
+}
+
 /// Sets glibc's malloc to return large blocks to the system ([`MMAP_THRESHOLD`]), unless
 /// `MALLOC_MMAP_THRESHOLD_` is set (then glibc read it at start) or `ZRUN_GLIBC_MALLOC=1`
 /// asks for glibc's own defaults. Returns what was set.

@@ -114,6 +114,8 @@ pub struct Options {
     /// Time between forwarding SIGTERM or SIGUSR1 to the workers and SIGKILL, for them to
     /// save a checkpoint (training: `checkpoint.signal_deadline_s`); `None`: `--grace-s`.
     pub stop_deadline: Option<Duration>,
+    /// Variables every rank gets unless the launcher's environment already sets them.
+    pub env: Vec<(String, String)>,
     /// Training: the directory where a rank that ran out of memory (exit code 4) wrote its
     /// diagnosis (`oom-rank-N.txt`), printed once by the launcher.
     pub reports: Option<std::path::PathBuf>,
@@ -136,6 +138,11 @@ pub fn run(flags: &LaunchFlags, program: &Program, opts: &Options) -> anyhow::Re
     };
     let style = output::style();
     let mut env = style.worker_env();
+    for (k, v) in &opts.env {
+        if std::env::var_os(k).is_none() {
+            env.push((k.clone(), v.clone()));
+        }
+    }
     // Only node 0 hosts rank 0, whose metrics the line shows; it clears itself when dropped.
     let draw = opts.progress.clone().filter(|_| {
         plan.node_rank == 0
