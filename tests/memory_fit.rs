@@ -8,7 +8,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{read_json, scratch, stderr, stdout, zrun, Job};
+use common::{assert_job_gone, read_json, scratch, stderr, stdout, zrun, Job};
 
 /// A small GPT (3.5M parameters), 2 ranks at stage 2, micro-batch 8 of 128 tokens.
 const CONFIG: &str = "configs/bench-cpu.toml";
@@ -103,10 +103,12 @@ fn a_config_that_does_not_fit_stops_with_one_diagnosis_and_the_plan_trains() {
     let e = estimate(&s);
     assert_eq!(e[0]["fits"], false, "{}", e[0]);
     let t = Instant::now();
-    let mut job = Job::start(&args(&["--nproc", "2", CONFIG], &s), &[]);
+    let id = format!("test-fit-oom-{}", std::process::id());
+    let mut job = Job::start(&args(&["--nproc", "2", "--run-id", &id, CONFIG], &s), &[]);
     let status = job.exit_within(Duration::from_secs(60));
     let err = job.stderr();
     assert_eq!(status.code(), Some(4), "{}", job.text());
+    assert_job_gone(&id);
     assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
     assert_eq!(err.matches("ran out of memory in").count(), 1, "{err}");
     for want in [

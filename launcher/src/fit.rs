@@ -298,6 +298,14 @@ pub fn plan(a: &PlanArgs) -> anyhow::Result<u8> {
         .into());
     };
     let alts = memory::alternatives(&s.cfg, s.world, s.fixed, Some(limit))?;
+    if s.fixed >= limit {
+        return Err(BadInput(format!(
+            "{} per rank is less than the runtime alone takes before any model ({}): raise --device-mem",
+            human(limit),
+            human(s.fixed)
+        ))
+        .into());
+    }
     let Some(best) = alts.iter().find(|f| f.fits) else {
         let least = alts.iter().min_by_key(|f| f.peak_bytes);
         return Err(BadInput(format!(
