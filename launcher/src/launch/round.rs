@@ -237,8 +237,10 @@ impl Round<'_> {
             .find(|w| w.rank == rank)
             .map(|w| w.last_lines())
             .unwrap_or_default();
+        // Exit code 4 is zrun's own out-of-memory; another program's 4 is any failure.
         let code = match status.code() {
-            Some(c @ (2 | OUT_OF_MEMORY)) => c as u8,
+            Some(2) => 2,
+            Some(OUT_OF_MEMORY) if self.job.reports.is_some() => OUT_OF_MEMORY as u8,
             _ => 1,
         };
         let cause = if code == 2 {
