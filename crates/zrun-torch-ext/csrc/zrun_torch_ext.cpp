@@ -95,6 +95,19 @@ size_t extent_bytes(const at::Tensor& t) {
   return static_cast<size_t>(last + 1) * t.element_size();
 }
 
+// Whether CUDA device `device` exists (libtorch_cuda loaded, a GPU, the index in range);
+// initialises the device's CUDA state when it does.
+bool cuda_device_ready(int64_t device) {
+  if (!at::globalContext().hasCUDA()) {
+    return false;
+  }
+  if (device < 0 || device >= at::detail::getCUDAHooks().deviceCount()) {
+    return false;
+  }
+  at::globalContext().lazyInitDevice(c10::kCUDA);
+  return true;
+}
+
 // The generators' devices as src/rng.rs passes them.
 constexpr int ZR_DEVICE_CPU = 0;
 constexpr int ZR_DEVICE_CUDA = 1;
@@ -225,13 +238,9 @@ int zrun_ext_cuda_memory(int64_t device, int* available, int64_t* allocated, int
                          int64_t* reserved, int64_t* peak_reserved, char** err) {
   return guard(err, [&] {
     *available = 0;
-    if (!at::globalContext().hasCUDA()) {
+    if (!cuda_device_ready(device)) {
       return ZR_OK;
     }
-    if (device < 0 || device >= at::detail::getCUDAHooks().deviceCount()) {
-      return ZR_OK;
-    }
-    at::globalContext().lazyInitDevice(c10::kCUDA);
     c10::DeviceAllocator* alloc = c10::getDeviceAllocator(c10::kCUDA);
     const auto stats = alloc->getDeviceStats(static_cast<c10::DeviceIndex>(device));
     constexpr auto agg = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
@@ -250,13 +259,9 @@ int zrun_ext_cuda_mem_info(int64_t device, int* available, int64_t* free_bytes,
                            int64_t* total_bytes, char** err) {
   return guard(err, [&] {
     *available = 0;
-    if (!at::globalContext().hasCUDA()) {
+    if (!cuda_device_ready(device)) {
       return ZR_OK;
     }
-    if (device < 0 || device >= at::detail::getCUDAHooks().deviceCount()) {
-      return ZR_OK;
-    }
-    at::globalContext().lazyInitDevice(c10::kCUDA);
     const auto info =
         c10::getDeviceAllocator(c10::kCUDA)->getMemoryInfo(static_cast<c10::DeviceIndex>(device));
     *free_bytes = static_cast<int64_t>(info.first);
@@ -277,13 +282,9 @@ int zrun_ext_set_allocator_settings(const char* settings, char** err) {
 
 int zrun_ext_reset_cuda_peak(int64_t device, char** err) {
   return guard(err, [&] {
-    if (!at::globalContext().hasCUDA()) {
+    if (!cuda_device_ready(device)) {
       return ZR_OK;
     }
-    if (device < 0 || device >= at::detail::getCUDAHooks().deviceCount()) {
-      return ZR_OK;
-    }
-    at::globalContext().lazyInitDevice(c10::kCUDA);
     c10::getDeviceAllocator(c10::kCUDA)->resetPeakStats(static_cast<c10::DeviceIndex>(device));
     return ZR_OK;
   });

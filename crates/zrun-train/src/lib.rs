@@ -8,6 +8,7 @@ pub mod config;
 pub mod data;
 pub mod memory;
 pub mod metrics;
+pub mod oom;
 mod reduce;
 pub mod report;
 pub mod stop;
@@ -69,7 +70,7 @@ pub enum Error {
     Resume(String),
     /// An allocation failed for want of memory (exit code 4); it carries the diagnosis.
     #[error("{0}")]
-    OutOfMemory(Box<memory::OutOfMemory>),
+    OutOfMemory(Box<oom::OutOfMemory>),
     /// A stop signal ended the run after its checkpoint was saved (exit code 3).
     #[error(
         "stopped by {} after saving checkpoint {} (step {}); run the same command to resume",

@@ -12,6 +12,16 @@ use zrun_shard::{estimate, Estimate, EstimateConfig, Offload, ShardLayout, Stage
 /// allocates anything: an assumption until measured on a GPU (docs/memory.md).
 pub const CUDA_FIXED_BYTES: i64 = 1 << 30;
 
+/// The runtime's fixed cost of a rank on `device` whose resident memory before its model
+/// was `base_rss`.
+pub fn fixed_cost(device: Device, base_rss: i64) -> i64 {
+    if device.is_cuda() {
+        CUDA_FIXED_BYTES
+    } else {
+        base_rss
+    }
+}
+
 /// The share of the predicted peak kept free when judging whether a config fits: the
 /// estimate may err low by up to 5% (see docs/memory.md), and allocators fragment.
 pub const MARGIN: f64 = 0.10;
@@ -371,57 +381,6 @@ pub fn human(bytes: i64) -> String {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sizes_parse_with_binary_and_decimal_units() {
-        assert_eq!(parse_bytes("80GiB"), Ok(80 << 30));
-        assert_eq!(parse_bytes("6G"), Ok(6 << 30));
-        assert_eq!(parse_bytes("1.5 GiB"), Ok(3 << 29));
-        assert_eq!(parse_bytes("2GB"), Ok(2_000_000_000));
-        assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
-        assert_eq!(parse_bytes("4096"), Ok(4096));
-        for bad in ["", "GiB", "-1G", "6 parsecs", "0"] {
-            let e = parse_bytes(bad).unwrap_err();
-            assert!(e.contains("80GiB"), "{bad}: {e}");
-        }
-    }
-}
-
-/// A rank's allocation that failed for want of memory, with the diagnosis written for it.
-#[derive(Debug)]
-pub struct OutOfMemory {
-    /// The rank.
-    pub rank: usize,
-    /// Where it happened, e.g. `"backward of unit h.3"`.
-    pub phase: String,
-    /// The bytes the failed allocation asked for, when the allocator said.
-    pub bytes: Option<i64>,
-    /// The diagnosis: what was held by kind, the allocator's view, the estimate and the fixes.
-    pub report: String,
-    /// Where the diagnosis was written (`<log.dir>/oom-rank-N.txt`), when it could be.
-    pub file: Option<std::path::PathBuf>,
-}
-
-impl std::fmt::Display for OutOfMemory {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let tried = self
-            .bytes
-            .map_or_else(String::new, |b| format!(" allocating {}", human(b)));
-        write!(
-            f,
-            "rank {}: out of memory in {}{tried}",
-            self.rank, self.phase
-        )?;
-        match &self.file {
-            Some(p) => write!(f, "; the diagnosis is in {}", p.display()),
-            None => write!(f, "\n{}", self.report),
-        }
-    }
-}
-
 /// What a rank may use, for suggesting fixes: `dist.memory_limit`, else the GPU's memory on
 /// CUDA, else this node's memory shared by its ranks.
 pub fn budget(cfg: &Config, device: Device, local_ranks: usize) -> Result<(i64, String), Error> {
@@ -434,14 +393,7 @@ pub fn budget(cfg: &Config, device: Device, local_ranks: usize) -> Result<(i64, 
     } {
         return Ok((total, format!("the GPU's {}", human(total))));
     }
-    let total = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find_map(|l| l.strip_prefix("MemTotal:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<i64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024);
+    let total = crate::metrics::proc_bytes("/proc/meminfo", "MemTotal:").unwrap_or(0);
     let per = total / local_ranks.max(1) as i64;
     Ok((
         per,
@@ -512,118 +464,7 @@ pub fn apply_memory_limit(cfg: &Config, device: Device, rss: i64) -> Result<Opti
 
 /// This process's data segment (`VmData`), bytes.
 fn vm_data() -> i64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmData:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<i64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
-}
-
-/// The diagnosis of an out-of-memory: the phase and request, what was held by kind, the
-/// allocator's view, the estimate for this config and the cheapest changes predicted to fit.
-pub struct Diagnosis<'a> {
-    /// The run's config.
-    pub cfg: &'a Config,
-    /// The rank.
-    pub rank: usize,
-    /// Ranks in the job.
-    pub world: usize,
-    /// Where it failed.
-    pub phase: String,
-    /// The request, when known.
-    pub bytes: Option<i64>,
-    /// What the rank held, by kind.
-    pub held: crate::report::MemoryByKind,
-    /// The rank's predicted peak for this config.
-    pub predicted: Estimate,
-    /// The runtime's fixed cost (the resident memory before the model was built on CPU).
-    pub fixed: i64,
-    /// What a rank may use, and where that figure comes from.
-    pub budget: (i64, String),
-}
-
-impl Diagnosis<'_> {
-    /// The report's lines.
-    pub fn render(&self) -> Result<String, Error> {
-        let mut out = Vec::new();
-        let tried = self.bytes.map_or_else(String::new, |b| {
-            format!(": it tried to allocate {}", human(b))
-        });
-        out.push(format!(
-            "rank {} ran out of memory in {}{tried}",
-            self.rank, self.phase
-        ));
-        let h = &self.held;
-        out.push(format!(
-            "  held by kind: parameters {}, gradients {}, fp32 master {}, AdamW m+v {}, host {}, buffers {} (stage-3 gathers {}), activations and temporaries {}",
-            human(h.params),
-            human(h.grads),
-            human(h.master),
-            human(h.optimizer),
-            human(h.host),
-            human(h.buffers),
-            human(h.gathered),
-            human(h.activations)
-        ));
-        let allocator = match (h.cuda_allocated_peak, h.cuda_reserved_peak) {
-            (Some(a), Some(r)) => format!(
-                "CUDA allocated peak {}, reserved peak {}, reserved but unallocated now {}",
-                human(a),
-                human(r),
-                human(h.cuda_reserved_unallocated.unwrap_or(0))
-            ),
-            _ => format!(
-                "resident {} now, {} at the peak, {} before the model",
-                human(h.rss),
-                human(h.rss_peak),
-                human(self.fixed)
-            ),
-        };
-        out.push(format!(
-            "  allocator: {allocator}; a rank may use {}",
-            self.budget.1
-        ));
-        let p = &self.predicted;
-        out.push(format!(
-            "  estimate for this config: peak {} + runtime {} = {}, in {} ({})",
-            human(p.peak_bytes),
-            human(self.fixed),
-            human(p.peak_bytes + self.fixed),
-            p.phase,
-            if fits(self.fixed, p.peak_bytes, Some(self.budget.0)) {
-                "predicted to fit: the estimate missed something; please report it"
-            } else {
-                "predicted not to fit"
-            }
-        ));
-        let alts = alternatives(self.cfg, self.world, self.fixed, Some(self.budget.0))?;
-        let fitting: Vec<&Fit> = alts.iter().filter(|f| f.fits).take(3).collect();
-        if fitting.is_empty() {
-            out.push(format!(
-                "  nothing at this global batch is predicted to fit {}: add ranks, shorten model.seq_len or use a smaller model",
-                human(self.budget.0)
-            ));
-        } else {
-            out.push("  predicted to fit, cheapest first:".into());
-            for f in fitting {
-                let sets: Vec<String> = f
-                    .choice
-                    .overrides()
-                    .iter()
-                    .map(|o| format!("--set {o}"))
-                    .collect();
-                out.push(format!(
-                    "    {}   (peak {})",
-                    sets.join(" "),
-                    human(f.peak_bytes)
-                ));
-            }
-        }
-        Ok(out.join("\n"))
-    }
+    crate::metrics::proc_bytes("/proc/self/status", "VmData:").unwrap_or(0)
 }
 
 /// `cfg` with its `"auto"` knobs chosen for `world` ranks of `limit` bytes each: the cheapest
@@ -669,67 +510,21 @@ pub fn resolve_auto(cfg: &Config, world: usize, fixed: i64, limit: i64) -> Resul
     Ok(out)
 }
 
-/// The error of a rank whose model states did not fit while its engine was built: the
-/// estimate for the config and the changes predicted to fit, written to
-/// `<log.dir>/oom-rank-N.txt` for the launcher to print once.
-pub fn startup_out_of_memory(
-    cfg: &Config,
-    rank: crate::trainer::RankInfo,
-    fixed: i64,
-    bytes: Option<i64>,
-) -> Error {
-    let phase = "building the engine (allocating the model states)".to_string();
-    let report = (|| -> Result<String, Error> {
-        let (limit, what) = budget(cfg, Device::Cpu, rank.local_world_size)?;
-        let ranks = estimate_ranks(cfg, rank.world_size, fixed, Some(limit))?;
-        let me = &ranks[rank.rank.min(ranks.len() - 1)];
-        let l = &me.ledger;
-        let tried = bytes.map_or_else(String::new, |b| format!(": it tried to allocate {}", human(b)));
-        let mut out = vec![
-            format!("rank {} ran out of memory in {phase}{tried}", rank.rank),
-            format!(
-                "  this config's model states: parameters {}, gradients {}, fp32 master {}, AdamW m+v {}, host {}; a rank may use {what}",
-                human(l.params),
-                human(l.grads),
-                human(l.master),
-                human(l.optimizer),
-                human(l.host)
-            ),
-            format!(
-                "  estimate for this config: peak {} + runtime {} = {}, in {}",
-                human(me.peak_bytes),
-                human(fixed),
-                human(me.peak_bytes + fixed),
-                me.phase
-            ),
-        ];
-        let alts = alternatives(cfg, rank.world_size, fixed, Some(limit))?;
-        let fitting: Vec<&Fit> = alts.iter().filter(|f| f.fits).take(3).collect();
-        if fitting.is_empty() {
-            out.push(format!(
-                "  nothing at this global batch is predicted to fit {}: add ranks, shorten model.seq_len or use a smaller model",
-                human(limit)
-            ));
-        } else {
-            out.push("  predicted to fit, cheapest first:".into());
-            for f in fitting {
-                let sets: Vec<String> = f.choice.overrides().iter().map(|o| format!("--set {o}")).collect();
-                out.push(format!("    {}   (peak {})", sets.join(" "), human(f.peak_bytes)));
-            }
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_and_decimal_units() {
+        assert_eq!(parse_bytes("80GiB"), Ok(80 << 30));
+        assert_eq!(parse_bytes("6G"), Ok(6 << 30));
+        assert_eq!(parse_bytes("1.5 GiB"), Ok(3 << 29));
+        assert_eq!(parse_bytes("2GB"), Ok(2_000_000_000));
+        assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        for bad in ["", "GiB", "-1G", "6 parsecs", "0"] {
+            let e = parse_bytes(bad).unwrap_err();
+            assert!(e.contains("80GiB"), "{bad}: {e}");
         }
-        Ok(out.join("\n"))
-    })()
-    .unwrap_or_else(|e| format!("(no diagnosis: {e})"));
-    let path = cfg.log.dir.join(format!("oom-rank-{}.txt", rank.rank));
-    let file = std::fs::create_dir_all(&cfg.log.dir)
-        .and_then(|()| std::fs::write(&path, format!("{report}\n")))
-        .is_ok()
-        .then_some(path);
-    Error::OutOfMemory(Box::new(OutOfMemory {
-        rank: rank.rank,
-        phase,
-        bytes,
-        report,
-        file,
-    }))
+    }
 }

@@ -179,17 +179,25 @@ impl MetricsWriter {
 /// (current, peak) resident set size of this process in bytes, from /proc/self/status;
 /// (0, 0) where that file does not exist.
 pub fn rss_bytes() -> (i64, i64) {
-    let Ok(status) = std::fs::read_to_string("/proc/self/status") else {
+    let Ok(text) = std::fs::read_to_string("/proc/self/status") else {
         return (0, 0);
     };
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|r| r.trim().trim_end_matches("kB").trim().parse::<i64>().ok())
-            .map_or(0, |kb| kb * 1024)
-    };
+    let field = |name| kib_field(&text, name).unwrap_or(0);
     (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// The `name` line of a `/proc` file whose figures are in kB (`/proc/self/status`,
+/// `/proc/meminfo`), in bytes.
+pub(crate) fn proc_bytes(file: &str, name: &str) -> Option<i64> {
+    kib_field(&std::fs::read_to_string(file).ok()?, name)
+}
+
+/// The `name` line of `text` (`/proc` syntax: `VmRSS:   1234 kB`), in bytes.
+fn kib_field(text: &str, name: &str) -> Option<i64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name))
+        .and_then(|r| r.trim().trim_end_matches("kB").trim().parse::<i64>().ok())
+        .map(|kb| kb * 1024)
 }
 
 /// Peak bytes the CUDA caching allocator handed out on `device` (None on CPU).

@@ -182,7 +182,7 @@ impl Run {
             },
         )
         .map_err(|e| match e.out_of_memory() {
-            Some(bytes) => crate::memory::startup_out_of_memory(cfg, rank, base_rss, bytes),
+            Some(bytes) => crate::oom::at_startup(cfg, rank, device, base_rss, bytes),
             None => e.into(),
         })?;
         let ckpt = Checkpointer::new(cfg, &engine)?;

@@ -8,16 +8,23 @@ use crate::reduce::gather_bytes;
 use crate::{report, Error};
 use std::time::Instant;
 
+/// The ranks whose micro-step ran out of memory, as every rank learned it.
+pub(super) struct Failure {
+    /// Each of them and where it failed.
+    ranks: Vec<(usize, String)>,
+    /// This rank's request when it was one of them (`Some(None)`: the size is unknown).
+    mine: Option<Option<i64>>,
+}
+
 impl Run {
     /// The micro-steps of one step: `Ok((mean loss, seconds reading data))`, or with
-    /// `train.on_oom = "shrink"` `Err(ranks)` when the ranks in it ran out of memory, every
-    /// rank having finished the micro-step's collectives and dropped the step.
-    #[allow(clippy::type_complexity)]
+    /// `train.on_oom = "shrink"` the [`Failure`] when ranks ran out of memory, every rank
+    /// having finished the micro-step's collectives and dropped the step.
     pub(super) fn micro_steps(
         &mut self,
         loader: &mut Loader,
         lr: f64,
-    ) -> Result<Result<(f64, f64), Vec<(usize, Option<i64>, String)>>, Error> {
+    ) -> Result<Result<(f64, f64), Failure>, Error> {
         let t = &self.cfg.train;
         let (accum, clip) = (t.grad_accum, t.grad_clip);
         let shrink = t.on_oom == OnOom::Shrink;
@@ -65,17 +72,12 @@ impl Run {
                         .enumerate()
                         .filter(|(_, b)| b[0] == 1)
                         .map(|(r, b)| {
-                            let phase = String::from_utf8_lossy(&b[1..])
-                                .trim_end_matches('\0')
-                                .to_string();
-                            let bytes = match (&mine, r == self.rank.rank) {
-                                (Some((b, _)), true) => *b,
-                                _ => None,
-                            };
-                            (r, bytes, phase)
+                            let phase = String::from_utf8_lossy(&b[1..]);
+                            (r, phase.trim_end_matches('\0').to_string())
                         })
                         .collect();
-                    return Ok(Err(ranks));
+                    let mine = mine.map(|(bytes, _)| bytes);
+                    return Ok(Err(Failure { ranks, mine }));
                 }
             }
         }
@@ -88,16 +90,15 @@ impl Run {
     pub(super) fn shrink(
         &mut self,
         step: u64,
-        failed: Vec<(usize, Option<i64>, String)>,
+        failed: Failure,
     ) -> Result<crate::metrics::Shrink, Error> {
         let t = &mut self.cfg.train;
         let (mb, accum) = (t.micro_batch, t.grad_accum);
-        let ranks: Vec<usize> = failed.iter().map(|f| f.0).collect();
-        let mine = failed.iter().find(|f| f.0 == self.rank.rank);
+        let ranks: Vec<usize> = failed.ranks.iter().map(|f| f.0).collect();
         if mb == 1 {
-            return Err(match mine {
-                Some((_, bytes, _)) => self.out_of_memory(*bytes),
-                None => Error::OutOfMemory(Box::new(crate::memory::OutOfMemory {
+            return Err(match failed.mine {
+                Some(bytes) => self.out_of_memory(bytes),
+                None => Error::OutOfMemory(Box::new(crate::oom::OutOfMemory {
                     rank: self.rank.rank,
                     phase: format!("step {step} on rank(s) {ranks:?}"),
                     bytes: None,
@@ -115,15 +116,16 @@ impl Run {
         let s = crate::metrics::Shrink {
             step,
             ranks: ranks.clone(),
-            phases: failed.iter().map(|f| f.2.clone()).collect(),
+            phases: failed.ranks.iter().map(|f| f.1.clone()).collect(),
             from: (mb, accum),
             to: (new, accum * (mb / new)),
         };
         (t.micro_batch, t.grad_accum) = s.to;
         if self.rank.rank == 0 {
             let wher: Vec<String> = failed
+                .ranks
                 .iter()
-                .map(|(r, _, p)| format!("rank {r} in {p}"))
+                .map(|(r, p)| format!("rank {r} in {p}"))
                 .collect();
             tracing::warn!(
                 "step {step}: out of memory at micro-batch {mb} x grad_accum {accum} ({}); every rank dropped the step and retries it at {} x {} (the global batch stays)",
@@ -139,43 +141,28 @@ impl Run {
     /// `<log.dir>/oom-rank-N.txt` for the launcher to print once.
     pub(super) fn out_of_memory(&self, bytes: Option<i64>) -> Error {
         let device = self.engine.config().device;
-        let fixed = if device.is_cuda() {
-            crate::memory::CUDA_FIXED_BYTES
-        } else {
-            self.base_rss
-        };
+        let fixed = crate::memory::fixed_cost(device, self.base_rss);
         let phase = self.engine.phase();
-        let report = crate::memory::budget(&self.cfg, device, self.rank.local_world_size)
-            .and_then(|budget| {
-                crate::memory::Diagnosis {
-                    cfg: &self.cfg,
-                    rank: self.rank.rank,
-                    world: self.rank.world_size,
-                    phase: phase.clone(),
-                    bytes,
-                    held: report::MemoryByKind::of(&self.engine, self.base_rss),
-                    predicted: self.estimate(),
-                    fixed,
-                    budget,
-                }
-                .render()
-            })
-            .unwrap_or_else(|e| format!("(no diagnosis: {e})"));
-        let path = self
-            .cfg
-            .log
-            .dir
-            .join(format!("oom-rank-{}.txt", self.rank.rank));
-        let file = std::fs::create_dir_all(&self.cfg.log.dir)
-            .and_then(|()| std::fs::write(&path, format!("{report}\n")))
-            .is_ok()
-            .then_some(path);
-        Error::OutOfMemory(Box::new(crate::memory::OutOfMemory {
-            rank: self.rank.rank,
-            phase,
-            bytes,
-            report,
-            file,
-        }))
+        match crate::memory::budget(&self.cfg, device, self.rank.local_world_size) {
+            Ok(budget) => crate::oom::Diagnosis {
+                cfg: &self.cfg,
+                rank: self.rank.rank,
+                world: self.rank.world_size,
+                phase,
+                bytes,
+                held: Some(report::MemoryByKind::of(&self.engine, self.base_rss)),
+                predicted: self.estimate(),
+                fixed,
+                budget,
+            }
+            .into_error(),
+            Err(e) => Error::OutOfMemory(Box::new(crate::oom::OutOfMemory {
+                rank: self.rank.rank,
+                phase,
+                bytes,
+                report: format!("(no diagnosis: {e})"),
+                file: None,
+            })),
+        }
     }
 }
