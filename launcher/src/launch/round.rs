@@ -237,10 +237,13 @@ impl Round<'_> {
             .find(|w| w.rank == rank)
             .map(|w| w.last_lines())
             .unwrap_or_default();
-        // Exit code 4 is zrun's own out-of-memory; another program's 4 is any failure.
+        // Exit code 4 is zrun's own out-of-memory (another program's 4 is any failure). The
+        // first rank to end may be one that lost its peer to it: any rank's 4 decides.
+        let out_of_memory = self.job.reports.is_some()
+            && (status.code() == Some(OUT_OF_MEMORY) || !sup.exited_with(OUT_OF_MEMORY).is_empty());
         let code = match status.code() {
             Some(2) => 2,
-            Some(OUT_OF_MEMORY) if self.job.reports.is_some() => OUT_OF_MEMORY as u8,
+            _ if out_of_memory => OUT_OF_MEMORY as u8,
             _ => 1,
         };
         let cause = if code == 2 {

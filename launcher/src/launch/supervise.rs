@@ -78,6 +78,19 @@ impl Supervisor {
         self.exited.iter().filter(|e| e.is_none()).count()
     }
 
+    /// The ranks that have exited with `code`, lowest first.
+    pub fn exited_with(&self, code: i32) -> Vec<usize> {
+        let mut ranks: Vec<usize> = self
+            .workers
+            .iter()
+            .zip(&self.exited)
+            .filter(|(_, e)| e.and_then(|s| s.code()) == Some(code))
+            .map(|(w, _)| w.rank)
+            .collect();
+        ranks.sort_unstable();
+        ranks
+    }
+
     /// True when a worker exited 3 on its own while the round ran: the job is stopping, so a
     /// later failure in this round is not restarted.
     pub fn saw_stop(&self) -> bool {
