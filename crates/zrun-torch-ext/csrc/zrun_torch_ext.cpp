@@ -10,11 +10,15 @@
 #include <ATen/Context.h>
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_foreach_norm.h>
+#include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/stack.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/AllocatorConfig.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/Event.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
@@ -392,6 +396,100 @@ int zrun_ext_rng_set_state(int kind, int64_t index, const uint8_t* bytes, size_t
     }
     return ZR_OK;
   });
+}
+
+// at::_fused_adamw_ over n (param, grad, exp_avg, exp_avg_sq) quadruples with no weight decay
+// (zrun applies its decoupled decay to the matrices only, before this) and one step count
+// for all: what torch.optim.AdamW(fused=True) runs, a few kernels for every tensor at once.
+int zrun_ext_fused_adam(const at::Tensor* const* params, const at::Tensor* const* grads,
+                        const at::Tensor* const* exp_avgs, const at::Tensor* const* exp_avg_sqs,
+                        size_t n, const at::Tensor* step, double lr, double beta1, double beta2,
+                        double eps, char** err) {
+  return guard(err, [&] {
+    std::vector<at::Tensor> p, g, m, v, steps;
+    for (size_t i = 0; i < n; ++i) {
+      p.push_back(*params[i]);
+      g.push_back(*grads[i]);
+      m.push_back(*exp_avgs[i]);
+      v.push_back(*exp_avg_sqs[i]);
+      steps.push_back(*step);
+    }
+    at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, steps, lr, beta1, beta2,
+                      /*weight_decay=*/0.0, eps, /*amsgrad=*/false, /*maximize=*/false,
+                      /*grad_scale=*/std::nullopt, /*found_inf=*/std::nullopt);
+    return ZR_OK;
+  });
+}
+
+// The sum of squares of n tensors as a 0-d fp64 tensor on their device: one multi-tensor
+// norm kernel (at::_foreach_norm, fp32 accumulation) and a few kernels to combine the
+// norms; nothing is read back to the host.
+int zrun_ext_sum_of_squares(const at::Tensor* const* tensors, size_t n, at::Tensor** out,
+                            char** err) {
+  return guard(err, [&] {
+    if (n == 0) {
+      return refuse(err, "no tensors");
+    }
+    std::vector<at::Tensor> ts;
+    for (size_t i = 0; i < n; ++i) {
+      ts.push_back(*tensors[i]);
+    }
+    at::Tensor norms = at::stack(at::_foreach_norm(ts, 2)).to(at::kDouble);
+    *out = new at::Tensor(norms.square().sum());
+    return ZR_OK;
+  });
+}
+
+// A 1-D tensor of `like`'s dtype and `numel` elements in pinned (page-locked) host memory
+// from libtorch's caching host allocator, allocated pinned (not pinned after the fact);
+// copies between it and a CUDA tensor can run without blocking the host.
+int zrun_ext_empty_pinned(const at::Tensor* like, int64_t numel, at::Tensor** out, char** err) {
+  return guard(err, [&] {
+    *out = new at::Tensor(
+        at::empty({numel}, like->options().device(at::kCPU).pinned_memory(true)));
+    return ZR_OK;
+  });
+}
+
+// dst.copy_(src, non_blocking=true): between pinned host memory and CUDA, queued on the
+// current stream without blocking the host (the caching host allocator keeps a pinned
+// source alive until the copy has run).
+int zrun_ext_copy_async(const at::Tensor* dst, const at::Tensor* src, char** err) {
+  return guard(err, [&] {
+    at::Tensor d = *dst;
+    d.copy_(*src, /*non_blocking=*/true);
+    return ZR_OK;
+  });
+}
+
+// A CUDA event recorded now on the current stream of CUDA device `device`
+// (torch.cuda.Event().record()); *out receives a c10::Event* that zrun_ext_event_free deletes.
+int zrun_ext_event_record(int64_t device, void** out, char** err) {
+  return guard(err, [&] {
+    if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) {
+      return refuse(err, "CUDA is not available");
+    }
+    c10::Device dev(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
+    auto event = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
+    event->record(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(dev));
+    *out = event.release();
+    return ZR_OK;
+  });
+}
+
+// Blocks the calling thread until the event's work is done (torch.cuda.Event.synchronize()).
+int zrun_ext_event_synchronize(void* event, char** err) {
+  return guard(err, [&] {
+    static_cast<c10::Event*>(event)->synchronize();
+    return ZR_OK;
+  });
+}
+
+void zrun_ext_event_free(void* event) {
+  try {
+    delete static_cast<c10::Event*>(event);
+  } catch (...) {
+  }
 }
 
 }  // extern "C"

@@ -133,11 +133,112 @@ pub fn current_cuda_device() -> Option<usize> {
     usize::try_from(out).ok()
 }
 
+/// A 1-D tensor of `numel` elements of `kind` in pinned host memory, allocated pinned by
+/// libtorch's caching host allocator (`torch.empty(n, pin_memory=True)`), for copies to and
+/// from CUDA that need not block the host. That allocator rounds each block up to a power of
+/// two bytes ([`pinned_bytes`]). Refused where CUDA is absent.
+pub fn empty_pinned(numel: i64, kind: tch::Kind) -> Result<tch::Tensor, Error> {
+    let op = || format!("empty_pinned({numel} elements)");
+    let like = tch::Tensor::f_empty([0], (kind, tch::Device::Cpu)).map_err(|e| Error::Torch {
+        op: op(),
+        message: e.to_string(),
+    })?;
+    let mut out: *mut std::ffi::c_void = ptr::null_mut();
+    let mut err = ptr::null_mut();
+    // SAFETY: `like` is a live tensor borrowed for the call; `out` and `err` are valid
+    // out-pointers; the shim catches every C++ exception.
+    let status =
+        unsafe { ffi::zrun_ext_empty_pinned(like.as_ptr().cast(), numel, &mut out, &mut err) };
+    ffi::check(status, err, op)?;
+    // SAFETY: on success `out` is a fresh `new torch::Tensor`, owned by the returned Tensor.
+    Ok(unsafe { tch::Tensor::from_ptr(out.cast()) })
+}
+
+/// Bytes libtorch's caching host allocator holds for a pinned block of `bytes`: the next
+/// power of two.
+pub fn pinned_bytes(bytes: i64) -> i64 {
+    if bytes <= 0 {
+        return 0;
+    }
+    (bytes as u64).next_power_of_two() as i64
+}
+
+/// A CUDA event (`torch.cuda.Event`), recorded on a device's current stream.
+pub struct CudaEvent(*mut std::ffi::c_void);
+
+// SAFETY: a CUDA event may be waited on and destroyed from any thread.
+unsafe impl Send for CudaEvent {}
+
+impl CudaEvent {
+    /// Records an event on the current stream of CUDA device `device`: it completes once the
+    /// work queued there so far is done. Refused where CUDA is absent.
+    pub fn record(device: usize) -> Result<CudaEvent, Error> {
+        let mut out: *mut std::ffi::c_void = ptr::null_mut();
+        let mut err = ptr::null_mut();
+        // SAFETY: valid out-pointers; the shim catches every C++ exception.
+        let status = unsafe { ffi::zrun_ext_event_record(device as i64, &mut out, &mut err) };
+        ffi::check(status, err, || format!("record an event on cuda:{device}"))?;
+        Ok(CudaEvent(out))
+    }
+
+    /// Blocks the calling thread until the work before the event is done.
+    pub fn synchronize(&self) -> Result<(), Error> {
+        let mut err = ptr::null_mut();
+        // SAFETY: a live event made by `record`; the shim catches every C++ exception.
+        let status = unsafe { ffi::zrun_ext_event_synchronize(self.0, &mut err) };
+        ffi::check(status, err, || "synchronize a CUDA event".into())
+    }
+}
+
+impl Drop for CudaEvent {
+    fn drop(&mut self) {
+        // SAFETY: made by `record`, freed once here.
+        unsafe { ffi::zrun_ext_event_free(self.0) }
+    }
+}
+
+/// `dst.copy_(src, non_blocking=True)`: between pinned host memory and CUDA the copy is
+/// queued on the current stream and the host goes on; elsewhere it is an ordinary copy.
+pub fn copy_async(dst: &tch::Tensor, src: &tch::Tensor) -> Result<(), Error> {
+    let mut err = ptr::null_mut();
+    // SAFETY: both tensors are live and borrowed for the call; `err` is a valid out-pointer;
+    // the shim catches every C++ exception.
+    let status =
+        unsafe { ffi::zrun_ext_copy_async(dst.as_ptr().cast(), src.as_ptr().cast(), &mut err) };
+    ffi::check(status, err, || {
+        format!("copy_async({} elements)", src.numel())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::{resize_storage, storage_nbytes};
     use tch::{Cuda, Device, Kind, Tensor};
+
+    #[test]
+    fn pinned_blocks_round_to_powers_of_two_and_events_need_cuda() {
+        assert_eq!(pinned_bytes(0), 0);
+        assert_eq!(pinned_bytes(1), 1);
+        assert_eq!(pinned_bytes(1000), 1024);
+        assert_eq!(pinned_bytes(1 << 30), 1 << 30);
+        assert_eq!(pinned_bytes((1 << 30) + 1), 1 << 31);
+        if !Cuda::is_available() {
+            assert!(CudaEvent::record(0).is_err());
+            assert!(empty_pinned(4, Kind::Float).is_err());
+        }
+    }
+
+    #[test]
+    fn async_copy_copies_and_refuses_a_size_mismatch() -> anyhow::Result<()> {
+        let src = Tensor::from_slice(&[1.0f32, 2.0, 3.0]);
+        let dst = Tensor::zeros([3], (Kind::Float, Device::Cpu));
+        copy_async(&dst, &src)?;
+        assert!(dst.equal(&src));
+        let bad = Tensor::zeros([2], (Kind::Float, Device::Cpu));
+        assert!(copy_async(&bad, &src).is_err());
+        Ok(())
+    }
 
     #[test]
     fn setting_the_current_device_refuses_cleanly_without_cuda() -> anyhow::Result<()> {

@@ -71,6 +71,43 @@ extern "C" {
         n: usize,
         err: *mut *mut c_char,
     ) -> c_int;
+    pub(crate) fn zrun_ext_fused_adam(
+        params: *const *const c_void,
+        grads: *const *const c_void,
+        exp_avgs: *const *const c_void,
+        exp_avg_sqs: *const *const c_void,
+        n: usize,
+        step: *const c_void,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    pub(crate) fn zrun_ext_sum_of_squares(
+        tensors: *const *const c_void,
+        n: usize,
+        out: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    pub(crate) fn zrun_ext_empty_pinned(
+        like: *const c_void,
+        numel: i64,
+        out: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    pub(crate) fn zrun_ext_copy_async(
+        dst: *const c_void,
+        src: *const c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    pub(crate) fn zrun_ext_event_record(
+        device: i64,
+        out: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    pub(crate) fn zrun_ext_event_synchronize(event: *mut c_void, err: *mut *mut c_char) -> c_int;
+    pub(crate) fn zrun_ext_event_free(event: *mut c_void);
 }
 
 /// Turns a shim status and its message into a `Result`, freeing the message.

@@ -7,6 +7,8 @@
 //! - [`grad`]: `torch.autograd.grad` with explicit output gradients;
 //! - [`cuda_memory`] / [`reset_cuda_peak`]: the CUDA caching allocator's figures;
 //! - [`set_cuda_device`] / [`current_cuda_device`]: the calling thread's current CUDA device;
+//! - [`fused_adam`] / [`sum_of_squares`]: multi-tensor optimizer kernels (one launch for
+//!   many tensors, nothing read back);
 //! - [`rng::state`] / [`rng::set_state`]: the default CPU / CUDA generators' state, for
 //!   checkpoints that resume with the same random draws.
 //!
@@ -16,13 +18,15 @@ mod autograd;
 mod cuda;
 mod error;
 mod ffi;
+mod optim;
 pub mod rng;
 mod storage;
 
 pub use autograd::grad;
 pub use cuda::{
-    cuda_mem_info, cuda_memory, current_cuda_device, reset_cuda_peak, set_allocator_settings,
-    set_cuda_device, CudaMemory,
+    copy_async, cuda_mem_info, cuda_memory, current_cuda_device, empty_pinned, pinned_bytes,
+    reset_cuda_peak, set_allocator_settings, set_cuda_device, CudaEvent, CudaMemory,
 };
 pub use error::Error;
+pub use optim::{fused_adam, sum_of_squares, AdamStep};
 pub use storage::{resize_storage, storage_nbytes};

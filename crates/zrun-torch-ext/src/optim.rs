@@ -1,0 +1,162 @@
+//! Multi-tensor optimizer kernels: libtorch's fused Adam (`torch.optim.AdamW(fused=True)`)
+//! and a sum of squares over many tensors that stays on their device, so a CUDA step costs a
+//! few kernel launches and one read-back instead of thousands.
+
+use crate::{ffi, Error};
+use std::ffi::c_void;
+use std::ptr;
+use tch::Tensor;
+
+/// Hyper-parameters of one [`fused_adam`] call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamStep {
+    /// Learning rate.
+    pub lr: f64,
+    /// Exponential decay of the first moment.
+    pub beta1: f64,
+    /// Exponential decay of the second moment.
+    pub beta2: f64,
+    /// Added to the bias-corrected denominator.
+    pub eps: f64,
+}
+
+fn ptrs(ts: &[Tensor]) -> Vec<*const c_void> {
+    ts.iter().map(|t| t.as_ptr().cast()).collect()
+}
+
+/// One Adam update (no weight decay: apply decoupled decay before) of every `params[i]` with
+/// `grads[i]` and moments `exp_avgs[i]`, `exp_avg_sqs[i]`, in place, by `at::_fused_adamw_`.
+/// `step` is a one-element fp32 tensor on the tensors' device holding the step number
+/// (1 for the first update); the bias corrections use it. fp32 tensors on one device,
+/// matching in size; libtorch's complaint otherwise comes back as [`Error::Torch`].
+pub fn fused_adam(
+    params: &[Tensor],
+    grads: &[Tensor],
+    exp_avgs: &[Tensor],
+    exp_avg_sqs: &[Tensor],
+    step: &Tensor,
+    hp: AdamStep,
+) -> Result<(), Error> {
+    let n = params.len();
+    let op = || format!("fused_adam({n} tensors)");
+    if [grads.len(), exp_avgs.len(), exp_avg_sqs.len()]
+        .iter()
+        .any(|&l| l != n)
+    {
+        return Err(Error::Refused {
+            op: op(),
+            reason: format!(
+                "{n} parameters but {} gradients, {} first and {} second moments",
+                grads.len(),
+                exp_avgs.len(),
+                exp_avg_sqs.len()
+            ),
+        });
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let (p, g, m, v) = (ptrs(params), ptrs(grads), ptrs(exp_avgs), ptrs(exp_avg_sqs));
+    let mut err = ptr::null_mut();
+    // SAFETY: every pointer is a live `torch::Tensor*` borrowed for the call and each list
+    // has `n` entries; the shim catches every C++ exception.
+    let status = unsafe {
+        ffi::zrun_ext_fused_adam(
+            p.as_ptr(),
+            g.as_ptr(),
+            m.as_ptr(),
+            v.as_ptr(),
+            n,
+            step.as_ptr().cast(),
+            hp.lr,
+            hp.beta1,
+            hp.beta2,
+            hp.eps,
+            &mut err,
+        )
+    };
+    ffi::check(status, err, op)
+}
+
+/// The sum of the squares of every element of `tensors`, as a 0-d fp64 tensor on their
+/// device (nothing is read back): each tensor's 2-norm in one multi-tensor kernel (fp32
+/// accumulation, as `torch.nn.utils.clip_grad_norm_`), squared and summed in fp64.
+pub fn sum_of_squares(tensors: &[Tensor]) -> Result<Tensor, Error> {
+    let op = || format!("sum_of_squares({} tensors)", tensors.len());
+    let ts = ptrs(tensors);
+    let mut out: *mut c_void = ptr::null_mut();
+    let mut err = ptr::null_mut();
+    // SAFETY: as in `fused_adam`; `out` is a valid out-pointer the shim writes on success.
+    let status = unsafe { ffi::zrun_ext_sum_of_squares(ts.as_ptr(), ts.len(), &mut out, &mut err) };
+    ffi::check(status, err, op)?;
+    // SAFETY: on success `out` is a fresh `new torch::Tensor`, owned by the returned Tensor.
+    Ok(unsafe { Tensor::from_ptr(out.cast()) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    #[test]
+    fn fused_adam_matches_the_written_out_update() -> anyhow::Result<()> {
+        // libtorch's fused kernel runs on CPU too: check the arguments reach it as meant.
+        let opts = (Kind::Float, Device::Cpu);
+        let hp = AdamStep {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+        };
+        let p = [Tensor::f_randn([7], opts)?, Tensor::f_randn([3], opts)?];
+        let g = [Tensor::f_randn([7], opts)?, Tensor::f_randn([3], opts)?];
+        let m = [Tensor::f_randn([7], opts)?, Tensor::f_randn([3], opts)?];
+        let v = [Tensor::f_rand([7], opts)?, Tensor::f_rand([3], opts)?];
+        let step = 3;
+        let (bc1, bc2) = (1.0 - hp.beta1.powi(step), 1.0 - hp.beta2.powi(step));
+        let want: Vec<Tensor> = (0..2)
+            .map(|i| {
+                let m2 = &m[i] * hp.beta1 + &g[i] * (1.0 - hp.beta1);
+                let v2 = &v[i] * hp.beta2 + &g[i] * &g[i] * (1.0 - hp.beta2);
+                let denom = v2.sqrt() / bc2.sqrt() + hp.eps;
+                &p[i] - m2 / denom * (hp.lr / bc1)
+            })
+            .collect();
+        let st = Tensor::from(step as f32);
+        fused_adam(&p, &g, &m, &v, &st, hp)?;
+        for (a, b) in p.iter().zip(&want) {
+            let d = (a - b).abs().max().double_value(&[]);
+            assert!(d < 1e-6, "{d}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn sum_of_squares_over_tensors_of_both_dtypes() -> anyhow::Result<()> {
+        let a = Tensor::from_slice(&[3.0f32, 4.0]);
+        let b = Tensor::from_slice(&[1.0f32, 2.0, 2.0]).to_kind(Kind::BFloat16);
+        let s = sum_of_squares(&[a, b])?;
+        assert_eq!(s.kind(), Kind::Double);
+        assert!((s.double_value(&[]) - 34.0).abs() < 1e-4);
+        assert!(sum_of_squares(&[]).is_err());
+        let e = fused_adam(
+            &[Tensor::from(1.0f32)],
+            &[],
+            &[],
+            &[],
+            &Tensor::from(1.0f32),
+            AdamStep {
+                lr: 1.0,
+                beta1: 0.9,
+                beta2: 0.9,
+                eps: 1e-8,
+            },
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("1 parameters but 0 gradients"),
+            "{e}"
+        );
+        Ok(())
+    }
+}
