@@ -33,6 +33,9 @@ pub struct AdamW {
     step: u64,
     numel: i64,
     decay_ranges: Vec<(i64, i64)>,
+    /// On CUDA: libtorch's fused multi-tensor Adam (a few launches per step, where the
+    /// chunked kernels below would launch thousands), with its step count on the device.
+    fused: Option<Tensor>,
 }
 
 impl AdamW {
@@ -56,6 +59,15 @@ impl AdamW {
             step: 0,
             numel,
             decay_ranges,
+            fused: match device {
+                Device::Cuda(_) => Some(zeros("allocate AdamW step")?.f_narrow(0, 0, 1).map_err(
+                    |source| Error::Torch {
+                        op: "allocate AdamW step",
+                        source,
+                    },
+                )?),
+                _ => None,
+            },
         })
     }
 
@@ -148,6 +160,9 @@ impl AdamW {
                 })?;
             }
         }
+        if self.fused.is_some() {
+            return self.fused_update(&p, &g, lr);
+        }
         let bc1 = 1.0 - c.beta1.powi(self.step as i32);
         let bc2_sqrt = (1.0 - c.beta2.powi(self.step as i32)).sqrt();
         let step_size = lr / bc1;
@@ -174,6 +189,33 @@ impl AdamW {
             off += len;
         }
         Ok(())
+    }
+}
+
+impl AdamW {
+    /// The Adam part of the step (decay already applied) by libtorch's fused kernel over the
+    /// pieces of the shard that are contiguous in parameters, gradients and moments alike.
+    fn fused_update(&mut self, p: &Segments, g: &Segments, lr: f64) -> Result<()> {
+        let (mut ps, mut gs, mut ms, mut vs) = (vec![], vec![], vec![], vec![]);
+        Segments::pieces(&[p, g], 0, self.numel, |o, l| {
+            ps.push(p.view(o, l)?);
+            gs.push(g.view(o, l)?);
+            ms.push(torch("AdamW m", self.m.f_narrow(0, o, l))?);
+            vs.push(torch("AdamW v", self.v.f_narrow(0, o, l))?);
+            Ok(())
+        })?;
+        let step = self.fused.as_mut().expect("fused state");
+        inplace("AdamW step count", step.f_fill_(self.step as f64))?;
+        let c = self.cfg;
+        let hp = zrun_torch_ext::AdamStep {
+            lr,
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+        };
+        zrun_torch_ext::fused_adam(&ps, &gs, &ms, &vs, step, hp).map_err(|e| Error::Fused {
+            detail: e.to_string(),
+        })
     }
 }
 
@@ -258,6 +300,40 @@ mod tests {
         }
         assert!(whole.equal(&split), "segmented update differs");
         assert!(!whole.equal(&p0));
+    }
+
+    #[test]
+    fn the_fused_update_equals_the_chunked_one() {
+        // The CUDA path, run through libtorch's CPU fused kernel.
+        let n = CHUNK + 77;
+        let cfg = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let ranges = vec![(5i64, 1000i64), (CHUNK - 3, 50)];
+        tch::manual_seed(2);
+        let chunked = Tensor::randn([n], (Kind::Float, Device::Cpu));
+        let fused = chunked.copy();
+        let parts = vec![fused.narrow(0, 0, 100), fused.narrow(0, 100, n - 100)];
+        let mut a = AdamW::new(n, Device::Cpu, cfg, ranges.clone()).unwrap();
+        let mut b = AdamW::new(n, Device::Cpu, cfg, ranges).unwrap();
+        b.fused = Some(Tensor::zeros([1], (Kind::Float, Device::Cpu)));
+        for step in 0..5 {
+            let g = Tensor::randn([n], (Kind::Float, Device::Cpu));
+            let gparts = vec![g.narrow(0, 0, 999), g.narrow(0, 999, n - 999)];
+            let lr = 1e-2 * (1.0 + step as f64);
+            a.step(&chunked, &g, lr).unwrap();
+            b.step_segments(&parts, &gparts, lr).unwrap();
+        }
+        let d = (&chunked - &fused).abs().max().double_value(&[]);
+        assert!(d < 1e-6, "fused and chunked AdamW differ by {d}");
+        let dv = (a.moments().1 - b.moments().1)
+            .abs()
+            .max()
+            .double_value(&[]);
+        assert!(dv < 1e-6, "second moments differ by {dv}");
     }
 
     #[test]

@@ -50,6 +50,12 @@ pub enum Error {
         /// The shard size the optimizer was built for.
         numel: usize,
     },
+    /// libtorch's fused Adam kernel refused or failed.
+    #[error("optimizer: fused AdamW failed: {detail}")]
+    Fused {
+        /// The shim's message.
+        detail: String,
+    },
     /// A CPU AdamW update came before the step was started.
     #[error("CPU AdamW: update before begin_step(); call begin_step() once per optimizer step before updating its sub-ranges")]
     NoStep,

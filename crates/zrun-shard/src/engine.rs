@@ -436,10 +436,15 @@ impl Engine {
             Stage::Zero2 | Stage::Zero3 => {} // reduced per unit during backward
         }
         let grads = self.owned_grads()?;
-        let mut local = 0.0;
-        for g in &grads {
-            local += sum_of_squares(g)?;
-        }
+        let local = if self.cfg.device.is_cuda() && !grads.is_empty() {
+            // One multi-tensor kernel and one read-back, not one per 1M elements.
+            zrun_torch_ext::sum_of_squares(&grads)
+                .map_err(|e| Error::Kernel("gradient norm", e))?
+                .f_double_value(&[])
+                .ctx("gradient norm", "-")?
+        } else {
+            grads.iter().map(sum_of_squares).sum::<Result<f64>>()?
+        };
         // Stage 0 holds the whole reduced gradient on every rank; the others own a part.
         let sum_sq = if self.cfg.stage == Stage::Zero0 {
             local

@@ -49,6 +49,9 @@ pub enum Error {
     /// Releasing or re-allocating a gathered unit's storage failed.
     #[error("engine: storage of unit `{0}`: {1}")]
     Storage(String, #[source] zrun_torch_ext::Error),
+    /// A multi-tensor kernel of the shim failed (the gradient norm on CUDA).
+    #[error("engine: {0} failed: {1}")]
+    Kernel(&'static str, #[source] zrun_torch_ext::Error),
     /// A collective failed (a peer died, timed out or disagreed).
     #[error(transparent)]
     Comm(zrun_comm::Error),

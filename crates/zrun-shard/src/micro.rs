@@ -10,7 +10,7 @@ use crate::state::{Mover, Pending};
 use crate::{Context, Error, Result, Stage};
 use std::collections::VecDeque;
 use std::time::Instant;
-use tch::Tensor;
+use tch::{Device, Tensor};
 use zrun_models::lm_loss;
 
 /// What one unit's forward leaves for its backward.
@@ -124,12 +124,8 @@ impl Engine {
         }
         self.begin_micro_step();
         let (t0, w0) = (Instant::now(), self.mover.waited);
-        let mut x = inputs
-            .f_to_device(dev)
-            .ctx("move inputs to the device", "-")?;
-        let targets = targets
-            .f_to_device(dev)
-            .ctx("move targets to the device", "-")?;
+        let mut x = to_device(inputs, dev).ctx("move inputs to the device", "-")?;
+        let targets = to_device(targets, dev).ctx("move targets to the device", "-")?;
         let mut gathers = Gathers::new((0..n).collect(), self.cfg.prefetch);
         let mut saved: Vec<Saved> = Vec::with_capacity(n);
         for (u, unit) in units.iter().enumerate() {
@@ -170,7 +166,8 @@ impl Engine {
             let _guard = ckpt.then(tch::no_grad_guard);
             lm_loss(&x, &targets)?
         };
-        let value = loss.f_double_value(&[]).ctx("read loss", "head")?;
+        // Read once backward is queued: on CUDA a read here would idle the device meanwhile.
+        let value = loss.f_detach().ctx("keep loss", "head")?;
         let (t1, w1) = (Instant::now(), self.mover.waited);
         let loss_seed = weight * self.scaler.scale();
         drop(x);
@@ -250,6 +247,7 @@ impl Engine {
         while let Some(p) = reducing.pop_front() {
             self.accumulate_shard(p)?;
         }
+        let value = value.f_double_value(&[]).ctx("read loss", "head")?;
         let (fwd_wait, bwd_wait) = (w1 - w0, self.mover.waited - w1);
         let t = &mut self.times;
         t.forward += (t1 - t0).saturating_sub(fwd_wait).as_secs_f64();
@@ -360,5 +358,22 @@ impl Engine {
         lm_loss(&x, &targets)?
             .f_double_value(&[])
             .ctx("read loss", "head")
+    }
+}
+
+/// `t` (a CPU tensor) on `dev`. To CUDA through pinned memory, queued without blocking the
+/// host: the batch need not wait for the previous step's kernels to finish.
+fn to_device(t: &Tensor, dev: Device) -> std::result::Result<Tensor, tch::TchError> {
+    if !dev.is_cuda() || t.device() != Device::Cpu {
+        return t.f_to_device(dev);
+    }
+    let Ok(mut pinned) = zrun_torch_ext::empty_pinned(t.numel() as i64, t.kind()) else {
+        return t.f_to_device(dev);
+    };
+    pinned.f_copy_(&t.f_reshape([-1])?)?;
+    let out = Tensor::f_empty(t.size(), (t.kind(), dev))?;
+    match zrun_torch_ext::copy_async(&out.f_view([-1])?, &pinned) {
+        Ok(()) => Ok(out),
+        Err(_) => t.f_to_device(dev),
     }
 }
