@@ -143,12 +143,17 @@ fn backend_and_device_that_cannot_work_are_refused_before_any_rank_starts() {
         ],
     );
     run(
-        &["dist.backend=\"tcp\"", "dist.device=\"cuda\""],
+        &["dist.backend=\"mpi\"", "dist.device=\"cuda\""],
         &[
-            "dist.backend = \"tcp\" with dist.device = \"cuda\"",
-            "until it stages CUDA tensors",
+            "dist.backend = \"mpi\" with dist.device = \"cuda\"",
+            "CPU tensors only",
             "dist.backend = \"nccl\"",
         ],
+    );
+    // tcp stages CUDA tensors: refused here only for want of a GPU or of a CUDA build
+    run(
+        &["dist.backend=\"tcp\"", "dist.device=\"cuda\""],
+        &["dist.device = \"cuda\""],
     );
     if !cfg!(feature = "mpi") {
         run(

@@ -247,16 +247,27 @@ fn train(cli: &Cli) -> anyhow::Result<u8> {
     // Check the config once here, so a mistake is one line rather than one per rank: its
     // keys, and its backend and device against this build and this machine's GPUs.
     let cfg = zrun_train::config::Config::load(config, &cli.set)?;
-    let dist = cfg
-        .dist
-        .resolve(zrun_train::config::Capabilities::detect())?;
+    // The ranks inherit this process's CUDA_VISIBLE_DEVICES: they see what it sees.
+    let caps = zrun_train::config::Capabilities::detect();
+    let nproc = cli.launch.nproc.unwrap_or(caps.gpus.max(1));
+    let dist = cfg.dist.resolve_for(caps, nproc)?;
     if dist.device == zrun_train::config::DeviceKind::Cuda {
-        // The ranks inherit this process's CUDA_VISIBLE_DEVICES: they see what it sees.
-        let visible = usize::try_from(tch::Cuda::device_count()).unwrap_or(0);
-        dist.check_node(cli.launch.nproc.unwrap_or(visible), visible)?;
+        dist.check_node(nproc, caps.gpus)?;
+    }
+    let mut set = cli.set.clone();
+    if dist.device == zrun_train::config::DeviceKind::Cuda
+        && dist.backend == zrun_comm::Backend::Tcp
+        && cfg.dist.backend == zrun_train::config::BackendChoice::Auto
+    {
+        // Each rank sees the one GPU and cannot tell that the others share it: say so.
+        eprintln!(
+            "zrun: dist.backend = \"auto\" chose tcp: the {nproc} ranks share the one visible GPU, which NCCL refuses; their CUDA tensors are staged through host memory"
+        );
+        set.push("dist.backend=\"tcp\"".into());
+        set.push("dist.device=\"cuda\"".into());
     }
     let mut args: Vec<OsString> = vec![config.clone().into_os_string()];
-    for s in &cli.set {
+    for s in &set {
         args.push("--set".into());
         args.push(s.into());
     }

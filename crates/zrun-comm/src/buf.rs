@@ -54,6 +54,18 @@ impl RawBuf {
         self.numel * self.dtype.size()
     }
 
+    /// Another view of the same memory that keeps it alive as long as it lives (for work
+    /// that outlasts the job which launched it).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the nccl backend's
+    pub(crate) fn keeper(&self) -> RawBuf {
+        RawBuf {
+            ptr: self.ptr,
+            numel: self.numel,
+            dtype: self.dtype,
+            _keep: self._keep.shallow_clone(),
+        }
+    }
+
     /// The buffer's bytes.
     ///
     /// # Safety

@@ -5,14 +5,21 @@
 //! libtorch uses. NCCL's id travels through the rendezvous store, where every rank also marks
 //! its arrival (nccl_rendezvous.rs); `ncclCommInitRank` then has `dist.timeout_s` too.
 //!
-//! Collectives run on a dedicated non-blocking stream: it first waits on an event recorded on
-//! libtorch's stream (the legacy default stream, which libtorch uses unless a stream guard is
-//! set), and libtorch's stream then waits on the collective's completion event, so kernels
-//! queued before and after stay ordered. The communication thread polls that event against
-//! the deadline and aborts the NCCL communicator when it passes. Uneven chunks use grouped
-//! broadcasts/reduces.
+//! Collectives run on a dedicated non-blocking stream, in stream order with libtorch's stream
+//! (the legacy default stream, which libtorch uses unless a stream guard is set) and without
+//! blocking the host: when a collective is issued, an event is recorded on libtorch's stream on
+//! the issuing thread, so the collective waits for the kernels queued before it and for no
+//! later ones; the communication thread makes its stream wait on that event, launches, and
+//! records a completion event; `Work::wait` then makes libtorch's stream wait on that event
+//! (kernels queued after the wait run after the collective) and returns at once. Meanwhile the
+//! communication thread watches the launched collectives: one that has not completed within
+//! `dist.timeout_s`, or an asynchronous NCCL error, aborts the communicator (which also ends
+//! its kernels, so no stream stays blocked) and fails every later collective with that error.
+//! Uneven chunks use grouped broadcasts/reduces.
 
+use std::collections::VecDeque;
 use std::ffi::c_void;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{result as cu, sys as cusys};
@@ -87,12 +94,62 @@ struct State {
     dev: cusys::CUdevice,
     comm: ncsys::ncclComm_t,
     stream: cusys::CUstream,
-    start: cusys::CUevent,
-    done: cusys::CUevent,
     one: cusys::CUdeviceptr,
     timeout: Duration,
+    /// Launched collectives not yet seen complete, oldest first.
+    in_flight: VecDeque<InFlight>,
     /// Set once `ncclCommAbort` has freed the communicator.
     aborted: bool,
+}
+
+/// A CUDA event of the rank's context, destroyed when the last holder lets go (the
+/// communication thread watching it, or the work whose wait orders libtorch's stream on it).
+struct Event(cusys::CUevent);
+
+// SAFETY: a CUDA event handle may be used and destroyed from any thread of the process.
+unsafe impl Send for Event {}
+// SAFETY: as above; the handle itself is never mutated.
+unsafe impl Sync for Event {}
+
+impl Event {
+    fn new() -> Result<Event, cu::DriverError> {
+        cu::event::create(cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map(Event)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: created by `Event::new` and destroyed once; CUDA releases an event that is
+        // still pending once it completes.
+        let _ = unsafe { cu::event::destroy(self.0) };
+    }
+}
+
+/// A collective launched on the communication stream.
+struct InFlight {
+    op: &'static str,
+    bytes: usize,
+    done: Arc<Event>,
+    deadline: Instant,
+    /// The tensors it reads and writes, kept alive until it completes.
+    _buffers: Vec<RawBuf>,
+}
+
+/// The rank's CUDA context (the primary one, libtorch's), made current on a thread that
+/// issues or waits on collectives, so that events and the legacy stream are that GPU's.
+#[derive(Clone, Copy)]
+struct Context(cusys::CUcontext);
+
+// SAFETY: a context handle may be made current on any thread.
+unsafe impl Send for Context {}
+// SAFETY: as above; the handle itself is never mutated.
+unsafe impl Sync for Context {}
+
+impl Context {
+    fn make_current(self, rank: usize, op: &'static str) -> Result<(), Error> {
+        // SAFETY: a primary context retained by `NcclComm` for its whole life.
+        unsafe { cu::ctx::set_current(self.0) }.map_err(|e| backend_err(rank, op, format!("{e:?}")))
+    }
 }
 
 impl Drop for State {
@@ -104,8 +161,7 @@ impl Drop for State {
                 let _ = nc::comm_destroy(self.comm);
             }
             let _ = cu::free_sync(self.one);
-            let _ = cu::event::destroy(self.start);
-            let _ = cu::event::destroy(self.done);
+            self.in_flight.clear();
             let _ = cu::stream::destroy(self.stream);
             let _ = cu::primary_ctx::release(self.dev);
         }
@@ -143,9 +199,6 @@ fn connect(
     unsafe { cu::ctx::set_current(ctx) }.map_err(cuerr("set context"))?;
     let stream =
         cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(cuerr("create stream"))?;
-    let flags = cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
-    let start = cu::event::create(flags).map_err(cuerr("create event"))?;
-    let done = cu::event::create(flags).map_err(cuerr("create event"))?;
     // SAFETY: a 4-byte device allocation for barriers, freed in Drop.
     let one = unsafe { cu::malloc_sync(4) }.map_err(cuerr("allocate"))?;
     let mut comm = std::mem::MaybeUninit::<ncsys::ncclComm_t>::uninit();
@@ -159,64 +212,85 @@ fn connect(
         // SAFETY: initialised by the successful call above.
         comm: unsafe { comm.assume_init() },
         stream,
-        start,
-        done,
         one,
         timeout,
+        in_flight: VecDeque::new(),
         aborted: false,
     })
 }
 
 impl State {
-    /// Runs `launch` on the communication stream, ordered after and before libtorch's stream,
-    /// and waits for it up to the deadline.
+    /// Launches a collective on the communication stream after `start` (recorded on
+    /// libtorch's stream when it was issued) and records `done` after it; returns once it is
+    /// queued. `buffers` stay alive until it completes.
     fn run(
         &mut self,
         op: &'static str,
         bytes: usize,
+        issued: Issued,
+        buffers: Vec<RawBuf>,
         launch: impl FnOnce(&State) -> Result<(), nc::NcclError>,
     ) -> Result<(), Error> {
-        let torch = cu::stream::null();
         let cuerr = |e: cu::DriverError| backend_err(self.rank, op, format!("{e:?}"));
-        // SAFETY: live events and streams of this context.
+        // SAFETY: live events and stream of this context.
         unsafe {
-            cu::event::record(self.start, torch).map_err(cuerr)?;
             cu::stream::wait_event(
                 self.stream,
-                self.start,
+                issued.start.0,
                 cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
             )
             .map_err(cuerr)?;
         }
         launch(self).map_err(|e| nccl_err(self.rank, op, &e))?;
         // SAFETY: as above.
-        unsafe {
-            cu::event::record(self.done, self.stream).map_err(cuerr)?;
-            cu::stream::wait_event(
-                torch,
-                self.done,
-                cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-            )
-            .map_err(cuerr)?;
+        unsafe { cu::event::record(issued.done.0, self.stream) }.map_err(cuerr)?;
+        self.in_flight.push_back(InFlight {
+            op,
+            bytes,
+            done: issued.done,
+            deadline: Instant::now() + self.timeout,
+            _buffers: buffers,
+        });
+        Ok(())
+    }
+
+    /// The watch between jobs: forgets the collectives that completed, and fails when the
+    /// oldest one still running is past its deadline or NCCL reports an asynchronous error.
+    fn watch(&mut self) -> Result<(), Error> {
+        while let Some(f) = self.in_flight.front() {
+            // SAFETY: a live event of this context.
+            match unsafe { cu::event::query(f.done.0) } {
+                Ok(()) => {
+                    self.in_flight.pop_front();
+                }
+                Err(cu::DriverError(cusys::cudaError_enum::CUDA_ERROR_NOT_READY)) => {
+                    if Instant::now() > f.deadline {
+                        return Err(Error::Timeout {
+                            rank: self.rank,
+                            op: f.op,
+                            bytes: f.bytes,
+                            peer: "unknown (NCCL does not say which rank is missing)".into(),
+                            timeout: self.timeout,
+                        });
+                    }
+                    break;
+                }
+                Err(e) => return Err(backend_err(self.rank, f.op, format!("{e:?}"))),
+            }
         }
-        let start = Instant::now();
-        loop {
-            // SAFETY: live event.
-            match unsafe { cu::event::query(self.done) } {
-                Ok(()) => return Ok(()),
-                Err(cu::DriverError(cusys::cudaError_enum::CUDA_ERROR_NOT_READY)) => {}
-                Err(e) => return Err(cuerr(e)),
-            }
-            if start.elapsed() > self.timeout {
-                return Err(Error::Timeout {
-                    rank: self.rank,
-                    op,
-                    bytes,
-                    peer: "unknown (NCCL does not say which rank is missing)".into(),
-                    timeout: self.timeout,
-                });
-            }
-            std::thread::sleep(Duration::from_micros(20));
+        if self.in_flight.is_empty() || self.aborted {
+            return Ok(());
+        }
+        let mut state = ncsys::ncclResult_t::ncclSuccess;
+        // SAFETY: a live communicator; NCCL writes the result code.
+        unsafe { ncsys::ncclCommGetAsyncError(self.comm, &mut state) };
+        match state {
+            ncsys::ncclResult_t::ncclSuccess | ncsys::ncclResult_t::ncclInProgress => Ok(()),
+            e => Err(nccl_err(
+                self.rank,
+                self.in_flight.front().map_or("collective", |f| f.op),
+                &nc::NcclError(e),
+            )),
         }
     }
 
@@ -249,6 +323,9 @@ pub(crate) struct NcclComm {
     world: usize,
     /// This rank's GPU: the communication thread's device, and where tensors must be.
     device: usize,
+    /// That GPU's primary context, retained here (released on drop).
+    ctx: Context,
+    cu_device: cusys::CUdevice,
     exec: Executor<State>,
     _store: Option<StoreClient>,
     _server: Option<StoreServer>,
@@ -300,6 +377,12 @@ pub(crate) fn init(
             ),
         )
     };
+    let cuerr = |op| cuerr(rank, op);
+    let cu_device = cu::device::get(gpu as i32).map_err(cuerr("get this rank's CUDA device"))?;
+    // SAFETY: plain driver call on a valid device; released in NcclComm's Drop.
+    let ctx = Context(
+        unsafe { cu::primary_ctx::retain(cu_device) }.map_err(cuerr("retain primary context"))?,
+    );
     let exec = Executor::spawn_within(
         rank,
         timeout,
@@ -307,18 +390,78 @@ pub(crate) fn init(
         State::abort,
         timeout,
         late,
+        Some((WATCH_EVERY, State::watch)),
     )?;
     Ok(Box::new(NcclComm {
         rank,
         world,
         device: gpu,
+        ctx,
+        cu_device,
         exec,
         _store: store,
         _server: server,
     }))
 }
 
+/// How often the communication thread looks at launched collectives while idle.
+const WATCH_EVERY: Duration = Duration::from_millis(50);
+
+/// The events of one issued collective: `start`, recorded on libtorch's stream when it was
+/// issued, and `done`, recorded after it on the communication stream.
+struct Issued {
+    start: Event,
+    done: Arc<Event>,
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        // SAFETY: retained once in `init`, released once here.
+        let _ = unsafe { cu::primary_ctx::release(self.cu_device) };
+    }
+}
+
 impl NcclComm {
+    /// Issues a collective: records its start on libtorch's stream (this thread's), queues
+    /// its launch on the communication thread, and returns a work whose wait makes
+    /// libtorch's stream wait for its completion, without blocking the host.
+    fn issue(
+        &self,
+        op: &'static str,
+        bytes: usize,
+        buffers: Vec<RawBuf>,
+        launch: impl FnOnce(&State) -> Result<(), nc::NcclError> + Send + 'static,
+    ) -> Result<Work, Error> {
+        let rank = self.rank;
+        let cuerr = move |e: cu::DriverError| backend_err(rank, op, format!("{e:?}"));
+        self.ctx.make_current(rank, op)?;
+        let start = Event::new().map_err(cuerr)?;
+        let done = Arc::new(Event::new().map_err(cuerr)?);
+        // SAFETY: a live event of the current context, recorded on its legacy stream.
+        unsafe { cu::event::record(start.0, cu::stream::null()) }.map_err(cuerr)?;
+        let issued = Issued {
+            start,
+            done: done.clone(),
+        };
+        let work = self.exec.submit(op, bytes, move |st| {
+            st.run(op, bytes, issued, buffers, launch)
+        })?;
+        let ctx = self.ctx;
+        Ok(work.then(move || {
+            ctx.make_current(rank, op)?;
+            // SAFETY: `done` was recorded by the launch this work waited for, and is kept
+            // alive by this closure until the wait is queued.
+            unsafe {
+                cu::stream::wait_event(
+                    cu::stream::null(),
+                    done.0,
+                    cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(cuerr)
+        }))
+    }
+
     fn raw(&self, t: &Tensor, op: &'static str, what: &str) -> Result<RawBuf, Error> {
         if t.device() != Device::Cuda(self.device) {
             return Err(Error::InvalidArgument {
@@ -351,39 +494,38 @@ impl Communicator for NcclComm {
         let (s, f) = (self.raw(shard, OP, "shard")?, self.raw(full, OP, "full")?);
         buf::check_shard(&f, &s, self.rank, self.world, OP)?;
         let (w, bytes) = (self.world, f.bytes());
-        self.exec.submit(OP, bytes, move |st| {
-            st.run(OP, bytes, |st| {
-                let (dt, es) = (dtype(f.dtype), f.dtype.size());
-                // SAFETY: device pointers of live tensors kept by `s` and `f`; sizes checked.
-                unsafe {
-                    if f.numel % w == 0 {
-                        nc::all_gather(
+        let keep = vec![s.keeper(), f.keeper()];
+        self.issue(OP, bytes, keep, move |st| {
+            let (dt, es) = (dtype(f.dtype), f.dtype.size());
+            // SAFETY: device pointers of live tensors kept by `s` and `f`; sizes checked.
+            unsafe {
+                if f.numel % w == 0 {
+                    nc::all_gather(
+                        s.ptr as *const c_void,
+                        f.ptr as *mut c_void,
+                        s.numel,
+                        dt,
+                        st.comm,
+                        st.stream as _,
+                    )?;
+                } else {
+                    nc::group_start()?;
+                    for (q, &n) in chunk_sizes(f.numel, w).iter().enumerate() {
+                        let dst = f.ptr + chunk_offset(f.numel, w, q) * es;
+                        nc::broadcast(
                             s.ptr as *const c_void,
-                            f.ptr as *mut c_void,
-                            s.numel,
+                            dst as *mut c_void,
+                            n,
                             dt,
+                            q as i32,
                             st.comm,
                             st.stream as _,
                         )?;
-                    } else {
-                        nc::group_start()?;
-                        for (q, &n) in chunk_sizes(f.numel, w).iter().enumerate() {
-                            let dst = f.ptr + chunk_offset(f.numel, w, q) * es;
-                            nc::broadcast(
-                                s.ptr as *const c_void,
-                                dst as *mut c_void,
-                                n,
-                                dt,
-                                q as i32,
-                                st.comm,
-                                st.stream as _,
-                            )?;
-                        }
-                        nc::group_end()?;
                     }
+                    nc::group_end()?;
                 }
-                Ok(())
-            })
+            }
+            Ok(())
         })
     }
 
@@ -392,41 +534,40 @@ impl Communicator for NcclComm {
         let (f, s) = (self.raw(full, OP, "full")?, self.raw(shard, OP, "shard")?);
         buf::check_shard(&f, &s, self.rank, self.world, OP)?;
         let (w, bytes) = (self.world, f.bytes());
-        self.exec.submit(OP, bytes, move |st| {
-            st.run(OP, bytes, |st| {
-                let (dt, es, ro) = (dtype(f.dtype), f.dtype.size(), redop(op));
-                // SAFETY: device pointers of live tensors kept by `s` and `f`; sizes checked.
-                unsafe {
-                    if f.numel % w == 0 {
-                        nc::reduce_scatter(
-                            f.ptr as *const c_void,
+        let keep = vec![s.keeper(), f.keeper()];
+        self.issue(OP, bytes, keep, move |st| {
+            let (dt, es, ro) = (dtype(f.dtype), f.dtype.size(), redop(op));
+            // SAFETY: device pointers of live tensors kept by `s` and `f`; sizes checked.
+            unsafe {
+                if f.numel % w == 0 {
+                    nc::reduce_scatter(
+                        f.ptr as *const c_void,
+                        s.ptr as *mut c_void,
+                        s.numel,
+                        dt,
+                        ro,
+                        st.comm,
+                        st.stream as _,
+                    )?;
+                } else {
+                    nc::group_start()?;
+                    for (q, &n) in chunk_sizes(f.numel, w).iter().enumerate() {
+                        let src = f.ptr + chunk_offset(f.numel, w, q) * es;
+                        nc::reduce(
+                            src as *const c_void,
                             s.ptr as *mut c_void,
-                            s.numel,
+                            n,
                             dt,
                             ro,
+                            q as i32,
                             st.comm,
                             st.stream as _,
                         )?;
-                    } else {
-                        nc::group_start()?;
-                        for (q, &n) in chunk_sizes(f.numel, w).iter().enumerate() {
-                            let src = f.ptr + chunk_offset(f.numel, w, q) * es;
-                            nc::reduce(
-                                src as *const c_void,
-                                s.ptr as *mut c_void,
-                                n,
-                                dt,
-                                ro,
-                                q as i32,
-                                st.comm,
-                                st.stream as _,
-                            )?;
-                        }
-                        nc::group_end()?;
                     }
+                    nc::group_end()?;
                 }
-                Ok(())
-            })
+            }
+            Ok(())
         })
     }
 
@@ -434,22 +575,21 @@ impl Communicator for NcclComm {
         const OP: &str = "all_reduce";
         let b = self.raw(t, OP, "tensor")?;
         let bytes = b.bytes();
-        self.exec.submit(OP, bytes, move |st| {
-            st.run(OP, bytes, |st| {
-                // SAFETY: device pointer of a live tensor kept by `b`; in place is allowed.
-                unsafe {
-                    nc::all_reduce(
-                        b.ptr as *const c_void,
-                        b.ptr as *mut c_void,
-                        b.numel,
-                        dtype(b.dtype),
-                        redop(op),
-                        st.comm,
-                        st.stream as _,
-                    )?;
-                }
-                Ok(())
-            })
+        let keep = vec![b.keeper()];
+        self.issue(OP, bytes, keep, move |st| {
+            // SAFETY: device pointer of a live tensor kept by `b`; in place is allowed.
+            unsafe {
+                nc::all_reduce(
+                    b.ptr as *const c_void,
+                    b.ptr as *mut c_void,
+                    b.numel,
+                    dtype(b.dtype),
+                    redop(op),
+                    st.comm,
+                    st.stream as _,
+                )?;
+            }
+            Ok(())
         })
     }
 
@@ -464,42 +604,39 @@ impl Communicator for NcclComm {
         }
         let b = self.raw(t, OP, "tensor")?;
         let bytes = b.bytes();
-        self.exec.submit(OP, bytes, move |st| {
-            st.run(OP, bytes, |st| {
-                // SAFETY: device pointer of a live tensor kept by `b`; in place is allowed.
-                unsafe {
-                    nc::broadcast(
-                        b.ptr as *const c_void,
-                        b.ptr as *mut c_void,
-                        b.numel,
-                        dtype(b.dtype),
-                        root as i32,
-                        st.comm,
-                        st.stream as _,
-                    )?;
-                }
-                Ok(())
-            })
+        let keep = vec![b.keeper()];
+        self.issue(OP, bytes, keep, move |st| {
+            // SAFETY: device pointer of a live tensor kept by `b`; in place is allowed.
+            unsafe {
+                nc::broadcast(
+                    b.ptr as *const c_void,
+                    b.ptr as *mut c_void,
+                    b.numel,
+                    dtype(b.dtype),
+                    root as i32,
+                    st.comm,
+                    st.stream as _,
+                )?;
+            }
+            Ok(())
         })
     }
 
     fn barrier(&self) -> Result<Work, Error> {
-        self.exec.submit("barrier", 0, move |st| {
-            st.run("barrier", 0, |st| {
-                // SAFETY: the state's own 4-byte device buffer.
-                unsafe {
-                    nc::all_reduce(
-                        st.one as *const c_void,
-                        st.one as *mut c_void,
-                        1,
-                        ncsys::ncclDataType_t::ncclFloat32,
-                        ncsys::ncclRedOp_t::ncclSum,
-                        st.comm,
-                        st.stream as _,
-                    )?;
-                }
-                Ok(())
-            })
+        self.issue("barrier", 0, vec![], move |st| {
+            // SAFETY: the state's own 4-byte device buffer.
+            unsafe {
+                nc::all_reduce(
+                    st.one as *const c_void,
+                    st.one as *mut c_void,
+                    1,
+                    ncsys::ncclDataType_t::ncclFloat32,
+                    ncsys::ncclRedOp_t::ncclSum,
+                    st.comm,
+                    st.stream as _,
+                )?;
+            }
+            Ok(())
         })
     }
 }

@@ -12,7 +12,12 @@ use crate::Error;
 #[must_use = "a collective must be waited on"]
 pub struct Work {
     inner: Option<Pending>,
+    /// Runs on the waiting thread once the collective is complete (copying a staged result
+    /// back to the device).
+    then: Option<Then>,
 }
+
+type Then = Box<dyn FnOnce() -> Result<(), Error> + Send>;
 
 struct Pending {
     rx: Receiver<Result<(), Error>>,
@@ -26,14 +31,35 @@ struct Pending {
 impl Work {
     /// A work that is already complete (used where a collective has nothing to do).
     pub fn ready() -> Work {
-        Work { inner: None }
+        Work {
+            inner: None,
+            then: None,
+        }
+    }
+
+    /// This work followed by `f`, which runs on the thread that waits, after the collective
+    /// completed and only if it succeeded.
+    pub(crate) fn then(mut self, f: impl FnOnce() -> Result<(), Error> + Send + 'static) -> Work {
+        debug_assert!(self.then.is_none(), "one follow-up per work");
+        self.then = Some(Box::new(f));
+        self
     }
 
     /// Blocks until the collective is complete, or fails: with the collective's own error
     /// (naming this rank, the op, the bytes and the peer), or with [`Error::Timeout`] once the
     /// deadline (`dist.timeout_s` per queued collective) has passed.
     pub fn wait(self) -> Result<(), Error> {
-        let Some(p) = self.inner else { return Ok(()) };
+        let then = self.then;
+        if let Some(p) = self.inner {
+            p.wait()?;
+        }
+        then.map_or(Ok(()), |f| f())
+    }
+}
+
+impl Pending {
+    fn wait(self) -> Result<(), Error> {
+        let p = self;
         let left = p.deadline.saturating_duration_since(Instant::now());
         match p.rx.recv_timeout(left) {
             Ok(r) => r,
@@ -54,6 +80,11 @@ impl Work {
 }
 
 type Job<S> = Box<dyn FnOnce(&mut S) -> Result<(), Error> + Send>;
+
+/// Called on the communication thread every `.0` while no job arrives, and before each job:
+/// a backend whose jobs only launch work (nccl) checks there that the launched work
+/// completes in time. An error counts as the first failure.
+pub(crate) type Watch<S> = (Duration, fn(&mut S) -> Result<(), Error>);
 
 struct Queued<S> {
     job: Job<S>,
@@ -86,13 +117,15 @@ impl<S: 'static> Executor<S> {
             make,
             on_error,
             None::<(Duration, fn() -> Error)>,
+            None,
         )
     }
 
     /// As [`Executor::spawn`], but fails with the error `late` makes when `make` has not
     /// finished within `within` (a library call that cannot be interrupted, such as
     /// `ncclCommInitRank` waiting for a peer). The thread is then left behind: it ends when
-    /// `make` returns, or with the process.
+    /// `make` returns, or with the process. With `watch`, its function runs on the state
+    /// between jobs ([`Watch`]).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the nccl backend's
     pub(crate) fn spawn_within(
         rank: usize,
@@ -101,8 +134,9 @@ impl<S: 'static> Executor<S> {
         on_error: fn(&mut S),
         within: Duration,
         late: impl FnOnce() -> Error,
+        watch: Option<Watch<S>>,
     ) -> Result<Executor<S>, Error> {
-        Self::start(rank, timeout, make, on_error, Some((within, late)))
+        Self::start(rank, timeout, make, on_error, Some((within, late)), watch)
     }
 
     fn start(
@@ -111,6 +145,7 @@ impl<S: 'static> Executor<S> {
         make: impl FnOnce() -> Result<S, Error> + Send + 'static,
         on_error: fn(&mut S),
         within: Option<(Duration, impl FnOnce() -> Error)>,
+        watch: Option<Watch<S>>,
     ) -> Result<Executor<S>, Error> {
         let (tx, rx) = mpsc::channel::<Queued<S>>();
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), Error>>();
@@ -130,7 +165,31 @@ impl<S: 'static> Executor<S> {
                     }
                 };
                 let mut first: Option<String> = None;
-                while let Ok(q) = rx.recv() {
+                let check = |state: &mut S, first: &mut Option<String>| {
+                    if let (Some((_, f)), None) = (watch, &first) {
+                        if let Err(e) = f(state) {
+                            tracing::error!("{e}");
+                            *first = Some(e.to_string());
+                            on_error(state);
+                        }
+                    }
+                };
+                loop {
+                    let q = match watch {
+                        None => match rx.recv() {
+                            Ok(q) => q,
+                            Err(_) => break,
+                        },
+                        Some((every, _)) => match rx.recv_timeout(every) {
+                            Ok(q) => q,
+                            Err(RecvTimeoutError::Timeout) => {
+                                check(&mut state, &mut first);
+                                continue;
+                            }
+                            Err(RecvTimeoutError::Disconnected) => break,
+                        },
+                    };
+                    check(&mut state, &mut first);
                     let r = match &first {
                         Some(f) => Err(Error::Poisoned {
                             rank,
@@ -230,6 +289,7 @@ impl<S: 'static> Executor<S> {
                 deadline: Instant::now() + budget,
                 timeout: self.timeout,
             }),
+            then: None,
         })
     }
 }
@@ -276,6 +336,53 @@ mod tests {
     }
 
     #[test]
+    fn a_failed_watch_poisons_later_jobs_and_aborts_once() {
+        // The state counts jobs run and aborts; the watch fails once two jobs have run,
+        // between jobs, as nccl's does when launched work misses its deadline.
+        let ex = Executor::spawn_within(
+            3,
+            Duration::from_secs(5),
+            || Ok((0u32, 0u32)),
+            |s: &mut (u32, u32)| s.1 += 1,
+            Duration::from_secs(5),
+            || unreachable!("made in time"),
+            Some((Duration::from_millis(10), |s: &mut (u32, u32)| {
+                assert_eq!(s.1, 0, "no watch after the first failure");
+                if s.0 >= 2 {
+                    Err(Error::Connect {
+                        rank: 3,
+                        detail: "launched work missed its deadline".into(),
+                    })
+                } else {
+                    Ok(())
+                }
+            })),
+        )
+        .unwrap();
+        for _ in 0..2 {
+            ex.submit("job", 0, |s: &mut (u32, u32)| {
+                s.0 += 1;
+                Ok(())
+            })
+            .unwrap()
+            .wait()
+            .unwrap();
+        }
+        // the watch fails while the thread is idle; the next job is refused with its words
+        std::thread::sleep(Duration::from_millis(100));
+        let e = ex
+            .submit("later", 0, |_| Ok(()))
+            .unwrap()
+            .wait()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("missed its deadline") && e.contains("later"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn a_state_that_is_not_made_in_time_fails_with_the_late_error() {
         let t = Instant::now();
         let e = Executor::<()>::spawn_within(
@@ -291,6 +398,7 @@ mod tests {
                 rank: 2,
                 detail: "init did not return".into(),
             },
+            None,
         )
         .err()
         .expect("too late");
@@ -304,6 +412,7 @@ mod tests {
             |_| {},
             Duration::from_secs(5),
             || unreachable!("made in time"),
+            None,
         )
         .unwrap();
         ex.submit("x", 0, |s: &mut u32| {

@@ -1,9 +1,11 @@
 //! The built-in `tcp` backend: ring algorithms over sockets between every pair of ranks, and
 //! direct cross-memory copies (`process_vm_readv`, one kernel copy) when all ranks share a host.
+//! CUDA tensors are staged through pinned host memory ([`stage`]).
 
 mod cma;
 mod mesh;
 mod ring;
+mod stage;
 
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::time::Duration;
@@ -257,6 +259,10 @@ impl TcpComm {
     fn raw(&self, t: &Tensor, op: &'static str, what: &str) -> Result<RawBuf, Error> {
         buf::raw(t, self.rank, op, what, Placement::Cpu)
     }
+
+    fn stage(&self, t: &Tensor, input: bool, op: &'static str) -> Result<stage::Staged, Error> {
+        stage::stage(t, input, self.rank, op)
+    }
 }
 
 fn header(code: u8, dtype: DType, numel: usize, aux: u64) -> impl FnOnce(&mut State) -> Header {
@@ -294,10 +300,14 @@ impl Communicator for TcpComm {
 
     fn all_gather(&self, shard: &Tensor, full: &Tensor) -> Result<Work, Error> {
         const OP: &str = "all_gather";
-        let (s, f) = (self.raw(shard, OP, "shard")?, self.raw(full, OP, "full")?);
+        let (sh, fh) = (self.stage(shard, true, OP)?, self.stage(full, false, OP)?);
+        let (s, f) = (
+            self.raw(&sh.host, OP, "shard")?,
+            self.raw(&fh.host, OP, "full")?,
+        );
         buf::check_shard(&f, &s, self.rank, self.world, OP)?;
         let bytes = f.bytes();
-        self.exec.submit(OP, bytes, move |st| {
+        let work = self.exec.submit(OP, bytes, move |st| {
             let h = header(1, f.dtype, f.numel, 0)(st);
             let c = ctx(st, OP, bytes);
             if st.pids.is_some() {
@@ -305,16 +315,21 @@ impl Communicator for TcpComm {
             } else {
                 ring::all_gather(st, &c, &h, &s, &f)
             }
-        })
+        });
+        Ok(stage::copy_back(work?, fh, self.rank, OP))
     }
 
     fn reduce_scatter(&self, full: &Tensor, shard: &Tensor, op: ReduceOp) -> Result<Work, Error> {
         const OP: &str = "reduce_scatter";
-        let (f, s) = (self.raw(full, OP, "full")?, self.raw(shard, OP, "shard")?);
+        let (fh, sh) = (self.stage(full, true, OP)?, self.stage(shard, false, OP)?);
+        let (f, s) = (
+            self.raw(&fh.host, OP, "full")?,
+            self.raw(&sh.host, OP, "shard")?,
+        );
         buf::check_shard(&f, &s, self.rank, self.world, OP)?;
         let bytes = f.bytes();
         let code = if op == ReduceOp::Sum { 2 } else { 3 };
-        self.exec.submit(OP, bytes, move |st| {
+        let work = self.exec.submit(OP, bytes, move |st| {
             let h = header(code, f.dtype, f.numel, 0)(st);
             let c = ctx(st, OP, bytes);
             let div = if op == ReduceOp::Avg {
@@ -327,15 +342,17 @@ impl Communicator for TcpComm {
             } else {
                 ring::reduce_scatter(st, &c, &h, &f, &s, div)
             }
-        })
+        });
+        Ok(stage::copy_back(work?, sh, self.rank, OP))
     }
 
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Work, Error> {
         const OP: &str = "all_reduce";
-        let b = self.raw(t, OP, "tensor")?;
+        let th = self.stage(t, true, OP)?;
+        let b = self.raw(&th.host, OP, "tensor")?;
         let bytes = b.bytes();
         let code = if op == ReduceOp::Sum { 4 } else { 5 };
-        self.exec.submit(OP, bytes, move |st| {
+        let work = self.exec.submit(OP, bytes, move |st| {
             let h = header(code, b.dtype, b.numel, 0)(st);
             let c = ctx(st, OP, bytes);
             let div = if op == ReduceOp::Avg {
@@ -348,7 +365,8 @@ impl Communicator for TcpComm {
             } else {
                 ring::all_reduce(st, &c, &h, &b, div)
             }
-        })
+        });
+        Ok(stage::copy_back(work?, th, self.rank, OP))
     }
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Work, Error> {
@@ -360,9 +378,10 @@ impl Communicator for TcpComm {
                 detail: format!("root {root} is not below the world size {}", self.world),
             });
         }
-        let b = self.raw(t, OP, "tensor")?;
+        let th = self.stage(t, true, OP)?;
+        let b = self.raw(&th.host, OP, "tensor")?;
         let bytes = b.bytes();
-        self.exec.submit(OP, bytes, move |st| {
+        let work = self.exec.submit(OP, bytes, move |st| {
             let h = header(6, b.dtype, b.numel, root as u64)(st);
             let c = ctx(st, OP, bytes);
             if st.pids.is_some() {
@@ -370,7 +389,8 @@ impl Communicator for TcpComm {
             } else {
                 ring::broadcast(st, &c, &h, &b, root)
             }
-        })
+        });
+        Ok(stage::copy_back(work?, th, self.rank, OP))
     }
 
     fn barrier(&self) -> Result<Work, Error> {

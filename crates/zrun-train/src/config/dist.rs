@@ -10,10 +10,11 @@ use zrun_comm::Backend;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum BackendChoice {
-    /// nccl when the device is CUDA, else tcp (never mpi: name it).
+    /// nccl when the device is CUDA and every rank has a GPU of its own, tcp when the ranks
+    /// share one GPU (its tensors staged through host memory) or compute on CPUs; never mpi.
     #[default]
     Auto,
-    /// Built-in TCP rings; CPU tensors.
+    /// Built-in TCP rings; CPU tensors, and CUDA tensors staged through pinned host memory.
     Tcp,
     /// MPI (feature `mpi`, under mpirun); CPU tensors.
     Mpi,
@@ -87,8 +88,8 @@ impl DistConfig {
 /// What this build and this machine offer: the inputs of [`DistConfig::resolve`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Capabilities {
-    /// libtorch sees at least one CUDA device.
-    pub cuda_visible: bool,
+    /// CUDA devices libtorch sees (after `CUDA_VISIBLE_DEVICES`).
+    pub gpus: usize,
     /// Built with zrun's `cuda` feature (the nccl backend and libtorch's CUDA part).
     pub cuda_built: bool,
     /// Built with zrun's `mpi` feature (the mpi backend).
@@ -99,7 +100,11 @@ impl Capabilities {
     /// This process: the backends compiled into it and the GPUs libtorch sees.
     pub fn detect() -> Capabilities {
         Capabilities {
-            cuda_visible: tch::Cuda::is_available(),
+            gpus: if tch::Cuda::is_available() {
+                usize::try_from(tch::Cuda::device_count()).unwrap_or(0)
+            } else {
+                0
+            },
             cuda_built: zrun_comm::compiled(Backend::Nccl),
             mpi_built: zrun_comm::compiled(Backend::Mpi),
         }
@@ -135,7 +140,8 @@ impl ResolvedDist {
         if cfg.device == DeviceChoice::Auto {
             let d = match self.device {
                 DeviceKind::Cpu => "cpu",
-                DeviceKind::Cuda => "cuda (one GPU per rank)",
+                DeviceKind::Cuda if self.backend == Backend::Nccl => "cuda (one GPU per rank)",
+                DeviceKind::Cuda => "cuda",
             };
             parts.push(format!("dist.device = \"auto\" chose {d}"));
         }
@@ -167,16 +173,29 @@ impl ResolvedDist {
 const REBUILD_CUDA: &str = "rebuild with `cargo build --release --features cuda`";
 
 impl DistConfig {
-    /// The backend and device kind this config asks for, given what `caps` offers. The
-    /// device comes first: `cpu` and `cuda` are taken as given; `auto` is CUDA when this
-    /// build has it, a GPU is visible and the backend can move CUDA tensors (`auto` or
-    /// `nccl`), else CPU. Then the backend: `auto` is nccl on CUDA and tcp on CPU (never mpi).
-    ///
-    /// Refused, with one line naming the keys and the fix: nccl with cpu; tcp or mpi with
-    /// cuda (they move CPU tensors only, until tcp stages CUDA tensors); a backend or device
-    /// this build lacks (mpi without the `mpi` feature, nccl or cuda without `cuda`); cuda,
-    /// or nccl with auto, where no GPU is visible.
+    /// The backend and device kind this config asks for, given what `caps` offers, as one
+    /// rank sees it: [`DistConfig::resolve_for`] with one rank per view of the GPUs.
     pub fn resolve(&self, caps: Capabilities) -> Result<ResolvedDist, ConfigError> {
+        self.resolve_for(caps, 1)
+    }
+
+    /// The backend and device kind for `node_ranks` ranks that see the GPUs `caps` counts (the
+    /// launcher's `--nproc`; 1 in a rank, which sees only what it was given). The device
+    /// comes first: `cpu` and `cuda` are taken as given; `auto` is CUDA when this build has
+    /// it, a GPU is visible and the backend can choose CUDA (`auto` or `nccl`), else CPU.
+    /// Then the backend: `auto` is nccl on CUDA, except tcp where several ranks share the one
+    /// visible GPU (NCCL refuses two ranks on one device; tcp stages CUDA tensors through
+    /// host memory), and tcp on CPU (never mpi).
+    ///
+    /// Refused, with one line naming the keys and the fix: nccl with cpu; mpi with cuda
+    /// (it moves CPU tensors only); a backend or device this build lacks (mpi without the
+    /// `mpi` feature, nccl or cuda without `cuda`); cuda, or nccl with auto, where no GPU is
+    /// visible.
+    pub fn resolve_for(
+        &self,
+        caps: Capabilities,
+        node_ranks: usize,
+    ) -> Result<ResolvedDist, ConfigError> {
         use BackendChoice as B;
         use DeviceChoice as D;
         let err = |m: String| Err(ConfigError(m));
@@ -185,9 +204,8 @@ impl DistConfig {
             (B::Nccl, D::Cpu) => {
                 return err("dist.backend = \"nccl\" with dist.device = \"cpu\": NCCL moves CUDA tensors only; set dist.device = \"cuda\" (or \"auto\") to train on GPUs, or dist.backend = \"tcp\" (or \"auto\") to train on CPUs".into());
             }
-            (B::Tcp | B::Mpi, D::Cuda) => {
-                let b = if self.backend == B::Tcp { "tcp" } else { "mpi" };
-                return err(format!("dist.backend = \"{b}\" with dist.device = \"cuda\": the {b} backend moves CPU tensors only (until it stages CUDA tensors through host memory); set dist.backend = \"nccl\" (or \"auto\") to train on GPUs, or dist.device = \"cpu\""));
+            (B::Mpi, D::Cuda) => {
+                return err("dist.backend = \"mpi\" with dist.device = \"cuda\": the mpi backend moves CPU tensors only; set dist.backend = \"nccl\" (or \"auto\") to train on GPUs, \"tcp\" to share one GPU between ranks, or dist.device = \"cpu\"".into());
             }
             _ => {}
         }
@@ -202,7 +220,7 @@ impl DistConfig {
             return err(format!("dist.device = \"cuda\" but this zrun was built without CUDA; {REBUILD_CUDA}, or set dist.device = \"cpu\" (or \"auto\")"));
         }
         // Then this machine.
-        let cuda = caps.cuda_built && caps.cuda_visible;
+        let cuda = caps.cuda_built && caps.gpus > 0;
         let device = match (self.device, self.backend) {
             (D::Cpu, _) => DeviceKind::Cpu,
             (D::Cuda, _) if cuda => DeviceKind::Cuda,
@@ -217,6 +235,9 @@ impl DistConfig {
             (D::Auto, _) => DeviceKind::Cpu,
         };
         let backend = match self.backend {
+            B::Auto if device == DeviceKind::Cuda && node_ranks > 1 && caps.gpus == 1 => {
+                Backend::Tcp
+            }
             B::Auto if device == DeviceKind::Cuda => Backend::Nccl,
             B::Auto | B::Tcp => Backend::Tcp,
             B::Mpi => Backend::Mpi,
@@ -234,7 +255,7 @@ mod tests {
 
     fn caps(cuda_visible: bool, cuda_built: bool, mpi_built: bool) -> Capabilities {
         Capabilities {
-            cuda_visible,
+            gpus: usize::from(cuda_visible),
             cuda_built,
             mpi_built,
         }
@@ -307,21 +328,54 @@ mod tests {
                     "set dist.device = \"cuda\"",
                 ],
             );
-            for (b, name) in [(B::Tcp, "tcp"), (B::Mpi, "mpi")] {
-                refused(
-                    b,
-                    D::Cuda,
-                    c,
-                    &[
-                        &format!("dist.backend = \"{name}\""),
-                        "dist.device = \"cuda\"",
-                        "CPU tensors only",
-                        "until it stages CUDA tensors",
-                        "dist.backend = \"nccl\"",
-                    ],
-                );
-            }
+            refused(
+                B::Mpi,
+                D::Cuda,
+                c,
+                &[
+                    "dist.backend = \"mpi\"",
+                    "dist.device = \"cuda\"",
+                    "CPU tensors only",
+                    "dist.backend = \"nccl\"",
+                ],
+            );
         }
+    }
+
+    #[test]
+    fn ranks_sharing_one_gpu_get_tcp_and_ranks_with_their_own_get_nccl() {
+        let cfg = |b| DistConfig {
+            backend: b,
+            ..DistConfig::default()
+        };
+        let with = |gpus| Capabilities {
+            gpus,
+            cuda_built: true,
+            mpi_built: false,
+        };
+        let r = |b, gpus, ranks| {
+            let r = cfg(b).resolve_for(with(gpus), ranks).unwrap();
+            (r.backend, r.device)
+        };
+        // one GPU, two ranks of the launcher: tcp, staged, on CUDA
+        assert_eq!(r(B::Auto, 1, 2), (Backend::Tcp, DeviceKind::Cuda));
+        // a GPU per rank, or a rank that sees only its own: nccl
+        assert_eq!(r(B::Auto, 4, 4), (Backend::Nccl, DeviceKind::Cuda));
+        assert_eq!(r(B::Auto, 1, 1), (Backend::Nccl, DeviceKind::Cuda));
+        // tcp with cuda is a real choice now; nccl stays as asked (check_node refuses it)
+        let tcp_cuda = DistConfig {
+            backend: B::Tcp,
+            device: D::Cuda,
+            ..DistConfig::default()
+        };
+        let t = tcp_cuda.resolve_for(with(1), 2).unwrap();
+        assert_eq!((t.backend, t.device), (Backend::Tcp, DeviceKind::Cuda));
+        assert_eq!(r(B::Nccl, 1, 2), (Backend::Nccl, DeviceKind::Cuda));
+        let shared = cfg(B::Auto).resolve_for(with(1), 2).unwrap();
+        assert_eq!(
+            shared.auto_choices(&cfg(B::Auto)).unwrap(),
+            "dist.backend = \"auto\" chose tcp, dist.device = \"auto\" chose cuda"
+        );
     }
 
     #[test]
