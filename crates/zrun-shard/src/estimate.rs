@@ -92,16 +92,24 @@ impl MemoryLedger {
                 StateDtype::Fp32 => 8,
                 StateDtype::Bf16 => 4,
             };
-            m.host = 4 * shard + moments * shard;
+            // libtorch's pinned blocks (CUDA) are powers of two.
+            let pinned = |b: i64| {
+                if cfg.cuda {
+                    zrun_torch_ext::pinned_bytes(b)
+                } else {
+                    b
+                }
+            };
+            m.host = pinned(4 * shard) + moments * shard;
             (m.master, m.optimizer) = (0, 0);
             // The host reads the gradient shard in place only when it already is fp32 host
             // memory in shard order (stages 2-3 on CPU); otherwise it stages a copy.
             let in_place = matches!(cfg.stage, Stage::Zero2 | Stage::Zero3)
                 && !cfg.cuda
                 && cfg.reduce_dtype == ReduceDtype::Fp32;
-            let grads = if in_place { 0 } else { 4 * shard };
+            let grads = if in_place { 0 } else { pinned(4 * shard) };
             let staging = if cfg.cuda && cfg.precision != Precision::Fp32 {
-                cfg.precision.bytes() * shard
+                pinned(cfg.precision.bytes() * shard)
             } else {
                 0
             };

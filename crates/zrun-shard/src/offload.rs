@@ -6,6 +6,12 @@
 //! Updates run either inline at the optimizer step, or on a worker thread while backward goes
 //! on with earlier units ([`HostOptimizer::submit`]); both run the same [`run`] per unit, so
 //! their results are bitwise the same.
+//!
+//! With CUDA every copy between device and host is asynchronous, from or to pinned memory
+//! allocated pinned: a gradient's copy to the host is queued on the stream after the kernels
+//! that made it, and an event recorded after it is what the CPU AdamW waits for (the worker
+//! thread, not the thread driving the model); new parameters go back to the device the same
+//! way, ahead of the next forward on the same stream.
 
 use crate::layout::ShardLayout;
 use crate::{Context, Error, Precision, Result, Stage};
@@ -40,6 +46,10 @@ pub(crate) struct HostOptimizer {
     owns_grads: bool,
     /// 16-bit copy of the new parameters when they must travel to a device.
     staging: Option<Tensor>,
+    /// The event after the last gradient copy staged during backward for the step (CUDA).
+    staged: Option<zrun_torch_ext::CudaEvent>,
+    /// The compute device (host buffers are pinned when it is CUDA).
+    device: Device,
     /// Compute precision: the dtype the new parameters are written in.
     precision: Precision,
     /// Host bytes of master and moments (fixed at construction; the AdamW may be lent out).
@@ -58,6 +68,8 @@ struct Job {
     dst: Tensor,
     /// How the new parameters reach `dst`.
     route: Route,
+    /// Completes once the unit's gradients have reached the host (CUDA).
+    ready: Option<zrun_torch_ext::CudaEvent>,
 }
 
 /// How a job's new parameters reach the compute parameters.
@@ -79,10 +91,15 @@ struct Transfer {
 }
 
 impl Transfer {
-    fn apply(mut self) -> Result<()> {
-        self.dst
-            .f_copy_(&self.src)
-            .ctx("copy parameters to the device", &self.unit)
+    /// Queues the copy on the current stream, ahead of the next forward: from pinned host
+    /// memory it does not block the host.
+    fn apply(self) -> Result<()> {
+        zrun_torch_ext::copy_async(&self.dst, &self.src).map_err(|e| {
+            Error::Unsupported(format!(
+                "copy parameters of unit `{}` to the device: {e}",
+                self.unit
+            ))
+        })
     }
 }
 
@@ -94,13 +111,35 @@ struct Worker {
     pending: usize,
 }
 
-/// A host tensor, pinned when CUDA is present so device copies are asynchronous DMA.
+/// A zeroed host tensor, allocated pinned when CUDA is present so device copies are
+/// asynchronous DMA (never pageable first and pinned after: that would hold it twice).
 fn host_tensor(numel: i64, kind: Kind, device: Device) -> Result<Tensor> {
-    let t = Tensor::f_zeros([numel], (kind, Device::Cpu)).ctx("allocate host buffer", "-")?;
     if device.is_cuda() {
-        return t.f_pin_memory(device).ctx("pin host buffer", "-");
+        let mut t = zrun_torch_ext::empty_pinned(numel, kind).map_err(|e| {
+            Error::Unsupported(format!(
+                "allocate {numel} elements of pinned host memory: {e}"
+            ))
+        })?;
+        return t.f_zero_().ctx("zero pinned host buffer", "-");
     }
-    Ok(t)
+    Tensor::f_zeros([numel], (kind, Device::Cpu)).ctx("allocate host buffer", "-")
+}
+
+/// Bytes a host buffer of `bytes` holds: pinned blocks (with CUDA) are powers of two.
+fn pinned(device: Device, bytes: i64) -> i64 {
+    if device.is_cuda() {
+        zrun_torch_ext::pinned_bytes(bytes)
+    } else {
+        bytes
+    }
+}
+
+/// Waits, on the calling thread, for the gradient copies `ready` stands for.
+fn wait_ready(ready: Option<zrun_torch_ext::CudaEvent>, unit: &str) -> Result<()> {
+    ready.map_or(Ok(()), |e| {
+        e.synchronize()
+            .map_err(|e| Error::Unsupported(format!("gradients of unit `{unit}` to the host: {e}")))
+    })
 }
 
 /// Elements `[off, off + len)` of the contiguous CPU tensor whose data starts at `base`.
@@ -136,7 +175,9 @@ fn run(
         grad_scale,
         dst,
         route,
+        ready,
     } = job;
+    wait_ready(ready, &unit)?;
     // SAFETY: master and grads are contiguous fp32 host tensors of the shard size, and
     // [off, off + len) is this job's unit, which nothing else touches while it runs (see
     // above); a 16-bit target is the contiguous staging slice or the contiguous host slice
@@ -221,12 +262,14 @@ impl HostOptimizer {
             None => host_tensor(n, Kind::Float, device)?,
         };
         Ok(HostOptimizer {
-            state_bytes: 4 * n + adam.state_bytes() as i64,
+            state_bytes: pinned(device, 4 * n) + adam.state_bytes() as i64,
             adam: Some(adam),
             master,
             grads,
             owns_grads,
             staging,
+            staged: None,
+            device,
             precision,
             worker: None,
         })
@@ -259,7 +302,12 @@ impl HostOptimizer {
 
     /// Host bytes of staging buffers.
     pub(crate) fn buffer_bytes(&self) -> i64 {
-        let bytes = |t: &Tensor| t.numel() as i64 * t.kind().elt_size_in_bytes() as i64;
+        let bytes = |t: &Tensor| {
+            pinned(
+                self.device,
+                t.numel() as i64 * t.kind().elt_size_in_bytes() as i64,
+            )
+        };
         let grads = if self.owns_grads {
             bytes(&self.grads)
         } else {
@@ -281,8 +329,14 @@ impl HostOptimizer {
     }
 
     /// Copies `grad` (any dtype and device) into the host gradients at shard offset `at`;
-    /// nothing to do when `grad` is that very memory (gradients read in place).
-    fn stage(&mut self, at: i64, grad: &Tensor, unit: &str) -> Result<()> {
+    /// nothing to do when `grad` is that very memory (gradients read in place). From CUDA
+    /// the copy is queued without blocking; the returned event completes once it is done.
+    fn stage(
+        &mut self,
+        at: i64,
+        grad: &Tensor,
+        unit: &str,
+    ) -> Result<Option<zrun_torch_ext::CudaEvent>> {
         let mut dst = self
             .grads
             .f_narrow(0, at, grad.numel() as i64)
@@ -292,9 +346,17 @@ impl HostOptimizer {
             && grad.kind() == Kind::Float
             && grad.data_ptr() == dst.data_ptr()
         {
-            return Ok(());
+            return Ok(None);
         }
-        dst.f_copy_(grad).ctx("copy gradients to the host", unit)
+        let Device::Cuda(i) = grad.device() else {
+            dst.f_copy_(grad).ctx("copy gradients to the host", unit)?;
+            return Ok(None);
+        };
+        let fail = |e: zrun_torch_ext::Error| {
+            Error::Unsupported(format!("copy gradients of unit `{unit}` to the host: {e}"))
+        };
+        zrun_torch_ext::copy_async(&dst, grad).map_err(fail)?;
+        zrun_torch_ext::CudaEvent::record(i).map(Some).map_err(fail)
     }
 
     /// The job of unit `u`, its parameters going to `dst`.
@@ -333,6 +395,7 @@ impl HostOptimizer {
             grad_scale: grad_scale as f32,
             dst,
             route,
+            ready: None,
         })
     }
 
@@ -343,7 +406,12 @@ impl HostOptimizer {
         u: usize,
         grad: &Tensor,
     ) -> Result<()> {
-        self.stage(layout.shard_offsets[u], grad, &layout.units[u].unit)
+        let ready = self.stage(layout.shard_offsets[u], grad, &layout.units[u].unit)?;
+        // Read at the step: the last unit's event covers every copy queued before it.
+        if ready.is_some() {
+            self.staged = ready;
+        }
+        Ok(())
     }
 
     /// One whole AdamW step at the optimizer step: stages the owned gradient `segments`
@@ -360,10 +428,12 @@ impl HostOptimizer {
         params_of: impl Fn(usize) -> Result<Tensor>,
     ) -> Result<()> {
         let mut at = 0;
+        let mut ready = self.staged.take();
         for g in segments.unwrap_or_default() {
-            self.stage(at, g, "-")?;
+            ready = self.stage(at, g, "-")?.or(ready);
             at += g.numel() as i64;
         }
+        wait_ready(ready, "-")?;
         self.begin_step()?;
         let half = self.half();
         for u in 0..layout.units.len() {
@@ -387,8 +457,9 @@ impl HostOptimizer {
         lr: f64,
         dst: Tensor,
     ) -> Result<()> {
-        self.stage_unit(layout, u, grad)?;
-        let job = self.job(layout, u, lr, 1.0, dst)?;
+        let ready = self.stage(layout.shard_offsets[u], grad, &layout.units[u].unit)?;
+        let mut job = self.job(layout, u, lr, 1.0, dst)?;
+        job.ready = ready;
         if self.worker.is_none() {
             let adam = self.adam.take().ok_or_else(|| {
                 Error::Unsupported("the CPU AdamW is lent to another update".into())
@@ -420,7 +491,8 @@ impl HostOptimizer {
         );
         // No CUDA device is made current here: the thread touches host memory only (`run`
         // reads and writes the host buffers; a job's device `dst` only passes through, in the
-        // `Transfer` that the model's thread applies), so it makes no CUDA call.
+        // `Transfer` that the model's thread applies); its one CUDA call waits on a job's
+        // event, which needs no current device.
         let handle = std::thread::Builder::new()
             .name("zrun-cpu-adamw".into())
             .spawn(move || {
