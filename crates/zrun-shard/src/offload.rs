@@ -8,10 +8,11 @@
 //! their results are bitwise the same.
 //!
 //! With CUDA every copy between device and host is asynchronous, from or to pinned memory
-//! allocated pinned: a gradient's copy to the host is queued on the stream after the kernels
-//! that made it, and an event recorded after it is what the CPU AdamW waits for (the worker
-//! thread, not the thread driving the model); new parameters go back to the device the same
-//! way, ahead of the next forward on the same stream.
+//! allocated pinned: a gradient's copy to the host runs on a side stream once the kernels
+//! that made it are done, overlapping the backward of the units before it, and the event
+//! recorded after it is what the CPU AdamW waits for (the worker thread, not the thread
+//! driving the model); new parameters go back to the device on the compute stream, without
+//! blocking the host, ahead of the next forward.
 
 use crate::layout::ShardLayout;
 use crate::{Context, Error, Precision, Result, Stage};
@@ -348,15 +349,15 @@ impl HostOptimizer {
         {
             return Ok(None);
         }
-        let Device::Cuda(i) = grad.device() else {
+        let Device::Cuda(_) = grad.device() else {
             dst.f_copy_(grad).ctx("copy gradients to the host", unit)?;
             return Ok(None);
         };
-        let fail = |e: zrun_torch_ext::Error| {
-            Error::Unsupported(format!("copy gradients of unit `{unit}` to the host: {e}"))
-        };
-        zrun_torch_ext::copy_async(&dst, grad).map_err(fail)?;
-        zrun_torch_ext::CudaEvent::record(i).map(Some).map_err(fail)
+        zrun_torch_ext::CudaEvent::copy_to_host(&dst, grad)
+            .map(Some)
+            .map_err(|e| {
+                Error::Unsupported(format!("copy gradients of unit `{unit}` to the host: {e}"))
+            })
     }
 
     /// The job of unit `u`, its parameters going to `dst`.

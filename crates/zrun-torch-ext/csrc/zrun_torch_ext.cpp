@@ -27,7 +27,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -279,7 +281,16 @@ int zrun_ext_cuda_mem_info(int64_t device, int* available, int64_t* free_bytes,
 // torch._C._accelerator_setAllocatorSettings does.
 int zrun_ext_set_allocator_settings(const char* settings, char** err) {
   return guard(err, [&] {
-    c10::CachingAllocator::setAllocatorSettings(std::string(settings));
+    const std::string text(settings);
+    // The CUDA allocator takes per_process_memory_fraction when it is initialised, with
+    // CUDA; set later, the fraction would be silently ignored.
+    if (text.find("per_process_memory_fraction") != std::string::npos &&
+        at::globalContext().hasCUDA() && c10::getDeviceAllocator(c10::kCUDA)->initialized()) {
+      return refuse(err,
+                    "CUDA's caching allocator is already initialised: a memory fraction set now "
+                    "would not apply; set it before anything touches CUDA");
+    }
+    c10::CachingAllocator::setAllocatorSettings(text);
     return ZR_OK;
   });
 }
@@ -490,6 +501,54 @@ void zrun_ext_event_free(void* event) {
     delete static_cast<c10::Event*>(event);
   } catch (...) {
   }
+}
+
+// One side stream per CUDA device, from libtorch's pool, for copies that overlap compute.
+c10::Stream side_stream(const c10::impl::DeviceGuardImplInterface* impl, c10::Device dev) {
+  static std::mutex lock;
+  static std::vector<std::optional<c10::Stream>> streams;
+  std::lock_guard<std::mutex> held(lock);
+  size_t i = static_cast<size_t>(dev.index());
+  if (streams.size() <= i) {
+    streams.resize(i + 1);
+  }
+  if (!streams[i]) {
+    streams[i] = impl->getStreamFromGlobalPool(dev, /*isHighPriority=*/false);
+  }
+  return *streams[i];
+}
+
+// Copies CUDA tensor `src` into pinned host tensor `dst` on the device's side stream, once
+// the work queued so far on the current stream (what made `src`) is done, so the copy
+// overlaps the kernels queued after it; *out receives a c10::Event* recorded after the copy
+// (zrun_ext_event_free deletes it). `src` stays reserved for the side stream until then.
+int zrun_ext_copy_to_host_on_side_stream(const at::Tensor* dst, const at::Tensor* src,
+                                         void** out, char** err) {
+  return guard(err, [&] {
+    if (!src->is_cuda() || dst->is_cuda()) {
+      return refuse(err, "the source must be a CUDA tensor and the destination host memory");
+    }
+    const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+    c10::Device dev = src->device();
+    c10::Stream side = side_stream(impl, dev);
+    c10::Event made(c10::DeviceType::CUDA);
+    made.record(impl->getStream(dev));
+    made.block(side);
+    impl->recordDataPtrOnStream(src->storage().data_ptr(), side);
+    c10::Stream previous = impl->exchangeStream(side);
+    try {
+      at::Tensor d = *dst;
+      d.copy_(*src, /*non_blocking=*/true);
+    } catch (...) {
+      impl->exchangeStream(previous);
+      throw;
+    }
+    impl->exchangeStream(previous);
+    auto done = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
+    done->record(side);
+    *out = done.release();
+    return ZR_OK;
+  });
 }
 
 }  // extern "C"

@@ -181,6 +181,29 @@ impl CudaEvent {
         Ok(CudaEvent(out))
     }
 
+    /// Copies CUDA tensor `src` into pinned host tensor `dst` on a side stream of its device,
+    /// after the work queued so far on the current stream (what made `src`): the copy
+    /// overlaps the kernels queued after it. The returned event completes with the copy;
+    /// `src` must not be written before then. Refused unless `src` is on CUDA and `dst` not.
+    pub fn copy_to_host(dst: &tch::Tensor, src: &tch::Tensor) -> Result<CudaEvent, Error> {
+        let mut out: *mut std::ffi::c_void = ptr::null_mut();
+        let mut err = ptr::null_mut();
+        // SAFETY: both tensors are live and borrowed for the call; valid out-pointers; the
+        // shim catches every C++ exception.
+        let status = unsafe {
+            ffi::zrun_ext_copy_to_host_on_side_stream(
+                dst.as_ptr().cast(),
+                src.as_ptr().cast(),
+                &mut out,
+                &mut err,
+            )
+        };
+        ffi::check(status, err, || {
+            format!("copy {} elements to the host on a side stream", src.numel())
+        })?;
+        Ok(CudaEvent(out))
+    }
+
     /// Blocks the calling thread until the work before the event is done.
     pub fn synchronize(&self) -> Result<(), Error> {
         let mut err = ptr::null_mut();
@@ -225,6 +248,9 @@ mod tests {
         assert_eq!(pinned_bytes((1 << 30) + 1), 1 << 31);
         if !Cuda::is_available() {
             assert!(CudaEvent::record(0).is_err());
+            let host = Tensor::zeros([2], (Kind::Float, Device::Cpu));
+            let e = CudaEvent::copy_to_host(&host, &host).err().expect("refused");
+            assert!(e.to_string().contains("must be a CUDA tensor"), "{e}");
             assert!(empty_pinned(4, Kind::Float).is_err());
         }
     }

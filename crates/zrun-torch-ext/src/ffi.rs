@@ -108,6 +108,12 @@ extern "C" {
     ) -> c_int;
     pub(crate) fn zrun_ext_event_synchronize(event: *mut c_void, err: *mut *mut c_char) -> c_int;
     pub(crate) fn zrun_ext_event_free(event: *mut c_void);
+    pub(crate) fn zrun_ext_copy_to_host_on_side_stream(
+        dst: *const c_void,
+        src: *const c_void,
+        out: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
 }
 
 /// Turns a shim status and its message into a `Result`, freeing the message.
