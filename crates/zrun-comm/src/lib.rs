@@ -25,6 +25,7 @@ mod work;
 use std::time::Duration;
 
 pub use device::gpu_index;
+pub use nccl::gpu_total_bytes;
 pub use error::Error;
 pub use store::{StoreClient, StoreServer};
 pub use topology::{Topology, TopologySource};

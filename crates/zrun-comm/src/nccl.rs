@@ -172,6 +172,21 @@ fn cuerr(rank: usize, op: &'static str) -> impl Fn(cu::DriverError) -> Error {
     move |e| backend_err(rank, op, format!("{e:?}"))
 }
 
+/// Total bytes of CUDA device `index` (after `CUDA_VISIBLE_DEVICES`) as the driver reports
+/// them, or None where there is no driver or no such device. Asks the driver directly, so
+/// libtorch's CUDA state (its caching allocator, which reads its settings once, when CUDA is
+/// first initialised) is left untouched.
+pub fn gpu_total_bytes(index: usize) -> Option<u64> {
+    // SAFETY: only tries to load the library by its usual names.
+    if !unsafe { cusys::is_culib_present() } {
+        return None;
+    }
+    cu::init().ok()?;
+    let dev = cu::device::get(i32::try_from(index).ok()?).ok()?;
+    // SAFETY: a valid device handle.
+    unsafe { cu::device::total_mem(dev) }.ok().map(|b| b as u64)
+}
+
 /// This rank's GPU: [`crate::gpu_index`] over the devices the driver sees, as the trainer
 /// decides it over the devices libtorch sees (the same ones, after `CUDA_VISIBLE_DEVICES`).
 fn this_rank_gpu(topo: &Topology) -> Result<usize, Error> {

@@ -24,3 +24,8 @@ pub(crate) fn init(
         feature: "cuda",
     })
 }
+
+/// None: this build has no CUDA support.
+pub fn gpu_total_bytes(_index: usize) -> Option<u64> {
+    None
+}

@@ -391,6 +391,21 @@ pub fn budget(cfg: &Config, device: Device, local_ranks: usize) -> Result<(i64, 
         Device::Cuda(i) => zrun_torch_ext::cuda_mem_info(i),
         _ => None,
     } {
+        // Over tcp the node's ranks may share GPUs (zrun --nproc 2 on one GPU); nccl gives
+        // each rank its own.
+        let gpus = usize::try_from(tch::Cuda::device_count()).unwrap_or(1).max(1);
+        let sharing = if cfg.dist.backend == crate::config::BackendChoice::Tcp {
+            local_ranks.div_ceil(gpus).max(1)
+        } else {
+            1
+        };
+        if sharing > 1 {
+            let per = total / sharing as i64;
+            return Ok((
+                per,
+                format!("the GPU's {} over the {sharing} ranks sharing it", human(total)),
+            ));
+        }
         return Ok((total, format!("the GPU's {}", human(total))));
     }
     let total = crate::metrics::proc_bytes("/proc/meminfo", "MemTotal:").unwrap_or(0);
@@ -411,7 +426,9 @@ pub fn configure_cuda_allocator(cfg: &Config, index: usize) -> Result<String, Er
         settings.push("expandable_segments:True".to_string());
     }
     if let Some(limit) = cfg.dist.memory_limit_bytes()? {
-        let (_, total) = zrun_torch_ext::cuda_mem_info(index).ok_or_else(|| {
+        // From the driver: libtorch's allocator reads the fraction once, when CUDA is first
+        // initialised, which asking libtorch for the capacity would do before it is set.
+        let total = zrun_comm::gpu_total_bytes(index).ok_or_else(|| {
             ConfigError(format!(
                 "dist.memory_limit: cannot read GPU {index}'s capacity to cap this rank"
             ))
