@@ -73,7 +73,7 @@ def build_gpt(nn, F, torch, cfg):
 
         def forward(self, idx):
             Tn = idx.shape[1]
-            x = self.wte(idx) + self.wpe(torch.arange(Tn))  # (B, T, C)
+            x = self.wte(idx) + self.wpe(torch.arange(Tn, device=idx.device))  # (B, T, C)
             for b in self.h:
                 x = b(x)
             return self.lm_head(self.ln_f(x))  # (B, T, V)

@@ -1,0 +1,443 @@
+"""zrun on a GPU: every check of the GPU validation in one command, each reported pass/fail with
+its figures, written to one JSON file as it goes (a later check that hangs or times out leaves
+the earlier results) and summed up in a table on stdout.
+
+    python3 benches/gpu/checks.py --zrun .gpu/zrun --out "$OUT/results.json" [--only a,c]
+
+Checks (one GPU; several ranks share it over the tcp backend, which stages CUDA tensors):
+  a  nccl      NCCL at world size 1: `zrun bench comm` in fp32 and bf16, no wrong element
+  b  ranks     stages 0-3 at W=2 over tcp against W=1, fp32 (1e-5) and bf16 (3%), per step
+  g  cpu       the same small model on CUDA and on CPU at W=1, stages 0-3, fp32 and bf16,
+               offload on and off: per-step losses agree
+  c  speed     gpt2-medium bf16 at W=1, stages 0 and 3 (prefetch 1 and 0), against PyTorch
+               eager (benches/gpu/torch_gpt.py), interleaved: tokens/s, MFU
+  d  memory    gpt2-medium bf16 at W=2 on one GPU, stages 0-3: CUDA peaks against the
+               model-state formula and zrun's estimate
+  e  offload   gpt2-medium bf16 stage 2 at W=1 with and without offload_optimizer = "cpu"
+  f  oom       a micro-batch far too large at W=2: exit 4, a diagnosis naming rank, phase and
+               bytes, every rank gone in time
+  h  limit     dist.memory_limit on CUDA (the caching allocator's per-process fraction) with
+               train.on_oom = "shrink": a micro-batch that does not fit under the limit is
+               halved until it does, and the allocator never passes the limit
+"""
+import argparse
+import concurrent.futures
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+H100_BF16_PEAK_TFLOPS = 989.0
+GB = 1e9
+
+SMALL = """
+[model]
+preset = "tiny"
+vocab_size = 64
+seq_len = 16
+n_layer = 3
+n_head = 4
+d_model = 32
+[data]
+branching = 4
+seed = 3
+[train]
+steps = 20
+lr = 3e-3
+warmup_steps = 4
+weight_decay = 0.1
+grad_clip = 0.5
+eval_batches = 1
+threads = 1
+seed = 7
+[dist]
+device = "cuda"
+[log]
+every = 1
+"""
+
+GPT2M = f"""
+[model]
+preset = "gpt2-medium"
+[data]
+source = "synthetic"
+seed = 0
+[train]
+steps = 15
+micro_batch = 8
+lr = 3e-4
+eval_batches = 1
+seed = 1234
+[zero]
+precision = "bf16"
+[dist]
+device = "cuda"
+[log]
+every = 1
+peak_tflops = {H100_BF16_PEAK_TFLOPS}
+"""
+
+
+class Checks:
+    def __init__(self, zrun, out, work):
+        self.zrun, self.out, self.work = zrun, Path(out), Path(work)
+        self.results = {"device": gpu_name(), "checks": {}}
+        self.configs = {}
+        for name, text in [("small", SMALL), ("gpt2m", GPT2M)]:
+            p = self.work / f"{name}.toml"
+            p.write_text(text)
+            self.configs[name] = p
+
+    def save(self):
+        self.out.write_text(json.dumps(self.results, indent=1))
+
+    def record(self, key, result):
+        self.results["checks"][key] = result
+        self.save()
+        print(f"# {key}: {'PASS' if result.get('pass') else 'FAIL'}", flush=True)
+
+    def cmd(self, args, timeout, env=None):
+        """Runs zrun; returns (exit code, output, seconds). A run past `timeout` is killed
+        with its whole process group and reported as exit code None."""
+        t0 = time.time()
+        p = subprocess.Popen(
+            [str(self.zrun), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "ZRUN_QUIET": "1", **(env or {})},
+        )
+        try:
+            out, _ = p.communicate(timeout=timeout)
+            rc = p.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, _ = p.communicate()
+            rc = None
+        return rc, out, time.time() - t0
+
+    def train(self, name, config, nproc, sets, timeout=240):
+        """One zrun job; returns its exit code, output tail, metrics and summary."""
+        d = self.work / name
+        args = ["--nproc", str(nproc), str(self.configs[config]), "--set", f'log.dir="{d}"']
+        for s in sets:
+            args += ["--set", s]
+        rc, out, secs = self.cmd(args, timeout)
+        run = {"rc": rc, "seconds": round(secs, 1)}
+        if rc != 0:
+            run["output"] = out[-3000:]
+            return run
+        lines = (d / "metrics.jsonl").read_text().splitlines()
+        run["metrics"] = [json.loads(x) for x in lines if x.strip()]
+        run["summary"] = json.loads((d / "summary.json").read_text())
+        return run
+
+
+def gpu_name():
+    try:
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def losses(run):
+    return [m["loss"] for m in run.get("metrics", []) if "loss" in m]
+
+
+def worst_rel(a, b):
+    if not a or len(a) != len(b):
+        return None
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def check_nccl(c):
+    rows, ok = [], True
+    for dtype in ["fp32", "bf16"]:
+        rc, out, _ = c.cmd(
+            ["bench", "comm", "--nproc", "1", "--backend", "nccl", "--sizes", "1M,64M",
+             "--dtype", dtype, "--json"], 120)
+        got = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+        ok &= rc == 0 and len(got) == 6 and all(r["wrong"] == 0 for r in got)
+        rows += got
+        if rc != 0:
+            return {"pass": False, "rc": rc, "output": out[-2000:]}
+    return {"pass": ok, "rows": rows}
+
+
+def compare(c, pairs, bound):
+    """Runs (name, want_job, got_job) pairs, four jobs at a time (they barely load the GPU),
+    and compares per-step losses; `bound(key)` is the relative bound of a pair."""
+    jobs = {}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for key, want, got in pairs:
+            jobs[key] = (pool.submit(c.train, *want), pool.submit(c.train, *got))
+    rows, ok = {}, True
+    for key, (fw, fg) in jobs.items():
+        w, g = fw.result(), fg.result()
+        rel = worst_rel(losses(g), losses(w))
+        good = w["rc"] == 0 and g["rc"] == 0 and rel is not None and rel <= bound(key)
+        ok &= good
+        row = {"pass": good, "worst_rel_loss": rel, "bound": bound(key),
+               "final_loss": (losses(g) or [None])[-1]}
+        for side, r in [("want", w), ("got", g)]:
+            if r["rc"] != 0:
+                row[f"{side}_rc"], row[f"{side}_output"] = r["rc"], r.get("output")
+        rows[key] = row
+    return {"pass": ok, "rows": rows}
+
+
+def check_ranks(c):
+    pairs = []
+    for prec in ["fp32", "bf16"]:
+        for stage in range(4):
+            common = [f"zero.stage={stage}", f'zero.precision="{prec}"']
+            key = f"{prec}-stage{stage}"
+            pairs.append((key, (f"w1-{key}", "small", 1, common + ["train.micro_batch=12"]),
+                          (f"w2-{key}", "small", 2, common + ["train.micro_batch=6"])))
+    r = compare(c, pairs, lambda k: 1e-5 if k.startswith("fp32") else 3e-2)
+    r["what"] = "W=2 on one GPU over tcp against W=1, same global batch, per-step loss"
+    return r
+
+
+def check_cpu(c):
+    pairs = []
+    for prec in ["fp32", "bf16"]:
+        for stage in range(4):
+            for off in (["none", "cpu"] if stage else ["none"]):
+                sets = [f"zero.stage={stage}", f'zero.precision="{prec}"',
+                        f'zero.offload_optimizer="{off}"', "train.micro_batch=12"]
+                key = f"{prec}-stage{stage}-offload_{off}"
+                pairs.append((key, (f"cpu-{key}", "small", 1, sets + ['dist.device="cpu"']),
+                              (f"cuda-{key}", "small", 1, sets)))
+    r = compare(c, pairs, lambda k: 1e-4 if k.startswith("fp32") else 3e-2)
+    r["what"] = "W=1 on CUDA against W=1 on CPU, per-step loss"
+    return r
+
+
+def steady(run, skip=5):
+    """Median step time, tokens/s and MFU over the steps after the first `skip`."""
+    ms = [m for m in run.get("metrics", []) if m.get("step", 0) > skip and "step_time_s" in m]
+    if not ms:
+        return None
+    st = statistics.median(m["step_time_s"] for m in ms)
+    tok = ms[0]["tokens"] / ms[0]["step"]
+    mfu = [m["mfu"] for m in ms if m.get("mfu") is not None]
+    return {"step_time_s": st, "tokens_per_s": tok / st,
+            "mfu": statistics.median(mfu) if mfu else None}
+
+
+def check_speed(c, rounds=3):
+    sides = {"zrun stage 0": [], "zrun stage 3": [], "zrun stage 3 prefetch 0": [],
+             "pytorch eager": []}
+    runs = {
+        "zrun stage 0": ["zero.stage=0"],
+        "zrun stage 3": ["zero.stage=3"],
+        "zrun stage 3 prefetch 0": ["zero.stage=3", "zero.prefetch=0"],
+    }
+    errors = {}
+    for i in range(rounds):
+        for side, sets in runs.items():
+            r = c.train(f"speed-{i}-{side.replace(' ', '_')}", "gpt2m", 1, sets)
+            s = steady(r)
+            if s is None:
+                errors[side] = r.get("output")
+            else:
+                s["cuda_allocated_peak"] = r["summary"].get("cuda_peak_bytes", [None])[0]
+                sides[side].append(s)
+        p = subprocess.run(
+            [sys.executable, str(HERE / "torch_gpt.py"), "--micro-batch", "8"],
+            capture_output=True, text=True, timeout=300,
+        )
+        rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+        if p.returncode != 0 or not rows:
+            errors["pytorch eager"] = (p.stdout + p.stderr)[-2000:]
+        else:
+            sides["pytorch eager"].append(rows[0])
+    best = {k: max(v, key=lambda s: s["tokens_per_s"]) for k, v in sides.items() if v}
+    out = {"best_of_rounds": best, "rounds": sides, "errors": errors,
+           "batch": "8 x 1024 tokens", "precision": "bf16 compute, fp32 master and AdamW"}
+    z0, z3, pt = (best.get(k) for k in ["zrun stage 0", "zrun stage 3", "pytorch eager"])
+    if z0 and pt:
+        out["zrun_s0_over_pytorch"] = z0["tokens_per_s"] / pt["tokens_per_s"]
+        if z0.get("mfu"):
+            pt["mfu"] = z0["mfu"] * pt["tokens_per_s"] / z0["tokens_per_s"]
+    if z0 and z3:
+        out["zrun_s3_over_s0"] = z3["tokens_per_s"] / z0["tokens_per_s"]
+    out["pass"] = bool(
+        z0 and z3 and pt and out["zrun_s0_over_pytorch"] >= 1.0 and out["zrun_s3_over_s0"] >= 0.9
+    )
+    return out
+
+
+def model_state_formula(psi, stage, w):
+    """bf16 compute, fp32 gradients, master and AdamW: bytes per rank (docs/config.md)."""
+    return {0: 18 * psi, 1: 6 * psi + 12 * psi / w, 2: 2 * psi + 16 * psi / w,
+            3: 18 * psi / w}[stage]
+
+
+def check_memory(c):
+    rows, ok = {}, True
+    for stage in range(4):
+        r = c.train(f"mem-s{stage}", "gpt2m", 2,
+                    [f"zero.stage={stage}", "train.steps=3", "train.micro_batch=4"])
+        if r["rc"] != 0:
+            rows[f"stage{stage}"] = {"pass": False, "rc": r["rc"], "output": r.get("output")}
+            ok = False
+            continue
+        s = r["summary"]
+        psi = s["params"]
+        formula = model_state_formula(psi, stage, 2)
+        ranks = []
+        for i, rk in enumerate(s["ranks"]):
+            m = rk["memory"]
+            ranks.append({
+                "rank": i,
+                "model_states": s["model_state_bytes"][i],
+                "formula": formula,
+                "states_over_formula": s["model_state_bytes"][i] / formula,
+                "max_memory_allocated": m.get("cuda_allocated_peak"),
+                "max_memory_reserved": m.get("cuda_reserved_peak"),
+                "estimate": s["estimated_peak_bytes"][i],
+                "estimate_over_allocated": s["estimated_peak_bytes"][i]
+                / max(1, m.get("cuda_allocated_peak") or 1),
+            })
+        good = all(0.98 <= x["states_over_formula"] <= 1.02
+                   and 0.9 <= x["estimate_over_allocated"] <= 1.15 for x in ranks)
+        ok &= good
+        rows[f"stage{stage}"] = {"pass": good, "ranks": ranks}
+    return {"pass": ok, "rows": rows, "what": "gpt2-medium bf16, micro-batch 4, W=2 on one GPU"}
+
+
+def check_offload(c):
+    """Stage 2 with and without the optimizer on the host: at the step (gradient clipping on,
+    the default), and overlapped with backward (grad_clip = 0: each unit updated on the
+    host as soon as its gradient is reduced)."""
+    res = {}
+    for off, clip in [("none", 1.0), ("cpu", 1.0), ("none", 0.0), ("cpu", 0.0)]:
+        key = f"{off}, grad_clip {clip:g}"
+        r = c.train(f"offload-{off}-{clip:g}", "gpt2m", 1,
+                    ["zero.stage=2", f'zero.offload_optimizer="{off}"', "train.steps=10",
+                     f"train.grad_clip={clip}"])
+        s = steady(r, skip=4)
+        if s is None:
+            return {"pass": False, "run": key, "rc": r["rc"], "output": r.get("output")}
+        s["cuda_allocated_peak"] = r["summary"]["cuda_peak_bytes"][0]
+        res[key] = s
+    base, off = res["none, grad_clip 1"], res["cpu, grad_clip 1"]
+    out = {
+        "runs": res,
+        "step_time_ratio": off["step_time_s"] / base["step_time_s"],
+        "step_time_ratio_overlapped": res["cpu, grad_clip 0"]["step_time_s"]
+        / res["none, grad_clip 0"]["step_time_s"],
+        "device_bytes_saved": base["cuda_allocated_peak"] - off["cuda_allocated_peak"],
+    }
+    out["pass"] = out["device_bytes_saved"] > 0
+    return out
+
+
+def check_oom(c):
+    rc, out, secs = c.cmd(
+        ["--nproc", "2", str(c.configs["gpt2m"]), "--set", f'log.dir="{c.work / "oom"}"',
+         "--set", "train.micro_batch=1024", "--set", "zero.stage=3"], 300)
+    text = out.lower()
+    # the error names the rank, the phase (forward/backward of a unit) and the bytes asked for
+    needles = ["out of memory", "rank 0", "of unit", "gib"]
+    found = {n: n in text for n in needles}
+    leftover = subprocess.run(["pgrep", "-f", str(c.zrun)], capture_output=True, text=True).stdout
+    return {
+        "pass": rc == 4 and all(found.values()) and not leftover.strip(),
+        "rc": rc, "exit_after_s": round(secs, 1), "found": found,
+        "processes_left": leftover.split(), "output": out[-2500:],
+    }
+
+
+def check_limit(c):
+    limit = 16 << 30
+    r = c.train("limit", "gpt2m", 1,
+                ["zero.stage=0", "train.micro_batch=16", "train.steps=6",
+                 'dist.memory_limit="16GiB"', 'train.on_oom="shrink"'])
+    if r["rc"] != 0:
+        return {"pass": False, "rc": r["rc"], "output": r.get("output")}
+    s = r["summary"]
+    peak = s["cuda_peak_bytes"][0]
+    return {
+        "pass": bool(s["shrinks"]) and peak <= limit,
+        "limit": limit,
+        "cuda_allocated_peak": peak,
+        "shrinks": s["shrinks"],
+        "final_micro_batch": r["metrics"][-1].get("micro_batch"),
+    }
+
+
+CHECKS = {"a": ("nccl", check_nccl), "c": ("speed", check_speed), "e": ("offload", check_offload),
+          "d": ("memory", check_memory), "b": ("ranks", check_ranks), "g": ("cpu", check_cpu),
+          "f": ("oom", check_oom), "h": ("limit", check_limit)}
+
+
+def table(results):
+    lines = [f"# {results['device']}"]
+    for key, r in results["checks"].items():
+        fig = ""
+        if key == "speed" and "zrun_s0_over_pytorch" in r:
+            b = r["best_of_rounds"]
+            fig = "  ".join(f"{k}: {v['tokens_per_s']:.0f} tok/s"
+                            + (f" mfu {100 * v['mfu']:.1f}%" if v.get("mfu") else "")
+                            for k, v in b.items())
+            fig += f"  s0/pytorch {r['zrun_s0_over_pytorch']:.3f} s3/s0 {r.get('zrun_s3_over_s0', 0):.3f}"
+        elif key in ("ranks", "cpu"):
+            bad = [k for k, v in r["rows"].items() if not v["pass"]]
+            worst = max((v["worst_rel_loss"] or 0) for v in r["rows"].values())
+            fig = f"{len(r['rows'])} pairs, worst relative loss gap {worst:.2e}, failing {bad}"
+        elif key == "offload" and "step_time_ratio" in r:
+            fig = (f"step x{r['step_time_ratio']:.2f} with offload "
+                   f"(x{r['step_time_ratio_overlapped']:.2f} overlapped, grad_clip 0), "
+                   f"{r['device_bytes_saved'] / GB:.2f} GB less on the GPU")
+        elif key == "memory":
+            fig = "  ".join(
+                f"{k}: est/alloc {v['ranks'][0]['estimate_over_allocated']:.3f} "
+                f"alloc {v['ranks'][0]['max_memory_allocated'] / GB:.2f} GB"
+                for k, v in r["rows"].items() if v.get("ranks"))
+        elif key == "oom":
+            fig = f"exit {r['rc']} after {r['exit_after_s']} s, found {r['found']}"
+        elif key == "limit" and "shrinks" in r:
+            fig = (f"peak {r['cuda_allocated_peak'] / GB:.2f} GB under {r['limit'] / GB:.2f} GB, "
+                   f"micro-batch {r['shrinks'][0].get('from') if r['shrinks'] else '?'} -> "
+                   f"{r['final_micro_batch']}")
+        elif key == "nccl":
+            fig = f"{len(r.get('rows', []))} rows, wrong {sum(x['wrong'] for x in r.get('rows', []))}"
+        lines.append(f"{key:8} {'PASS' if r.get('pass') else 'FAIL'}  {fig}")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--zrun", required=True, help="the zrun binary built with --features cuda")
+    ap.add_argument("--out", required=True, help="the JSON file of results")
+    ap.add_argument("--only", default="a,c,e,d,b,g,f,h", help="checks to run, in this order")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="zrun-gpu-") as work:
+        c = Checks(Path(args.zrun).resolve(), args.out, work)
+        for k in args.only.split(","):
+            name, fn = CHECKS[k]
+            t0 = time.time()
+            try:
+                r = fn(c)
+            except Exception as e:  # a check that breaks must not hide the others
+                r = {"pass": False, "error": repr(e)}
+            r["seconds"] = round(time.time() - t0, 1)
+            c.record(name, r)
+        print(table(c.results))
+
+
+if __name__ == "__main__":
+    main()
