@@ -25,8 +25,8 @@ mod work;
 use std::time::Duration;
 
 pub use device::gpu_index;
-pub use nccl::gpu_total_bytes;
 pub use error::Error;
+pub use nccl::gpu_total_bytes;
 pub use store::{StoreClient, StoreServer};
 pub use topology::{Topology, TopologySource};
 pub use work::Work;

@@ -336,6 +336,55 @@ mod tests {
     }
 
     #[test]
+    fn a_follow_up_runs_on_the_waiting_thread_after_success_only() {
+        let ex = Executor::spawn(4, Duration::from_secs(5), || Ok(0u32), |_| {}).unwrap();
+        let seen = Arc::new(AtomicUsize::new(0));
+        let s = seen.clone();
+        let w = ex
+            .submit("ok", 0, |n: &mut u32| {
+                *n += 1;
+                Ok(())
+            })
+            .unwrap()
+            .then(move || {
+                s.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            });
+        assert_eq!(seen.load(Ordering::SeqCst), 0, "not before the wait");
+        w.wait().unwrap();
+        assert_eq!(seen.load(Ordering::SeqCst), 1);
+        // a failed collective skips it and reports its own error
+        let s = seen.clone();
+        let e = ex
+            .submit("bad", 0, |_| {
+                Err(Error::Connect {
+                    rank: 4,
+                    detail: "peer gone".into(),
+                })
+            })
+            .unwrap()
+            .then(move || {
+                s.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            })
+            .wait()
+            .unwrap_err();
+        assert!(e.to_string().contains("peer gone"), "{e}");
+        assert_eq!(seen.load(Ordering::SeqCst), 1);
+        // a follow-up's own error is the wait's
+        let e = Work::ready()
+            .then(|| {
+                Err(Error::Connect {
+                    rank: 4,
+                    detail: "copy back failed".into(),
+                })
+            })
+            .wait()
+            .unwrap_err();
+        assert!(e.to_string().contains("copy back failed"), "{e}");
+    }
+
+    #[test]
     fn a_failed_watch_poisons_later_jobs_and_aborts_once() {
         // The state counts jobs run and aborts; the watch fails once two jobs have run,
         // between jobs, as nccl's does when launched work misses its deadline.

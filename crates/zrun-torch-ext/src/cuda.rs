@@ -249,7 +249,9 @@ mod tests {
         if !Cuda::is_available() {
             assert!(CudaEvent::record(0).is_err());
             let host = Tensor::zeros([2], (Kind::Float, Device::Cpu));
-            let e = CudaEvent::copy_to_host(&host, &host).err().expect("refused");
+            let e = CudaEvent::copy_to_host(&host, &host)
+                .err()
+                .expect("refused");
             assert!(e.to_string().contains("must be a CUDA tensor"), "{e}");
             assert!(empty_pinned(4, Kind::Float).is_err());
         }

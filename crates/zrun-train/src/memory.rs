@@ -393,7 +393,9 @@ pub fn budget(cfg: &Config, device: Device, local_ranks: usize) -> Result<(i64, 
     } {
         // Over tcp the node's ranks may share GPUs (zrun --nproc 2 on one GPU); nccl gives
         // each rank its own.
-        let gpus = usize::try_from(tch::Cuda::device_count()).unwrap_or(1).max(1);
+        let gpus = usize::try_from(tch::Cuda::device_count())
+            .unwrap_or(1)
+            .max(1);
         let sharing = if cfg.dist.backend == crate::config::BackendChoice::Tcp {
             local_ranks.div_ceil(gpus).max(1)
         } else {
@@ -403,7 +405,10 @@ pub fn budget(cfg: &Config, device: Device, local_ranks: usize) -> Result<(i64, 
             let per = total / sharing as i64;
             return Ok((
                 per,
-                format!("the GPU's {} over the {sharing} ranks sharing it", human(total)),
+                format!(
+                    "the GPU's {} over the {sharing} ranks sharing it",
+                    human(total)
+                ),
             ));
         }
         return Ok((total, format!("the GPU's {}", human(total))));
