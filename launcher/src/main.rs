@@ -181,7 +181,10 @@ fn main() -> ExitCode {
             ExitCode::from(3)
         }
         Err(e) => {
-            output::say(Level::Error, &format!("error: {e:#}"));
+            output::say(
+                Level::Error,
+                &format!("error: {}", without_cpp_backtrace(&format!("{e:#}"))),
+            );
             ExitCode::from(if is_bad_input(&e) {
                 2
             } else {
@@ -189,6 +192,22 @@ fn main() -> ExitCode {
             })
         }
     }
+}
+
+/// `message` without the C++ backtraces libtorch appends to its errors ("Exception raised
+/// from ..." and the "frame #N: ..." lines after it): the words say what failed, the frames
+/// only where in libtorch.
+fn without_cpp_backtrace(message: &str) -> String {
+    let frame = |l: &str| {
+        l.trim_start()
+            .strip_prefix("frame #")
+            .is_some_and(|r| r.starts_with(|c: char| c.is_ascii_digit()))
+    };
+    let kept: Vec<&str> = message
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("Exception raised from") && !frame(l))
+        .collect();
+    kept.join("\n").trim_end().to_string()
 }
 
 fn is_bad_input(e: &anyhow::Error) -> bool {
@@ -340,5 +359,24 @@ fn init_logging(style: Style) {
             .with_current_span(false)
             .with_span_list(false)
             .init(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn libtorch_backtraces_are_left_out_of_errors() {
+        let m = "engine: copy failed in unit `h.0`: Internal torch error: size mismatch\n\
+                 Exception raised from copy_impl at /pytorch/aten/src/ATen/native/Copy.cpp:337 (most recent call first):\n\
+                 frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d (0x7f in libc10.so)\n\
+                 frame #1: <unknown function> + 0x4110a6 (0x5621f1afa0a6 in zrun)\n";
+        assert_eq!(
+            without_cpp_backtrace(m),
+            "engine: copy failed in unit `h.0`: Internal torch error: size mismatch"
+        );
+        let plain = "rank 1: out of memory in forward of unit h.0\nsee the frame #3 note";
+        assert_eq!(without_cpp_backtrace(plain), plain);
     }
 }
