@@ -60,11 +60,10 @@ impl AdamW {
             numel,
             decay_ranges,
             fused: match device {
-                Device::Cuda(_) => Some(zeros("allocate AdamW step")?.f_narrow(0, 0, 1).map_err(
-                    |source| Error::Torch {
-                        op: "allocate AdamW step",
-                        source,
-                    },
+                // One element: the step count the fused kernel reads.
+                Device::Cuda(_) => Some(torch(
+                    "allocate AdamW step",
+                    Tensor::f_zeros([1], (Kind::Float, device)),
                 )?),
                 _ => None,
             },

@@ -143,6 +143,9 @@ pub struct Engine {
     pub(crate) times: StepTimes,
     /// What the engine is doing now, for an error's report: a phase and a unit index.
     pub(crate) at: (Phase, usize),
+    /// With `ZRUN_CUDA_MEMORY_TRACE=1` on CUDA: each phase's peak allocated bytes are logged
+    /// as the next phase begins (for comparing with `zrun estimate`'s walk).
+    trace_cuda: Option<usize>,
 }
 
 /// The part of a step the engine is in.
@@ -238,6 +241,14 @@ impl Engine {
             early: EarlyStep::Off,
             times: StepTimes::default(),
             at: (Phase::Idle, 0),
+            trace_cuda: match dev {
+                tch::Device::Cuda(i)
+                    if std::env::var("ZRUN_CUDA_MEMORY_TRACE").as_deref() == Ok("1") =>
+                {
+                    Some(i)
+                }
+                _ => None,
+            },
         })
     }
 
@@ -266,6 +277,23 @@ impl Engine {
     /// collectives, optimizer), and starts counting again.
     pub fn take_times(&mut self) -> StepTimes {
         std::mem::take(&mut self.times)
+    }
+
+    /// Enters `phase` of unit `u` (what an out-of-memory names); with the CUDA trace on,
+    /// logs the peak of the phase that ends.
+    pub(crate) fn enter(&mut self, phase: Phase, u: usize) {
+        if let Some(i) = self.trace_cuda {
+            if let Some(m) = zrun_torch_ext::cuda_memory(i) {
+                tracing::info!(
+                    "cuda memory: {} peak {} allocated {}",
+                    self.phase(),
+                    m.peak_allocated,
+                    m.allocated
+                );
+                zrun_torch_ext::reset_cuda_peak(i);
+            }
+        }
+        self.at = (phase, u);
     }
 
     /// Where the engine is (or was when an error stopped it): `"backward of unit h.3"`,
@@ -413,7 +441,7 @@ impl Engine {
 
     fn step_inner(&mut self, lr: f64, max_norm: f64) -> Result<StepStats> {
         let _guard = tch::no_grad_guard();
-        self.at = (Phase::Step, 0);
+        self.enter(Phase::Step, 0);
         let early = std::mem::replace(&mut self.early, EarlyStep::Off);
         if let EarlyStep::Submitted { lr: l, max_norm: m } = early {
             if (l, m) != (lr, max_norm) {

@@ -130,7 +130,7 @@ impl Engine {
         let mut saved: Vec<Saved> = Vec::with_capacity(n);
         for (u, unit) in units.iter().enumerate() {
             let name = unit.name();
-            self.at = (Phase::Forward, u);
+            self.enter(Phase::Forward, u);
             let (flat, gathered) = gathers.take(&mut self.mover, &self.params, stage)?;
             if ckpt {
                 let _guard = tch::no_grad_guard();
@@ -161,7 +161,7 @@ impl Engine {
                 graph: Some((leaves, out, gathered.then_some(flat))),
             });
         }
-        self.at = (Phase::Loss, n - 1);
+        self.enter(Phase::Loss, n - 1);
         let loss = {
             let _guard = ckpt.then(tch::no_grad_guard);
             lm_loss(&x, &targets)?
@@ -194,7 +194,7 @@ impl Engine {
         for u in (0..n).rev() {
             let s = saved.pop().expect("one saved entry per unit");
             let name = units[u].name();
-            self.at = (Phase::Backward, u);
+            self.enter(Phase::Backward, u);
             let (leaves, input, output, gathered) = match s.graph {
                 Some((leaves, output, gathered)) => {
                     if refill {
@@ -345,7 +345,7 @@ impl Engine {
             .ctx("move inputs to the device", "-")?;
         let mut gathers = Gathers::new((0..units.len()).collect(), self.cfg.prefetch);
         for (u, unit) in units.iter().enumerate() {
-            self.at = (Phase::Eval, u);
+            self.enter(Phase::Eval, u);
             let (flat, gathered) = gathers.take(&mut self.mover, &self.params, self.cfg.stage)?;
             x = unit.forward(&views(&self.mover.layout.units[u], &flat)?, &x)?;
             if gathered {
