@@ -48,7 +48,18 @@ fi
 if ! .venv/bin/python -c "import torch, numpy, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
     echo "setup: installing torch==$TORCH_VERSION into .venv (a few GB, once)"
     .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q "torch==$TORCH_VERSION" numpy
+    # A few GB from PyPI: a dropped connection resumes, and the whole install is tried again
+    # (what is already downloaded stays in pip's cache).
+    for attempt in 1 2 3; do
+        if .venv/bin/python -m pip install -q --resume-retries 20 "torch==$TORCH_VERSION" numpy; then
+            break
+        fi
+        if [ "$attempt" = 3 ]; then
+            echo "setup: installing torch==$TORCH_VERSION failed 3 times; check the connection to PyPI and run make setup again" >&2
+            exit 1
+        fi
+        echo "setup: installing torch failed (attempt $attempt of 3); trying again" >&2
+    done
 fi
 # The tests load consolidated checkpoints with safetensors.torch.
 if ! .venv/bin/python -c "import safetensors.torch" 2>/dev/null; then
