@@ -47,7 +47,9 @@ impl Work {
 
     /// Blocks until the collective is complete, or fails: with the collective's own error
     /// (naming this rank, the op, the bytes and the peer), or with [`Error::Timeout`] once the
-    /// deadline (`dist.timeout_s` per queued collective) has passed.
+    /// deadline (`dist.timeout_s` per queued collective) has passed. On CUDA "complete" is in
+    /// stream order: nccl returns once libtorch's stream waits for the collective, tcp once
+    /// the result's copy back to the device is queued; kernels queued after see the result.
     pub fn wait(self) -> Result<(), Error> {
         let then = self.then;
         if let Some(p) = self.inner {
@@ -59,20 +61,19 @@ impl Work {
 
 impl Pending {
     fn wait(self) -> Result<(), Error> {
-        let p = self;
-        let left = p.deadline.saturating_duration_since(Instant::now());
-        match p.rx.recv_timeout(left) {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        match self.rx.recv_timeout(left) {
             Ok(r) => r,
             Err(RecvTimeoutError::Timeout) => Err(Error::Timeout {
-                rank: p.rank,
-                op: p.op,
-                bytes: p.bytes,
+                rank: self.rank,
+                op: self.op,
+                bytes: self.bytes,
                 peer: "unknown (the communication thread is blocked)".into(),
-                timeout: p.timeout,
+                timeout: self.timeout,
             }),
             Err(RecvTimeoutError::Disconnected) => Err(Error::Poisoned {
-                rank: p.rank,
-                op: p.op,
+                rank: self.rank,
+                op: self.op,
                 first: "the communication thread stopped".into(),
             }),
         }
@@ -385,7 +386,7 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_watch_poisons_later_jobs_and_aborts_once() {
+    fn a_failed_watch_poisons_later_jobs_and_is_not_run_again() {
         // The state counts jobs run and aborts; the watch fails once two jobs have run,
         // between jobs, as nccl's does when launched work misses its deadline.
         let ex = Executor::spawn_within(

@@ -92,14 +92,7 @@ impl MemoryLedger {
                 StateDtype::Fp32 => 8,
                 StateDtype::Bf16 => 4,
             };
-            // libtorch's pinned blocks (CUDA) are powers of two.
-            let pinned = |b: i64| {
-                if cfg.cuda {
-                    zrun_torch_ext::pinned_bytes(b)
-                } else {
-                    b
-                }
-            };
+            let pinned = |b| crate::offload::host_bytes(cfg.cuda, b);
             m.host = pinned(4 * shard) + moments * shard;
             (m.master, m.optimizer) = (0, 0);
             // The host reads the gradient shard in place only when it already is fp32 host

@@ -127,8 +127,8 @@ fn host_tensor(numel: i64, kind: Kind, device: Device) -> Result<Tensor> {
 }
 
 /// Bytes a host buffer of `bytes` holds: pinned blocks (with CUDA) are powers of two.
-fn pinned(device: Device, bytes: i64) -> i64 {
-    if device.is_cuda() {
+pub(crate) fn host_bytes(cuda: bool, bytes: i64) -> i64 {
+    if cuda {
         zrun_torch_ext::pinned_bytes(bytes)
     } else {
         bytes
@@ -263,7 +263,7 @@ impl HostOptimizer {
             None => host_tensor(n, Kind::Float, device)?,
         };
         Ok(HostOptimizer {
-            state_bytes: pinned(device, 4 * n) + adam.state_bytes() as i64,
+            state_bytes: host_bytes(device.is_cuda(), 4 * n) + adam.state_bytes() as i64,
             adam: Some(adam),
             master,
             grads,
@@ -304,8 +304,8 @@ impl HostOptimizer {
     /// Host bytes of staging buffers.
     pub(crate) fn buffer_bytes(&self) -> i64 {
         let bytes = |t: &Tensor| {
-            pinned(
-                self.device,
+            host_bytes(
+                self.device.is_cuda(),
                 t.numel() as i64 * t.kind().elt_size_in_bytes() as i64,
             )
         };

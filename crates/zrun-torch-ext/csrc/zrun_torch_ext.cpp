@@ -473,21 +473,6 @@ int zrun_ext_copy_async(const at::Tensor* dst, const at::Tensor* src, char** err
   });
 }
 
-// A CUDA event recorded now on the current stream of CUDA device `device`
-// (torch.cuda.Event().record()); *out receives a c10::Event* that zrun_ext_event_free deletes.
-int zrun_ext_event_record(int64_t device, void** out, char** err) {
-  return guard(err, [&] {
-    if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) {
-      return refuse(err, "CUDA is not available");
-    }
-    c10::Device dev(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
-    auto event = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
-    event->record(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(dev));
-    *out = event.release();
-    return ZR_OK;
-  });
-}
-
 // Blocks the calling thread until the event's work is done (torch.cuda.Event.synchronize()).
 int zrun_ext_event_synchronize(void* event, char** err) {
   return guard(err, [&] {

@@ -163,24 +163,13 @@ pub fn pinned_bytes(bytes: i64) -> i64 {
     (bytes as u64).next_power_of_two() as i64
 }
 
-/// A CUDA event (`torch.cuda.Event`), recorded on a device's current stream.
+/// A CUDA event (`torch.cuda.Event`) recorded after a copy ([`CudaEvent::copy_to_host`]).
 pub struct CudaEvent(*mut std::ffi::c_void);
 
 // SAFETY: a CUDA event may be waited on and destroyed from any thread.
 unsafe impl Send for CudaEvent {}
 
 impl CudaEvent {
-    /// Records an event on the current stream of CUDA device `device`: it completes once the
-    /// work queued there so far is done. Refused where CUDA is absent.
-    pub fn record(device: usize) -> Result<CudaEvent, Error> {
-        let mut out: *mut std::ffi::c_void = ptr::null_mut();
-        let mut err = ptr::null_mut();
-        // SAFETY: valid out-pointers; the shim catches every C++ exception.
-        let status = unsafe { ffi::zrun_ext_event_record(device as i64, &mut out, &mut err) };
-        ffi::check(status, err, || format!("record an event on cuda:{device}"))?;
-        Ok(CudaEvent(out))
-    }
-
     /// Copies CUDA tensor `src` into pinned host tensor `dst` on a side stream of its device,
     /// after the work queued so far on the current stream (what made `src`): the copy
     /// overlaps the kernels queued after it. The returned event completes with the copy;
@@ -247,7 +236,6 @@ mod tests {
         assert_eq!(pinned_bytes(1 << 30), 1 << 30);
         assert_eq!(pinned_bytes((1 << 30) + 1), 1 << 31);
         if !Cuda::is_available() {
-            assert!(CudaEvent::record(0).is_err());
             let host = Tensor::zeros([2], (Kind::Float, Device::Cpu));
             let e = CudaEvent::copy_to_host(&host, &host)
                 .err()

@@ -101,11 +101,6 @@ extern "C" {
         src: *const c_void,
         err: *mut *mut c_char,
     ) -> c_int;
-    pub(crate) fn zrun_ext_event_record(
-        device: i64,
-        out: *mut *mut c_void,
-        err: *mut *mut c_char,
-    ) -> c_int;
     pub(crate) fn zrun_ext_event_synchronize(event: *mut c_void, err: *mut *mut c_char) -> c_int;
     pub(crate) fn zrun_ext_event_free(event: *mut c_void);
     pub(crate) fn zrun_ext_copy_to_host_on_side_stream(
