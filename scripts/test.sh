@@ -19,8 +19,10 @@ if cargo nextest --version >/dev/null 2>&1; then
     cargo test --release --workspace --doc
     echo
     echo "slowest tests:"
+    # awk reads all of sort's output: a `head` that stops early would kill sort with SIGPIPE,
+    # which pipefail turns into a failed run (it did, with every test passed).
     grep -E '^\s+PASS \[' "$log" | sed -E 's/^\s+PASS \[\s*([0-9.]+)s\]\s+/\1 /' \
-        | sort -rn | head -n 10 | awk '{ printf "  %7.1f s  %s\n", $1, substr($0, length($1) + 2) }'
+        | sort -rn | awk 'NR <= 10 { printf "  %7.1f s  %s\n", $1, substr($0, length($1) + 2) }'
     exit "$status"
 fi
 echo "test: cargo-nextest not found (cargo install cargo-nextest); running cargo test, no timings"
