@@ -104,6 +104,10 @@ pub enum Error {
         reason: String,
     },
 
+    /// Something this model or unit does not do.
+    #[error("{0}")]
+    Unsupported(String),
+
     /// A libtorch call failed.
     #[error("libtorch op `{op}` failed in `{place}`: {source}")]
     Torch {

@@ -35,4 +35,6 @@ pub use error::{Error, Result};
 pub use gpt::Gpt;
 pub use loss::{lm_loss, IGNORE_INDEX};
 pub use param::{Init, ParamSpec};
-pub use unit::{forward_model, init_model_params, init_unit_params, Model, Unit};
+pub use unit::{
+    forward_model, init_model_params, init_unit_params, unit_inputs, KvCache, Model, Tied, Unit,
+};

@@ -5,6 +5,25 @@ use tch::{Device, Kind, Tensor};
 use crate::error::{Error, Result, TorchCtx};
 use crate::param::ParamSpec;
 
+/// A parameter a unit reads but an earlier unit owns: tied input and output embeddings
+/// (GPT-2, small Llamas), where the head multiplies by the embedding table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tied {
+    /// Index of the owning unit in the model's unit list.
+    pub unit: usize,
+    /// Index of the parameter in the owning unit's `params()`.
+    pub param: usize,
+}
+
+/// The keys and values a block has seen so far, for generation one token at a time.
+#[derive(Default)]
+pub struct KvCache {
+    /// Keys (B, n_kv_head, T_seen, head_dim), or None before the first call.
+    pub k: Option<Tensor>,
+    /// Values, as `k`.
+    pub v: Option<Tensor>,
+}
+
 /// A unit: the granularity of gathering, freeing, reducing and checkpointing.
 pub trait Unit: Send + Sync {
     /// Unit name: `"embed"`, `"h.0"`, ..., `"head"`.
@@ -21,6 +40,27 @@ pub trait Unit: Send + Sync {
     /// Activation bytes of a forward and backward over `b` sequences of `t` tokens whose
     /// activations have `elt` bytes per element (4 for fp32, 2 for bf16 and fp16).
     fn activations(&self, b: i64, t: i64, elt: i64) -> crate::Activations;
+    /// The parameter of another unit this unit's forward takes after its own (tied
+    /// embeddings), if any. Its gradient belongs to the owning unit.
+    fn tied(&self) -> Option<Tied> {
+        None
+    }
+    /// Forward of positions `[pos, pos + T)` for generation: blocks append their keys and
+    /// values to `cache` and attend to all cached positions. `pos` is 0 (a whole prompt) or
+    /// `T` is 1 (one new token). Same `params` as [`Unit::forward`].
+    fn forward_cached(
+        &self,
+        params: &[Tensor],
+        x: &Tensor,
+        pos: i64,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let _ = (params, x, pos, cache);
+        Err(Error::Unsupported(format!(
+            "unit `{}` cannot generate with a KV cache",
+            self.name()
+        )))
+    }
 }
 
 /// A model is an ordered list of units.
@@ -91,10 +131,20 @@ pub fn forward_model(model: &dyn Model, params: &[Vec<Tensor>], idx: &Tensor) ->
         });
     }
     let mut x = idx.shallow_clone();
-    for (unit, p) in units.iter().zip(params) {
-        x = unit.forward(p, &x)?;
+    for (u, unit) in units.iter().enumerate() {
+        x = unit.forward(&unit_inputs(model, params, u), &x)?;
     }
     Ok(x)
+}
+
+/// The tensors unit `u`'s forward takes: its own parameters, then the tied one it reads from
+/// another unit. `params[v]` holds unit `v`'s parameters.
+pub fn unit_inputs(model: &dyn Model, params: &[Vec<Tensor>], u: usize) -> Vec<Tensor> {
+    let mut p: Vec<Tensor> = params[u].iter().map(Tensor::shallow_clone).collect();
+    if let Some(t) = model.units()[u].tied() {
+        p.push(params[t.unit][t.param].shallow_clone());
+    }
+    p
 }
 
 /// Check that `params` matches `specs` in count and shapes; used by every unit's forward.
