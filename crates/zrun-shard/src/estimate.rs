@@ -189,6 +189,19 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
             .map(|v| layout.units[v].padded * elt)
             .sum()
     };
+    // A unit reading a tied parameter (a head reading the embedding) has its owner gathered
+    // again at stage 3, and makes that parameter's gradient too.
+    let tied_gathered = |u: usize| -> i64 {
+        match units[u].tied() {
+            Some(t) if stage3 => layout.units[t.unit].padded * elt,
+            _ => 0,
+        }
+    };
+    let tied_grad = |u: usize| -> i64 {
+        units[u]
+            .tied()
+            .map_or(0, |t| layout.units[t.unit].views[t.param].numel * elt)
+    };
     let reduce = |u: usize| -> i64 {
         let l = &layout.units[u];
         (l.padded + l.shard_len()) * rb
@@ -220,7 +233,7 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
                 ("batch", batch),
                 ("activations kept", before + kept(u)),
                 ("forward temporaries", temp),
-                ("gathered parameters", gathered(u, false)),
+                ("gathered parameters", gathered(u, false) + tied_gathered(u)),
             ],
         );
         before += kept(u);
@@ -251,7 +264,7 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
         } else {
             0
         };
-        let param_grads = layout.units[u].numel * elt;
+        let param_grads = layout.units[u].numel * elt + tied_grad(u);
         let in_flight = if sharded_grads && u + 1 < n {
             reduce(u + 1)
         } else {
@@ -268,7 +281,7 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
                 ("upstream gradient", upstream),
                 ("backward temporaries", a.backward_temp),
                 ("parameter gradients", param_grads),
-                ("gathered parameters", gathered(u, true)),
+                ("gathered parameters", gathered(u, true) + tied_gathered(u)),
                 ("gradient reduction", in_flight),
             ],
         );
@@ -343,7 +356,7 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
                 ("batch", 2 * 8 * eb * t),
                 ("activations kept", input + a.output),
                 ("forward temporaries", a.no_grad_temp + tail),
-                ("gathered parameters", gathered(u, false)),
+                ("gathered parameters", gathered(u, false) + tied_gathered(u)),
             ],
         );
     }

@@ -18,13 +18,15 @@ struct Saved {
     /// The unit's input: a leaf (to get its gradient), or token ids for the first unit, or
     /// with checkpointing the plain input to recompute from.
     input: Tensor,
-    /// Without checkpointing: the parameter leaves, the output and (stage 3) the gathered
-    /// buffer, whose storage is released until the backward.
-    graph: Option<(Vec<Tensor>, Tensor, Option<Tensor>)>,
+    /// Without checkpointing: the parameter leaves (the tied one last), the output and
+    /// (stage 3) the gathered buffers (the unit's, then the tied owner's), whose storage is
+    /// released until the backward.
+    graph: Option<(Vec<Tensor>, Tensor, Vec<Option<Tensor>>)>,
 }
 
-/// Stage 3's gathers, issued `depth` units ahead of the unit computing, in a given order;
-/// into new buffers, or back into the released buffers of the forward (`refill`).
+/// Stage 3's gathers, issued `depth` units ahead of the unit computing, in a given order
+/// (a unit with a tied parameter is preceded by its owner, gathered again); into new
+/// buffers, or back into the released buffers of the forward (`refill`, by position).
 struct Gathers {
     order: Vec<usize>,
     next: usize,
@@ -62,8 +64,9 @@ impl Gathers {
         }
         let issued = self.next - 1 + self.pending.len();
         let wanted = (self.next + self.depth).saturating_sub(issued);
-        for &v in self.order.iter().skip(issued).take(wanted) {
-            let into = self.refill.as_ref().and_then(|b| b[v].as_ref());
+        for i in issued..(issued + wanted).min(self.order.len()) {
+            let v = self.order[i];
+            let into = self.refill.as_ref().and_then(|b| b[i].as_ref());
             self.pending.push_back(match into {
                 Some(buf) => mover.start_gather_into(params, v, buf)?,
                 None => mover.start_gather(params, v)?,
@@ -86,6 +89,29 @@ fn param_leaves(layout: &crate::layout::UnitLayout, flat: &Tensor) -> Result<Vec
         .into_iter()
         .map(|v| v.set_requires_grad(true))
         .collect())
+}
+
+/// The leaf of parameter `p` of a unit whose flat buffer is `flat` (a tied parameter).
+fn tied_leaf(layout: &crate::layout::UnitLayout, flat: &Tensor, p: usize) -> Result<Tensor> {
+    let base = flat.f_detach().ctx("detach", &layout.unit)?;
+    let v = &layout.views[p];
+    let t = base
+        .f_narrow(0, v.offset, v.numel)
+        .and_then(|t| t.f_view(v.shape.as_slice()))
+        .ctx("view tied parameter", &layout.unit)?;
+    Ok(t.set_requires_grad(true))
+}
+
+/// Forward order of the units: each unit with a tied parameter preceded by the owner.
+fn forward_order(model: &dyn zrun_models::Model) -> Vec<usize> {
+    let mut order = Vec::new();
+    for (u, unit) in model.units().iter().enumerate() {
+        if let Some(t) = unit.tied() {
+            order.push(t.unit);
+        }
+        order.push(u);
+    }
+    order
 }
 
 impl Engine {
@@ -126,17 +152,19 @@ impl Engine {
         let (t0, w0) = (Instant::now(), self.mover.waited);
         let mut x = to_device(inputs, dev).ctx("move inputs to the device", "-")?;
         let targets = to_device(targets, dev).ctx("move targets to the device", "-")?;
-        let mut gathers = Gathers::new((0..n).collect(), self.cfg.prefetch);
+        let order = forward_order(model.as_ref());
+        let mut gathers = Gathers::new(order.clone(), self.cfg.prefetch);
         let mut saved: Vec<Saved> = Vec::with_capacity(n);
         for (u, unit) in units.iter().enumerate() {
             let name = unit.name();
             self.enter(Phase::Forward, u);
-            let (flat, gathered) = gathers.take(&mut self.mover, &self.params, stage)?;
             if ckpt {
                 let _guard = tch::no_grad_guard();
-                let out = unit.forward(&views(&self.mover.layout.units[u], &flat)?, &x)?;
-                if gathered {
-                    self.mover.free(&flat)?;
+                let (params, buffers) = self.plain_params(&mut gathers, u)?;
+                let out = unit.forward(&params, &x)?;
+                drop(params);
+                for b in &buffers {
+                    self.mover.free(b)?;
                 }
                 saved.push(Saved {
                     input: std::mem::replace(&mut x, out),
@@ -144,21 +172,34 @@ impl Engine {
                 });
                 continue;
             }
-            let leaves = param_leaves(&self.mover.layout.units[u], &flat)?;
+            let tied = match unit.tied() {
+                Some(t) => Some((t, gathers.take(&mut self.mover, &self.params, stage)?)),
+                None => None,
+            };
+            let (flat, gathered) = gathers.take(&mut self.mover, &self.params, stage)?;
+            // The gathered buffers (stage 3), the unit's first: positions in the order.
+            let mut buffers = vec![gathered.then(|| flat.shallow_clone())];
+            if let Some((_, (tflat, tgathered))) = &tied {
+                buffers.push(tgathered.then(|| tflat.shallow_clone()));
+            }
+            let mut leaves = param_leaves(&self.mover.layout.units[u], &flat)?;
+            if let Some((t, (tflat, _))) = &tied {
+                leaves.push(tied_leaf(&self.mover.layout.units[t.unit], tflat, t.param)?);
+            }
             let input = if u == 0 {
                 x.shallow_clone()
             } else {
                 x.f_detach().ctx("detach", name)?.set_requires_grad(true)
             };
             let out = unit.forward(&leaves, &input)?;
-            if gathered {
-                // Autograd keeps views of the gathered parameters: release their memory now.
-                self.mover.free(&flat)?;
+            // Autograd keeps views of the gathered parameters: release their memory now.
+            for b in buffers.iter().flatten() {
+                self.mover.free(b)?;
             }
             x = out.shallow_clone();
             saved.push(Saved {
                 input,
-                graph: Some((leaves, out, gathered.then_some(flat))),
+                graph: Some((leaves, out, buffers)),
             });
         }
         self.enter(Phase::Loss, n - 1);
@@ -177,43 +218,53 @@ impl Engine {
             *out = Tensor::new();
         }
 
-        let order: Vec<usize> = (0..n).rev().collect();
+        // Backward order: the forward's reversed (a tied owner right after its reader).
+        let order: Vec<usize> = order.into_iter().rev().collect();
         let refill = stage == Stage::Zero3 && !ckpt;
         let mut gathers = if refill {
-            let buffers = saved.iter().map(|s| {
-                s.graph
-                    .as_ref()
-                    .and_then(|g| g.2.as_ref().map(Tensor::shallow_clone))
+            let buffers = saved.iter().rev().flat_map(|s| {
+                let g = s.graph.as_ref().map(|g| g.2.as_slice()).unwrap_or(&[]);
+                g.iter().map(|b| b.as_ref().map(Tensor::shallow_clone))
             });
             Gathers::refilling(order, self.cfg.prefetch, buffers.collect())
         } else {
             Gathers::new(order, self.cfg.prefetch)
         };
         let mut upstream: Option<Tensor> = None;
-        let mut reducing: VecDeque<Pending> = VecDeque::new();
+        let mut reducing: VecDeque<(Pending, bool)> = VecDeque::new();
         for u in (0..n).rev() {
             let s = saved.pop().expect("one saved entry per unit");
             let name = units[u].name();
+            let tied = units[u].tied();
             self.enter(Phase::Backward, u);
             let (leaves, input, output, gathered) = match s.graph {
                 Some((leaves, output, gathered)) => {
                     if refill {
-                        drop(gathers.take(&mut self.mover, &self.params, stage)?);
-                        // parameters are back
+                        // The parameters (and a tied owner's) are back in the same storage.
+                        for _ in 0..gathered.len() {
+                            drop(gathers.take(&mut self.mover, &self.params, stage)?);
+                        }
                     }
                     (leaves, s.input, output, gathered)
                 }
                 None => {
                     // Checkpointed: gather again if sharded, recompute the forward with grad.
                     let (flat, gathered) = gathers.take(&mut self.mover, &self.params, stage)?;
-                    let leaves = param_leaves(&self.mover.layout.units[u], &flat)?;
+                    let mut leaves = param_leaves(&self.mover.layout.units[u], &flat)?;
+                    let mut buffers = vec![gathered.then_some(flat)];
+                    if let Some(t) = tied {
+                        let (tflat, tg) = gathers.take(&mut self.mover, &self.params, stage)?;
+                        let owner = &self.mover.layout.units[t.unit];
+                        leaves.push(tied_leaf(owner, &tflat, t.param)?);
+                        buffers.push(tg.then_some(tflat));
+                    }
                     let input = if u == 0 {
                         s.input
                     } else {
                         s.input.set_requires_grad(true)
                     };
                     let out = units[u].forward(&leaves, &input)?;
-                    (leaves, input, out, gathered.then_some(flat))
+                    (leaves, input, out, buffers)
                 }
             };
             // Backward of this unit alone: from the weighted (and scaled) loss for the last
@@ -239,13 +290,18 @@ impl Engine {
                 .map_err(|e| Error::Storage(name.into(), e))?;
             upstream = if u > 0 { g.pop() } else { None };
             drop((root, seed, leaves, input));
-            if let Some(full) = gathered {
+            for full in gathered.into_iter().flatten() {
                 self.mover.free(&full)?;
             }
-            self.absorb_gradient(u, g, &mut reducing)?;
+            // The tied parameter's gradient belongs to its owner, whose own backward comes
+            // later: its update waits for that.
+            if let (Some(t), Some(tg)) = (tied, tied.and_then(|_| g.pop())) {
+                self.absorb_into(t.unit, Some(t.param), vec![tg], &mut reducing, false)?;
+            }
+            self.absorb_into(u, None, g, &mut reducing, true)?;
         }
-        while let Some(p) = reducing.pop_front() {
-            self.accumulate_shard(p)?;
+        while let Some((p, last)) = reducing.pop_front() {
+            self.accumulate_shard(p, last)?;
         }
         let value = value.f_double_value(&[]).ctx("read loss", "head")?;
         let (fwd_wait, bwd_wait) = (w1 - w0, self.mover.waited - w1);
@@ -256,57 +312,74 @@ impl Engine {
         Ok(value)
     }
 
-    /// Adds unit `u`'s parameter gradients (in the unit's parameter order) into the full
-    /// gradients (stages 0-1), or lays them out in one flat buffer of the reduce dtype and
-    /// starts its reduce-scatter (stages 2-3), finishing older reductions so one stays in
-    /// flight.
-    fn absorb_gradient(
+    /// Adds unit `u`'s parameter gradients (in the unit's parameter order, or only parameter
+    /// `only`'s) into the full gradients (stages 0-1), or lays them out in one flat buffer of
+    /// the reduce dtype (zeros elsewhere) and starts its reduce-scatter (stages 2-3),
+    /// finishing older reductions so one stays in flight. `last` says no more of unit `u`'s
+    /// gradient follows in this micro-step.
+    fn absorb_into(
         &mut self,
         u: usize,
+        only: Option<usize>,
         grads: Vec<Tensor>,
-        reducing: &mut VecDeque<Pending>,
+        reducing: &mut VecDeque<(Pending, bool)>,
+        last: bool,
     ) -> Result<()> {
         let layout = &self.mover.layout.units[u];
         let name = layout.unit.clone();
+        let pick = |all: Vec<Tensor>| -> Vec<Tensor> {
+            match only {
+                Some(p) => all.into_iter().skip(p).take(1).collect(),
+                None => all,
+            }
+        };
         match self.cfg.stage {
             Stage::Zero0 | Stage::Zero1 => {
                 let acc = self.mover.unit_full(&self.grads, u)?;
-                for (mut dst, g) in views(layout, &acc)?.into_iter().zip(&grads) {
+                for (mut dst, g) in pick(views(layout, &acc)?).into_iter().zip(&grads) {
                     dst.f_add_(g).done("accumulate gradient", &name)?;
                 }
                 Ok(())
             }
             Stage::Zero2 | Stage::Zero3 => {
                 let kind = self.cfg.reduce_dtype.kind();
-                let flat = Tensor::f_empty([layout.padded], (kind, self.cfg.device))
+                let mut flat = Tensor::f_empty([layout.padded], (kind, self.cfg.device))
                     .ctx("allocate unit gradient", &name)?;
+                if only.is_some() {
+                    flat.f_zero_().done("zero unit gradient", &name)?;
+                }
                 // Each parameter's gradient straight into its place (cast on the way).
-                for (mut dst, g) in views(layout, &flat)?.into_iter().zip(&grads) {
+                for (mut dst, g) in pick(views(layout, &flat)?).into_iter().zip(&grads) {
                     dst.f_copy_(g).ctx("lay out gradient", &name)?;
                 }
-                if layout.padded > layout.numel {
+                if layout.padded > layout.numel && only.is_none() {
                     flat.f_narrow(0, layout.numel, layout.padded - layout.numel)
                         .and_then(|mut pad| pad.f_zero_())
                         .done("zero gradient padding", &name)?;
                 }
                 drop(grads);
-                reducing.push_back(self.mover.start_reduce_scatter(flat, u)?);
+                reducing.push_back((self.mover.start_reduce_scatter(flat, u)?, last));
                 if reducing.len() > 1 {
-                    let p = reducing.pop_front().expect("two in flight");
-                    self.accumulate_shard(p)?;
+                    let (p, last) = reducing.pop_front().expect("two in flight");
+                    self.accumulate_shard(p, last)?;
                 }
                 Ok(())
             }
         }
     }
 
-    fn accumulate_shard(&mut self, p: Pending) -> Result<()> {
+    /// Adds a finished reduction into this rank's gradient shard; once the unit's gradient
+    /// is complete (`last`), hands it to an offloaded optimizer's early step.
+    fn accumulate_shard(&mut self, p: Pending, last: bool) -> Result<()> {
         let (u, shard) = self.mover.finish_reduce_scatter(p)?;
         let mut acc = self.mover.shard_of(&self.grads, u)?;
         acc.f_add_(&shard).done(
             "accumulate gradient shard",
             &self.mover.layout.units[u].unit,
         )?;
+        if !last {
+            return Ok(());
+        }
         if self.early == EarlyStep::Staged {
             if let Optimizer::Host(h) = &mut self.optimizer {
                 h.stage_unit(&self.mover.layout, u, &acc)?;
@@ -327,6 +400,31 @@ impl Engine {
         Ok(())
     }
 
+    /// Unit `u`'s forward inputs without autograd: views of its full parameters and of the
+    /// tied one, and the gathered buffers (stage 3) to free after its forward.
+    fn plain_params(
+        &mut self,
+        gathers: &mut Gathers,
+        u: usize,
+    ) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
+        let stage = self.cfg.stage;
+        let tied = self.model.units()[u].tied();
+        let owner = match tied {
+            Some(_) => Some(gathers.take(&mut self.mover, &self.params, stage)?),
+            None => None,
+        };
+        let (flat, gathered) = gathers.take(&mut self.mover, &self.params, stage)?;
+        let mut params = views(&self.mover.layout.units[u], &flat)?;
+        let mut buffers: Vec<Tensor> = gathered.then_some(flat).into_iter().collect();
+        if let (Some(t), Some((tflat, tgathered))) = (tied, owner) {
+            params.push(views(&self.mover.layout.units[t.unit], &tflat)?.swap_remove(t.param));
+            if tgathered {
+                buffers.push(tflat);
+            }
+        }
+        Ok((params, buffers))
+    }
+
     /// This rank's mean loss of a batch, without gradients.
     pub fn eval_loss(&mut self, inputs: &Tensor, targets: &Tensor) -> Result<f64> {
         // Evaluation is not part of a training step: its waits are not counted.
@@ -338,26 +436,35 @@ impl Engine {
 
     fn eval_inner(&mut self, inputs: &Tensor, targets: &Tensor) -> Result<f64> {
         let _guard = tch::no_grad_guard();
-        let model = self.model.clone();
-        let units = model.units();
-        let mut x = inputs
-            .f_to_device(self.cfg.device)
-            .ctx("move inputs to the device", "-")?;
-        let mut gathers = Gathers::new((0..units.len()).collect(), self.cfg.prefetch);
-        for (u, unit) in units.iter().enumerate() {
-            self.enter(Phase::Eval, u);
-            let (flat, gathered) = gathers.take(&mut self.mover, &self.params, self.cfg.stage)?;
-            x = unit.forward(&views(&self.mover.layout.units[u], &flat)?, &x)?;
-            if gathered {
-                self.mover.free(&flat)?;
-            }
-        }
+        let x = self.logits(inputs)?;
         let targets = targets
             .f_to_device(self.cfg.device)
             .ctx("move targets to the device", "-")?;
         lm_loss(&x, &targets)?
             .f_double_value(&[])
             .ctx("read loss", "head")
+    }
+
+    /// The logits (B, T, V) of token ids (B, T), on the engine's device, without gradients
+    /// (every rank calls it at stage 3, whose gathers need every rank).
+    pub fn logits(&mut self, inputs: &Tensor) -> Result<Tensor> {
+        let _guard = tch::no_grad_guard();
+        let model = self.model.clone();
+        let units = model.units();
+        let mut x = inputs
+            .f_to_device(self.cfg.device)
+            .ctx("move inputs to the device", "-")?;
+        let mut gathers = Gathers::new(forward_order(model.as_ref()), self.cfg.prefetch);
+        for (u, unit) in units.iter().enumerate() {
+            self.enter(Phase::Eval, u);
+            let (params, buffers) = self.plain_params(&mut gathers, u)?;
+            x = unit.forward(&params, &x)?;
+            drop(params);
+            for b in &buffers {
+                self.mover.free(b)?;
+            }
+        }
+        Ok(x)
     }
 }
 

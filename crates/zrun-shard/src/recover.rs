@@ -8,33 +8,55 @@ use crate::state::Collective;
 use crate::{Context, Result, Stage};
 use tch::Tensor;
 
-/// The collectives of one micro-step in the order the engine issues them, for a model of `n`
-/// units at `stage` with stage-3 gathers `depth` units ahead: forward gathers every unit in
-/// order; backward, for each unit from the last, gathers ahead then reduce-scatters the
-/// unit's gradient (gathers at stage 3 only, reduce-scatters at stages 2-3).
-pub(crate) fn schedule(stage: Stage, n: usize, depth: usize) -> Vec<(Collective, usize)> {
+/// The collectives of one micro-step in the order the engine issues them, for a model whose
+/// units read the tied parameters `ties[u]` (the owning unit), at `stage` with stage-3
+/// gathers `depth` ahead: forward gathers every unit in order, a unit with a tied parameter
+/// right after its owner again; backward, for each unit from the last, gathers ahead (the
+/// unit, then its tied owner) then reduce-scatters the tied parameter's gradient into its
+/// owner and the unit's own gradient (gathers at stage 3 only, reduce-scatters at stages 2-3).
+pub(crate) fn schedule(
+    stage: Stage,
+    ties: &[Option<usize>],
+    depth: usize,
+) -> Vec<(Collective, usize)> {
+    let mut forward = Vec::new();
+    for (u, t) in ties.iter().enumerate() {
+        forward.extend(*t);
+        forward.push(u);
+    }
     let mut out = Vec::new();
     if stage == Stage::Zero3 {
-        out.extend((0..n).map(|u| (Collective::Gather, u)));
+        out.extend(forward.iter().map(|&u| (Collective::Gather, u)));
     }
     if !matches!(stage, Stage::Zero2 | Stage::Zero3) {
         return out;
     }
-    let reverse: Vec<usize> = (0..n).rev().collect();
-    let mut gathered = 0;
-    for (i, &u) in reverse.iter().enumerate() {
+    let backward: Vec<usize> = forward.into_iter().rev().collect();
+    let (mut taken, mut gathered) = (0, 0);
+    for u in (0..ties.len()).rev() {
+        taken += 1 + usize::from(ties[u].is_some());
         if stage == Stage::Zero3 {
-            let want = (i + 1 + depth).min(n);
+            let want = (taken + depth).min(backward.len());
             out.extend(
-                reverse[gathered..want]
+                backward[gathered.min(want)..want]
                     .iter()
                     .map(|&v| (Collective::Gather, v)),
             );
             gathered = gathered.max(want);
         }
+        out.extend(ties[u].map(|s| (Collective::ReduceScatter, s)));
         out.push((Collective::ReduceScatter, u));
     }
     out
+}
+
+/// Each unit's tied owner, if any.
+pub(crate) fn ties(model: &dyn zrun_models::Model) -> Vec<Option<usize>> {
+    model
+        .units()
+        .iter()
+        .map(|u| u.tied().map(|t| t.unit))
+        .collect()
 }
 
 impl Engine {
@@ -43,7 +65,11 @@ impl Engine {
     /// the other ranks' collectives complete. The gradients are left for
     /// [`Engine::abandon_step`] to clear.
     pub fn finish_failed_micro_step(&mut self) -> Result<()> {
-        let all = schedule(self.cfg.stage, self.units_len(), self.cfg.prefetch);
+        let all = schedule(
+            self.cfg.stage,
+            &ties(self.model.as_ref()),
+            self.cfg.prefetch,
+        );
         let done = std::mem::take(&mut self.mover.issued);
         if !all.starts_with(&done) {
             return Err(crate::Error::Unsupported(format!(
@@ -133,7 +159,7 @@ mod tests {
                 let mut e = Engine::new(model.clone(), Arc::from(comm), cfg).unwrap();
                 let x = Tensor::zeros([2, 8], (tch::Kind::Int64, tch::Device::Cpu));
                 e.forward_backward(&x, &x, 1.0).unwrap();
-                let want = schedule(stage, model.units().len(), prefetch);
+                let want = schedule(stage, &ties(model.as_ref()), prefetch);
                 assert_eq!(
                     e.mover.issued, want,
                     "stage {stage} prefetch {prefetch} ckpt {ckpt}"
@@ -144,11 +170,14 @@ mod tests {
 
     #[test]
     fn the_schedule_is_forward_gathers_then_backward_gathers_ahead_and_reductions() {
-        assert!(schedule(Stage::Zero0, 3, 1).is_empty());
-        assert!(schedule(Stage::Zero1, 3, 1).is_empty());
-        assert_eq!(schedule(Stage::Zero2, 3, 1), vec![(R, 2), (R, 1), (R, 0)]);
+        assert!(schedule(Stage::Zero0, &[None; 3], 1).is_empty());
+        assert!(schedule(Stage::Zero1, &[None; 3], 1).is_empty());
         assert_eq!(
-            schedule(Stage::Zero3, 3, 1),
+            schedule(Stage::Zero2, &[None; 3], 1),
+            vec![(R, 2), (R, 1), (R, 0)]
+        );
+        assert_eq!(
+            schedule(Stage::Zero3, &[None; 3], 1),
             vec![
                 (G, 0),
                 (G, 1),
@@ -162,7 +191,7 @@ mod tests {
             ]
         );
         assert_eq!(
-            schedule(Stage::Zero3, 3, 5),
+            schedule(Stage::Zero3, &[None; 3], 5),
             vec![
                 (G, 0),
                 (G, 1),
@@ -171,6 +200,30 @@ mod tests {
                 (G, 1),
                 (G, 0),
                 (R, 2),
+                (R, 1),
+                (R, 0)
+            ]
+        );
+        // A head reading the embedding: gathered again before the head, after it backward,
+        // and its gradient reduced into the embedding's before the head's own.
+        let tied = [None, None, Some(0)];
+        assert_eq!(
+            schedule(Stage::Zero2, &tied, 1),
+            vec![(R, 0), (R, 2), (R, 1), (R, 0)]
+        );
+        assert_eq!(
+            schedule(Stage::Zero3, &tied, 1),
+            vec![
+                (G, 0),
+                (G, 1),
+                (G, 0),
+                (G, 2),
+                (G, 2),
+                (G, 0),
+                (G, 1),
+                (R, 0),
+                (R, 2),
+                (G, 0),
                 (R, 1),
                 (R, 0)
             ]
