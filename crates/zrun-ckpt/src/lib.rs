@@ -12,12 +12,17 @@
 //! A save writes into `step-00000500.tmp/` ([`RankWriter`], one per rank, each file fsynced
 //! and hashed as it is written), then [`commit`] writes the manifest last and renames the
 //! directory into place: a directory without its manifest is never a checkpoint. No pickle,
-//! no code runs on load; every file's size and BLAKE3 hash are checked before it is used.
+//! no code runs on load; every file's size and XXH3-128 hash are checked before it is used.
+//!
+//! Hugging Face model directories are read and written here too ([`HfDir`], [`HfWriter`]):
+//! memory-mapped safetensors shards read by element range (straight or transposed), and
+//! shards plus index streamed out for `transformers`, renamed into place with the index last.
 
 mod compare;
 mod consolidate;
 mod dir;
 mod hash;
+mod hf;
 mod manifest;
 mod read;
 mod write;
@@ -26,6 +31,10 @@ use std::path::{Path, PathBuf};
 
 pub use consolidate::{consolidate, Consolidated, OutDtype};
 pub use dir::{complete, remove_leftovers, step_dir, tmp_dir, MANIFEST};
+pub use hf::{
+    copy_tokenizer_files, parse_size, write_json, HfDir, HfDtype, HfWriter, TensorInfo,
+    TOKENIZER_FILES,
+};
 pub use manifest::{
     DataPosition, FileEntry, Manifest, OptimizerState, RankEntry, ScalerState, ScheduleState,
     Shard, UnitEntry, ViewEntry, FORMAT, FORMAT_VERSION,
@@ -111,6 +120,14 @@ pub enum Error {
     /// A caller asked for something the format cannot express.
     #[error("checkpoint: {0}")]
     Invalid(String),
+    /// A Hugging Face model directory, or a file in it, cannot be used.
+    #[error("Hugging Face model {}: {detail}", path.display())]
+    Hf {
+        /// The file or directory.
+        path: PathBuf,
+        /// What is wrong (naming the tensor where there is one) and what to do.
+        detail: String,
+    },
 }
 
 impl Error {
@@ -125,6 +142,13 @@ impl Error {
             op,
             path: path.to_path_buf(),
             source,
+        }
+    }
+
+    pub(crate) fn hf(path: &Path, detail: impl Into<String>) -> Error {
+        Error::Hf {
+            path: path.to_path_buf(),
+            detail: detail.into(),
         }
     }
 
