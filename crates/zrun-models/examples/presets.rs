@@ -1,21 +1,25 @@
-//! Print every GPT preset's parameter count and training FLOPs per token, and time the
-//! counter-based init of the largest parameter of `gpt2-xl`.
+//! Print every GPT and Llama preset's parameter count and training FLOPs per token, and time
+//! the counter-based init of the largest parameter of `gpt2-xl`.
 //!
 //!     cargo run --release -p zrun-models --example presets
 
 use std::time::Instant;
 
-use zrun_models::{Gpt, GptConfig, Model};
+use zrun_models::{ArchConfig, Gpt, GptConfig, LlamaConfig, Model};
 
 fn main() -> Result<(), zrun_models::Error> {
     println!(
         "{:<12} {:>14} {:>18} {:>8}",
         "preset", "params", "train FLOP/token", "/ 6N"
     );
-    for name in GptConfig::PRESETS {
-        let gpt = Gpt::new(GptConfig::preset(name)?)?;
-        let n = gpt.param_count();
-        let f = gpt.flops_per_token();
+    let all = GptConfig::PRESETS
+        .iter()
+        .map(|n| ("gpt", n))
+        .chain(LlamaConfig::PRESETS.iter().map(|n| ("llama", n)));
+    for (arch, name) in all {
+        let model = ArchConfig::preset(arch, name)?.build()?;
+        let n = model.param_count();
+        let f = model.flops_per_token();
         println!(
             "{name:<12} {n:>14} {f:>18.4e} {:>8.3}",
             f / (6.0 * n as f64)

@@ -1,6 +1,11 @@
-//! GPT hyper-parameters, presets and validation.
+//! GPT hyper-parameters, presets and validation, and [`ArchConfig`], either family's.
+
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
+use crate::gpt::Gpt;
+use crate::llama::{Llama, LlamaConfig};
+use crate::unit::Model;
 
 /// GPT hyper-parameters.
 #[derive(Clone, Debug, PartialEq)]
@@ -17,6 +22,9 @@ pub struct GptConfig {
     pub d_model: i64,
     /// Standard deviation of the Normal init of matrices and embeddings.
     pub init_std: f64,
+    /// Whether the head multiplies by the token embedding `wte.weight` (as GPT-2 on the Hub)
+    /// rather than by its own `lm_head.weight`.
+    pub tied: bool,
 }
 
 /// GPT-2's 50257-token vocabulary padded up to a multiple of 64 (as nanoGPT).
@@ -30,7 +38,8 @@ impl GptConfig {
     /// A named preset: `"tiny"` (V 256, T 64, 2 layers, 4 heads, C 64) for tests and demos,
     /// and the GPT-2 family `"gpt2-small"` (12, 12, 768), `"gpt2-medium"` (24, 16, 1024),
     /// `"gpt2-large"` (36, 20, 1280), `"gpt2-xl"` (48, 25, 1600) with V 50304, T 1024 and
-    /// init_std 0.02. An unknown name is an error listing the allowed names.
+    /// init_std 0.02, all with an untied head. An unknown name is an error listing the
+    /// allowed names.
     pub fn preset(name: &str) -> Result<GptConfig> {
         let gpt2 = |n_layer, n_head, d_model| GptConfig {
             vocab_size: GPT2_VOCAB,
@@ -39,6 +48,7 @@ impl GptConfig {
             n_head,
             d_model,
             init_std: 0.02,
+            tied: false,
         };
         match name {
             "tiny" => Ok(GptConfig {
@@ -48,6 +58,7 @@ impl GptConfig {
                 n_head: 4,
                 d_model: 64,
                 init_std: 0.02,
+                tied: false,
             }),
             "gpt2-small" => Ok(gpt2(12, 12, 768)),
             "gpt2-medium" => Ok(gpt2(24, 16, 1024)),
@@ -97,6 +108,95 @@ impl GptConfig {
             });
         }
         Ok(())
+    }
+}
+
+/// The architecture of a model, of either family zrun builds.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ArchConfig {
+    /// GPT-2 layout ([`Gpt`]).
+    Gpt(GptConfig),
+    /// Llama layout ([`Llama`]).
+    Llama(LlamaConfig),
+}
+
+impl ArchConfig {
+    /// The families [`ArchConfig::preset`] takes.
+    pub const ARCHS: &'static [&'static str] = &["gpt", "llama"];
+
+    /// Preset `name` of family `arch` ("gpt": [`GptConfig::preset`], "llama":
+    /// [`LlamaConfig::preset`]). An unknown family or name is an error listing the allowed
+    /// ones.
+    pub fn preset(arch: &str, name: &str) -> Result<ArchConfig> {
+        match arch {
+            "gpt" => GptConfig::preset(name).map(ArchConfig::Gpt),
+            "llama" => LlamaConfig::preset(name).map(ArchConfig::Llama),
+            _ => Err(Error::InvalidConfig {
+                field: "arch",
+                value: format!("{arch:?}"),
+                reason: format!("allowed: {}", Self::ARCHS.join(", ")),
+            }),
+        }
+    }
+
+    /// The family: "gpt" or "llama".
+    pub fn arch(&self) -> &'static str {
+        match self {
+            ArchConfig::Gpt(_) => "gpt",
+            ArchConfig::Llama(_) => "llama",
+        }
+    }
+
+    /// The family's `validate`.
+    pub fn validate(&self) -> Result<()> {
+        match self {
+            ArchConfig::Gpt(c) => c.validate(),
+            ArchConfig::Llama(c) => c.validate(),
+        }
+    }
+
+    /// The model, validated; it holds no tensors.
+    pub fn build(&self) -> Result<Arc<dyn Model>> {
+        Ok(match self {
+            ArchConfig::Gpt(c) => Arc::new(Gpt::new(c.clone())?),
+            ArchConfig::Llama(c) => Arc::new(Llama::new(c.clone())?),
+        })
+    }
+
+    /// Longest training sequence.
+    pub fn seq_len(&self) -> i64 {
+        match self {
+            ArchConfig::Gpt(c) => c.seq_len,
+            ArchConfig::Llama(c) => c.seq_len,
+        }
+    }
+
+    /// Vocabulary size V.
+    pub fn vocab_size(&self) -> i64 {
+        match self {
+            ArchConfig::Gpt(c) => c.vocab_size,
+            ArchConfig::Llama(c) => c.vocab_size,
+        }
+    }
+
+    /// Whether the head reads the token embedding (tied) instead of its own matrix.
+    pub fn tied(&self) -> bool {
+        match self {
+            ArchConfig::Gpt(c) => c.tied,
+            ArchConfig::Llama(c) => c.tied,
+        }
+    }
+}
+
+impl From<GptConfig> for ArchConfig {
+    fn from(c: GptConfig) -> ArchConfig {
+        ArchConfig::Gpt(c)
+    }
+}
+
+impl From<LlamaConfig> for ArchConfig {
+    fn from(c: LlamaConfig) -> ArchConfig {
+        ArchConfig::Llama(c)
     }
 }
 
@@ -184,5 +284,29 @@ mod tests {
                 other => panic!("{field}: expected InvalidConfig, got {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn arch_presets_build_both_families() {
+        for (arch, names) in [("gpt", GptConfig::PRESETS), ("llama", LlamaConfig::PRESETS)] {
+            for name in names {
+                let cfg = ArchConfig::preset(arch, name).unwrap();
+                assert_eq!(cfg.arch(), arch);
+                let model = cfg.build().unwrap();
+                assert_eq!(model.seq_len(), cfg.seq_len(), "{name}");
+                assert_eq!(model.vocab_size(), cfg.vocab_size(), "{name}");
+            }
+        }
+        assert!(matches!(
+            ArchConfig::preset("llama", "tiny"),
+            Err(Error::UnknownPreset { .. })
+        ));
+        let msg = ArchConfig::preset("mamba", "tiny").unwrap_err().to_string();
+        assert!(msg.contains("mamba") && msg.contains("gpt, llama"), "{msg}");
+        let bad = ArchConfig::from(GptConfig {
+            n_head: 5,
+            ..GptConfig::preset("tiny").unwrap()
+        });
+        assert!(bad.build().is_err());
     }
 }

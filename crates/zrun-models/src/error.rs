@@ -7,7 +7,7 @@ use tch::TchError;
 /// Messages name the unit, parameter, config field or op involved and say what to do.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// `GptConfig::preset` was given a name it does not know.
+    /// A `preset` function was given a name it does not know.
     #[error("unknown model preset `{name}`; allowed presets: {allowed}")]
     UnknownPreset {
         /// The name that was asked for.
@@ -16,8 +16,8 @@ pub enum Error {
         allowed: String,
     },
 
-    /// A `GptConfig` field has a value the architecture cannot use.
-    #[error("invalid GptConfig: `{field}` = {value}: {reason}")]
+    /// A `GptConfig` or `LlamaConfig` field has a value the architecture cannot use.
+    #[error("invalid model config: `{field}` = {value}: {reason}")]
     InvalidConfig {
         /// The offending field (as in the config file's `[model]` table).
         field: &'static str,
@@ -101,6 +101,33 @@ pub enum Error {
         /// Dtype of the targets.
         targets_kind: String,
         /// What is wrong.
+        reason: String,
+    },
+
+    /// `Unit::forward_cached` was asked for positions that do not follow its cache.
+    #[error(
+        "unit `{unit}`: forward_cached of {t} tokens at position {pos} with {cached} positions \
+         cached: {reason}"
+    )]
+    KvCache {
+        /// Unit name.
+        unit: String,
+        /// First position asked for.
+        pos: i64,
+        /// Number of new tokens.
+        t: i64,
+        /// Positions already in the cache.
+        cached: i64,
+        /// What is wrong and what to do.
+        reason: String,
+    },
+
+    /// A Hugging Face `config.json` key is missing or has a value zrun cannot use.
+    #[error("Hugging Face config key `{key}`: {reason}")]
+    HfConfig {
+        /// The key, dotted for nested ones (`rope_scaling.factor`).
+        key: String,
+        /// What is wrong and what would be accepted.
         reason: String,
     },
 

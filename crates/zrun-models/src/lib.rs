@@ -1,11 +1,13 @@
-//! GPT (and later Llama) as ordered lists of units with named parameter shapes; no
-//! parallelism inside.
+//! GPT-2 and Llama as ordered lists of units with named parameter shapes; no parallelism
+//! inside.
 //!
 //! A [`Model`] is an ordered list of [`Unit`]s (embedding, each transformer block, final norm
-//! and head). A unit is a pure function of its parameter tensors and its input, plus the list
-//! of its named [`ParamSpec`]s; sharding, gathering and checkpointing are applied from outside
-//! (`zrun-shard`), unit by unit. Parameters are initialised by a counter-based generator
-//! ([`ParamSpec::init_into`]), so any rank can build exactly its shard.
+//! and head); [`ArchConfig`] names either family and builds it. A unit is a pure function of
+//! its parameter tensors and its input, plus the list of its named [`ParamSpec`]s; sharding,
+//! gathering and checkpointing are applied from outside (`zrun-shard`), unit by unit.
+//! Parameters are initialised by a counter-based generator ([`ParamSpec::init_into`]), so
+//! any rank can build exactly its shard. The [`hf`] module holds what zrun knows about
+//! Hugging Face checkpoints: parameter names and layouts, and `config.json` both ways.
 //!
 //! ```
 //! use zrun_models::{forward_model, init_model_params, lm_loss, Gpt, GptConfig, Model};
@@ -25,16 +27,21 @@ mod activation;
 mod config;
 mod error;
 mod gpt;
+pub mod hf;
+mod llama;
 mod loss;
 mod param;
 mod unit;
 
 pub use activation::{Activations, LossBytes};
-pub use config::GptConfig;
+pub use config::{ArchConfig, GptConfig};
 pub use error::{Error, Result};
 pub use gpt::Gpt;
+pub use hf::HfParam;
+pub use llama::{Llama, LlamaConfig, RopeScaling};
 pub use loss::{lm_loss, IGNORE_INDEX};
 pub use param::{Init, ParamSpec};
 pub use unit::{
-    forward_model, init_model_params, init_unit_params, unit_inputs, KvCache, Model, Tied, Unit,
+    forward_model, forward_model_cached, init_model_params, init_unit_params, unit_inputs, KvCache,
+    Model, Tied, Unit,
 };

@@ -184,6 +184,7 @@ mod tests {
             n_head: 2,
             d_model: 14,
             init_std: 0.02,
+            tied: false,
         })
         .unwrap()
     }

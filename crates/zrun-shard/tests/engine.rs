@@ -16,6 +16,7 @@ fn model() -> Arc<dyn Model> {
         n_head: 4,
         d_model: 32,
         init_std: 0.02,
+        tied: false,
     };
     Arc::new(Gpt::new(cfg).unwrap())
 }
@@ -304,6 +305,7 @@ fn stage3_keeps_only_the_units_in_flight_gathered() {
         n_head: 4,
         d_model: 32,
         init_std: 0.02,
+        tied: false,
     };
     let m: Arc<dyn Model> = Arc::new(Gpt::new(cfg).unwrap());
     let mut e = engine_at(m, Stage::Zero3);
@@ -358,6 +360,7 @@ fn offloaded_update_during_backward_equals_the_update_at_the_step() {
                 n_head: 4,
                 d_model: 128,
                 init_std: 0.02,
+                tied: false,
             };
             let make = || {
                 let mut cfg = EngineConfig::fp32(stage, Device::Cpu, SEED, adamw());

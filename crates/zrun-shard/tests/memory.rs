@@ -66,6 +66,7 @@ fn model_state_bytes_per_rank_equal_the_zero_formula() {
         n_head: 3,
         d_model: 21,
         init_std: 0.02,
+        tied: false,
     })
     .unwrap();
     let model: Arc<dyn Model> = Arc::new(gpt);

@@ -278,6 +278,7 @@ pub fn warm_up(device: Device, kind: Kind) -> Result<(), Error> {
         n_head: 2,
         d_model: 16,
         init_std: 0.02,
+        tied: false,
     };
     let gpt = Gpt::new(cfg)?;
     let params = zrun_models::init_model_params(&gpt, 0, kind, device)?;

@@ -1,17 +1,20 @@
-//! GPT (nanoGPT-like, GPT-2 layout, untied head, no dropout) as an ordered list of units:
-//! `"embed"`, `"h.0"` .. `"h.{L-1}"`, `"head"`.
+//! GPT (nanoGPT-like, GPT-2 layout, no dropout) as an ordered list of units: `"embed"`,
+//! `"h.0"` .. `"h.{L-1}"`, `"head"`. The head owns `lm_head.weight`, or with
+//! `GptConfig::tied` multiplies by the embedding's `wte.weight` (as GPT-2 on the Hub).
 //!
-//! Parameter count: `V*C + T*C + L*(12C^2 + 13C) + 2C + V*C` (wte, wpe, blocks, ln_f, lm_head).
+//! Parameter count: `V*C + T*C + L*(12C^2 + 13C) + 2C`, plus `V*C` for an untied `lm_head`
+//! (wte, wpe, blocks, ln_f, lm_head).
 //!
 //! FLOPs per token (forward) = 2 * (matmul weights: `12 L C^2 + V C`) + attention
 //! `4 L T C`; training = 3x forward. This equals nanoGPT's `6N + 12 L H Q T` with N counted
-//! as the matmul weights only (embedding lookups, biases and LayerNorms excluded) and
-//! `lm_head` counted once because it is untied here.
+//! as the matmul weights only (embedding lookups, biases and LayerNorms excluded); the
+//! logits matmul `V C` counts once, tied or not (a lookup in the table costs nothing).
 
 mod units;
 
 use crate::config::GptConfig;
 use crate::error::Result;
+use crate::hf::{self, HfParam};
 use crate::unit::{Model, Unit};
 
 /// A GPT model: configuration plus its units. Holds no tensors, so even the largest preset
@@ -32,13 +35,14 @@ impl Gpt {
             n_head,
             d_model: c,
             init_std: std,
+            tied,
         } = cfg;
         let mut units: Vec<Box<dyn Unit>> = Vec::with_capacity(l as usize + 2);
         units.push(Box::new(units::Embed::new(v, t, c, std)));
         for i in 0..l {
             units.push(Box::new(units::Block::new(i, l, n_head, c, t, std)));
         }
-        units.push(Box::new(units::Head::new(v, c, t, std)));
+        units.push(Box::new(units::Head::new(v, c, t, std, tied)));
         Ok(Gpt { cfg, units })
     }
 
@@ -71,6 +75,15 @@ impl Model for Gpt {
 
     fn seq_len(&self) -> i64 {
         self.cfg.seq_len
+    }
+
+    /// `GPT2LMHeadModel`'s names; the Conv1D weights are transposed (see [`crate::hf`]).
+    fn hf_params(&self) -> Vec<HfParam> {
+        self.units
+            .iter()
+            .flat_map(|u| u.params())
+            .map(|p| hf::gpt2_param(&p.name))
+            .collect()
     }
 }
 

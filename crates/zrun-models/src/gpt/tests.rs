@@ -9,7 +9,10 @@ use crate::config::GptConfig;
 use crate::error::Error;
 use crate::loss::lm_loss;
 use crate::param::Init;
-use crate::unit::{forward_model, init_model_params, init_unit_params, Model};
+use crate::unit::{
+    cached_logits, forward_model, forward_model_cached, init_model_params, init_unit_params,
+    KvCache, Model, Tied,
+};
 
 const CPU: Device = Device::Cpu;
 
@@ -387,4 +390,120 @@ fn bad_inputs_are_errors_that_say_what() {
         ..gpt.config().clone()
     })
     .is_err());
+}
+
+// ------------------------------------------------------------- tied head and generation
+
+fn tied_tiny() -> Gpt {
+    Gpt::new(GptConfig {
+        tied: true,
+        ..GptConfig::preset("tiny").unwrap()
+    })
+    .unwrap()
+}
+
+#[test]
+fn tied_head_reads_the_token_table() {
+    let (tied, untied) = (tied_tiny(), tiny());
+    let head = tied.units().last().unwrap();
+    let names: Vec<&str> = head.params().iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(names, ["ln_f.weight", "ln_f.bias"]);
+    assert_eq!(head.tied(), Some(Tied { unit: 0, param: 0 }));
+    assert_eq!(untied.units().last().unwrap().tied(), None);
+    assert_eq!(
+        tied.param_count(),
+        closed_form_params(256, 64, 2, 64) - 256 * 64
+    );
+    assert_eq!(tied.flops_per_token(), untied.flops_per_token());
+
+    // The tied model equals the untied one whose lm_head is a copy of wte.
+    let p = random_params(&tied);
+    let mut q: Vec<Vec<Tensor>> = p
+        .iter()
+        .map(|u| u.iter().map(|t| t.copy()).collect())
+        .collect();
+    q[3].push(p[0][0].copy());
+    let idx = tokens(2, 16, 256, 7);
+    let a = forward_model(&tied, &p, &idx).unwrap();
+    let b = forward_model(&untied, &q, &idx).unwrap();
+    assert_eq!(max_abs_diff(&a, &b), 0.0);
+
+    // The table's gradient collects both uses: the lookup's and the head's.
+    let leaves = |ps: &[Vec<Tensor>]| -> Vec<Vec<Tensor>> {
+        ps.iter()
+            .map(|u| u.iter().map(|t| t.copy().set_requires_grad(true)).collect())
+            .collect()
+    };
+    let (pl, ql) = (leaves(&p), leaves(&q));
+    let target = tokens(2, 16, 256, 8);
+    lm_loss(&forward_model(&tied, &pl, &idx).unwrap(), &target)
+        .unwrap()
+        .backward();
+    lm_loss(&forward_model(&untied, &ql, &idx).unwrap(), &target)
+        .unwrap()
+        .backward();
+    let both = ql[0][0].grad() + ql[3][2].grad();
+    assert!(max_abs_diff(&pl[0][0].grad(), &both) < 1e-12);
+
+    // Without the table the head says what it expected.
+    let x = tied.units()[0].forward(&p[0], &idx).unwrap();
+    match head.forward(&p[3], &x) {
+        Err(Error::ParamCount {
+            expected: 3,
+            got: 2,
+            names,
+            ..
+        }) => assert!(names.contains("wte.weight"), "{names}"),
+        other => panic!("expected ParamCount, got {other:?}"),
+    }
+}
+
+#[test]
+fn cached_generation_equals_the_full_forward() {
+    for gpt in [tiny(), tied_tiny()] {
+        let p = random_params(&gpt);
+        let idx = tokens(2, 24, 256, 12);
+        let full = forward_model(&gpt, &p, &idx).unwrap();
+        for prompt in [1, 9] {
+            let cached = cached_logits(&gpt, &p, &idx, prompt).unwrap();
+            let d = max_abs_diff(&cached, &full);
+            assert!(d < 1e-10, "prompt {prompt}: max diff {d}");
+        }
+    }
+}
+
+#[test]
+fn cached_steps_that_do_not_follow_the_cache_are_errors() {
+    let gpt = tiny();
+    let p = init_model_params(&gpt, 1, Kind::Float, CPU).unwrap();
+    let mut caches: Vec<KvCache> = gpt.units().iter().map(|_| KvCache::default()).collect();
+    let idx = tokens(1, 64, 256, 1);
+    let _ = forward_model_cached(&gpt, &p, &idx.narrow(1, 0, 60), 0, &mut caches).unwrap();
+    assert_eq!(caches[1].seen(), 60);
+    let two = idx.narrow(1, 60, 2);
+    match forward_model_cached(&gpt, &p, &two, 60, &mut caches) {
+        Err(Error::KvCache { pos: 60, t: 2, .. }) => {}
+        other => panic!("expected KvCache, got {other:?}"),
+    }
+    let one = idx.narrow(1, 61, 1);
+    match forward_model_cached(&gpt, &p, &one, 61, &mut caches) {
+        Err(Error::KvCache {
+            unit,
+            pos: 61,
+            cached: 60,
+            ..
+        }) => assert_eq!(unit, "h.0"),
+        other => panic!("expected KvCache, got {other:?}"),
+    }
+    for pos in 60..64 {
+        let one = idx.narrow(1, pos, 1);
+        let _ = forward_model_cached(&gpt, &p, &one, pos, &mut caches).unwrap();
+    }
+    // Position 64 is past the position table.
+    match forward_model_cached(&gpt, &p, &one, 64, &mut caches) {
+        Err(Error::SeqTooLong {
+            got: 65, max: 64, ..
+        }) => {}
+        other => panic!("expected SeqTooLong, got {other:?}"),
+    }
 }

@@ -2,13 +2,17 @@
 //!
 //! Each unit owns its `ParamSpec`s; `forward` checks the tensors it is handed against them and
 //! computes in the parameters' dtype (activations of another dtype are cast on entry).
+//! `forward_cached` runs the same math on positions `[pos, pos + T)` with a KV cache.
 
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use crate::activation::Activations;
 use crate::error::{Error, Result, TorchCtx};
 use crate::param::{Init, ParamSpec};
-use crate::unit::{check_params, Unit};
+use crate::unit::{
+    cache_append, check_activation, check_params, check_step, check_tokens, spec, to_param_kind,
+    KvCache, Tied, Unit,
+};
 
 /// LayerNorm epsilon (PyTorch's default, as GPT-2 / nanoGPT).
 const LN_EPS: f64 = 1e-5;
@@ -16,47 +20,6 @@ const LN_EPS: f64 = 1e-5;
 /// GELU variant used by the MLP: the tanh approximation, as the original GPT-2 ("gelu_new"),
 /// so GPT-2 weights reproduce GPT-2's activations.
 const GELU_APPROX: &str = "tanh";
-
-/// Build a `ParamSpec` with decay for 2-D weights only.
-fn spec(name: String, shape: Vec<i64>, init: Init) -> ParamSpec {
-    let decay = shape.len() >= 2;
-    ParamSpec {
-        name,
-        shape,
-        init,
-        decay,
-    }
-}
-
-/// Cast `x` to the parameters' dtype when it differs (mixed precision enters here).
-fn to_param_kind(unit: &str, x: &Tensor, kind: Kind) -> Result<Tensor> {
-    if x.kind() == kind {
-        Ok(x.shallow_clone())
-    } else {
-        x.f_to_kind(kind).ctx(unit, "to_kind")
-    }
-}
-
-/// Check that `x` is (B, T, C) floating point with T <= seq_len; returns (B, T).
-fn check_activation(unit: &str, x: &Tensor, c: i64, seq_len: i64) -> Result<(i64, i64)> {
-    let size = x.size();
-    if size.len() != 3 || size[2] != c || !x.is_floating_point() {
-        return Err(Error::Input {
-            unit: unit.to_string(),
-            expected: format!("a floating-point (B, T, {c}) activation"),
-            got: size,
-            kind: format!("{:?}", x.kind()),
-        });
-    }
-    if size[1] > seq_len {
-        return Err(Error::SeqTooLong {
-            unit: unit.to_string(),
-            got: size[1],
-            max: seq_len,
-        });
-    }
-    Ok((size[0], size[1]))
-}
 
 /// Unit `"embed"`: `wte.weight` (V, C), `wpe.weight` (T_max, C); x = wte[idx] + wpe[0..T].
 pub(crate) struct Embed {
@@ -78,6 +41,24 @@ impl Embed {
             c,
         }
     }
+
+    /// Token rows plus position rows `[pos, pos + T)`: (B, T) -> (B, T, C).
+    fn lookup(&self, params: &[Tensor], idx: &Tensor, pos: i64) -> Result<Tensor> {
+        let u = "embed";
+        check_params(u, &self.specs, params)?;
+        let (_, t) = check_tokens(u, idx, i64::MAX)?;
+        if pos + t > self.seq_len {
+            return Err(Error::SeqTooLong {
+                unit: u.to_string(),
+                got: pos + t,
+                max: self.seq_len,
+            });
+        }
+        let (wte, wpe) = (&params[0], &params[1]);
+        let tok = Tensor::f_embedding(wte, idx, -1, false, false).ctx(u, "embedding")?; // (B, T, C)
+        let positions = wpe.f_narrow(0, pos, t).ctx(u, "narrow")?; // (T, C)
+        tok.f_add(&positions).ctx(u, "add") // (B, T, C)
+    }
 }
 
 impl Unit for Embed {
@@ -90,29 +71,20 @@ impl Unit for Embed {
     }
 
     fn forward(&self, params: &[Tensor], idx: &Tensor) -> Result<Tensor> {
-        let u = self.name();
-        check_params(u, &self.specs, params)?;
-        let size = idx.size();
-        if size.len() != 2 || !matches!(idx.kind(), Kind::Int64 | Kind::Int) {
-            return Err(Error::Input {
-                unit: u.to_string(),
-                expected: "token ids (B, T) of dtype int64".to_string(),
-                got: size,
-                kind: format!("{:?}", idx.kind()),
-            });
-        }
-        let t = size[1];
-        if t > self.seq_len {
-            return Err(Error::SeqTooLong {
-                unit: u.to_string(),
-                got: t,
-                max: self.seq_len,
-            });
-        }
-        let (wte, wpe) = (&params[0], &params[1]);
-        let tok = Tensor::f_embedding(wte, idx, -1, false, false).ctx(u, "embedding")?; // (B, T, C)
-        let pos = wpe.f_narrow(0, 0, t).ctx(u, "narrow")?; // (T, C)
-        tok.f_add(&pos).ctx(u, "add") // (B, T, C)
+        self.lookup(params, idx, 0)
+    }
+
+    /// Positions `[pos, pos + T)` of the table; their end must not pass `seq_len`.
+    fn forward_cached(
+        &self,
+        params: &[Tensor],
+        idx: &Tensor,
+        pos: i64,
+        _cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let (_, t) = check_tokens(self.name(), idx, i64::MAX)?;
+        check_step(self.name(), pos, t, pos)?;
+        self.lookup(params, idx, pos)
     }
 
     /// A table lookup: no matmul FLOPs.
@@ -174,18 +146,15 @@ impl Block {
             seq_len,
         }
     }
-}
 
-impl Unit for Block {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn params(&self) -> &[ParamSpec] {
-        &self.specs
-    }
-
-    fn forward(&self, params: &[Tensor], x: &Tensor) -> Result<Tensor> {
+    /// The block's math; with a cache, queries at `[pos, pos + T)` attend to every cached key
+    /// (causally for a prompt).
+    fn run(
+        &self,
+        params: &[Tensor],
+        x: &Tensor,
+        cache: Option<(i64, &mut KvCache)>,
+    ) -> Result<Tensor> {
         let u = self.name.as_str();
         check_params(u, &self.specs, params)?;
         let (b, t) = check_activation(u, x, self.c, self.seq_len)?;
@@ -214,13 +183,17 @@ impl Unit for Block {
                 .ctx(u, "split heads")
         };
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
+        let (k, v, causal) = match cache {
+            None => (k, v, true),
+            Some((pos, cache)) => cache_append(u, cache, k, v, pos)?, // (B, nh, pos+T, hs)
+        };
         let y = Tensor::f_scaled_dot_product_attention(
             &q,
             &k,
             &v,
             None::<Tensor>,
             0.0,
-            true,
+            causal,
             None,
             false,
         )
@@ -240,6 +213,31 @@ impl Unit for Block {
         let h = h.f_gelu(GELU_APPROX).ctx(u, "gelu")?;
         let h = h.f_linear(mp_w, Some(mp_b)).ctx(u, "linear(mlp.proj)")?; // (B, T, C)
         x.f_add(&h).ctx(u, "residual add")
+    }
+}
+
+impl Unit for Block {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn params(&self) -> &[ParamSpec] {
+        &self.specs
+    }
+
+    fn forward(&self, params: &[Tensor], x: &Tensor) -> Result<Tensor> {
+        self.run(params, x, None)
+    }
+
+    /// Appends this block's keys and values (B, nh, T, hs) to `cache`.
+    fn forward_cached(
+        &self,
+        params: &[Tensor],
+        x: &Tensor,
+        pos: i64,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        self.run(params, x, Some((pos, cache)))
     }
 
     /// `2 * 12 C^2` for the four matmuls (qkv 3C^2, proj C^2, fc 4C^2, proj 4C^2) plus
@@ -270,28 +268,55 @@ impl Unit for Block {
     }
 }
 
-/// Unit `"head"`: `ln_f.weight/bias` (C) and an untied `lm_head.weight` (V, C);
-/// logits = ln_f(x) @ W^T.
+/// Unit `"head"`: `ln_f.weight/bias` (C) and `lm_head.weight` (V, C), or with a tied head
+/// the embedding's `wte.weight` read through [`Unit::tied`]; logits = ln_f(x) @ W^T.
 pub(crate) struct Head {
     specs: Vec<ParamSpec>,
+    /// What `forward` takes: `specs`, then the tied table when there is one.
+    inputs: Vec<ParamSpec>,
+    tied: bool,
     v: i64,
     c: i64,
     seq_len: i64,
 }
 
 impl Head {
-    /// Specs for vocabulary `v` and width `c`.
-    pub(crate) fn new(v: i64, c: i64, seq_len: i64, std: f64) -> Head {
+    /// Specs for vocabulary `v` and width `c`; `tied` reads `wte.weight` instead of owning
+    /// `lm_head.weight`.
+    pub(crate) fn new(v: i64, c: i64, seq_len: i64, std: f64, tied: bool) -> Head {
+        let mut specs = vec![
+            spec("ln_f.weight".into(), vec![c], Init::Ones),
+            spec("ln_f.bias".into(), vec![c], Init::Zeros),
+        ];
+        let lm = spec("lm_head.weight".into(), vec![v, c], Init::Normal { std });
+        let mut inputs = specs.clone();
+        if tied {
+            inputs.push(spec("wte.weight".into(), vec![v, c], Init::Normal { std }));
+        } else {
+            specs.push(lm.clone());
+            inputs.push(lm);
+        }
         Head {
-            specs: vec![
-                spec("ln_f.weight".into(), vec![c], Init::Ones),
-                spec("ln_f.bias".into(), vec![c], Init::Zeros),
-                spec("lm_head.weight".into(), vec![v, c], Init::Normal { std }),
-            ],
+            specs,
+            inputs,
+            tied,
             v,
             c,
             seq_len,
         }
+    }
+
+    /// ln_f then the logits matmul, for up to `max_t` positions.
+    fn run(&self, params: &[Tensor], x: &Tensor, max_t: i64) -> Result<Tensor> {
+        let u = "head";
+        check_params(u, &self.inputs, params)?;
+        check_activation(u, x, self.c, max_t)?;
+        let (w, b, lm) = (&params[0], &params[1], &params[2]);
+        let x = to_param_kind(u, x, w.kind())?;
+        let h = x
+            .f_layer_norm([self.c], Some(w), Some(b), LN_EPS, true)
+            .ctx(u, "layer_norm(ln_f)")?;
+        h.f_linear(lm, None::<Tensor>).ctx(u, "linear(lm_head)") // (B, T, V)
     }
 }
 
@@ -304,19 +329,27 @@ impl Unit for Head {
         &self.specs
     }
 
-    fn forward(&self, params: &[Tensor], x: &Tensor) -> Result<Tensor> {
-        let u = self.name();
-        check_params(u, &self.specs, params)?;
-        check_activation(u, x, self.c, self.seq_len)?;
-        let (w, b, lm) = (&params[0], &params[1], &params[2]);
-        let x = to_param_kind(u, x, w.kind())?;
-        let h = x
-            .f_layer_norm([self.c], Some(w), Some(b), LN_EPS, true)
-            .ctx(u, "layer_norm(ln_f)")?;
-        h.f_linear(lm, None::<Tensor>).ctx(u, "linear(lm_head)") // (B, T, V)
+    /// `wte.weight`: parameter 0 of unit 0, when tied.
+    fn tied(&self) -> Option<Tied> {
+        self.tied.then_some(Tied { unit: 0, param: 0 })
     }
 
-    /// `2 * V * C` for the logits matmul.
+    fn forward(&self, params: &[Tensor], x: &Tensor) -> Result<Tensor> {
+        self.run(params, x, self.seq_len)
+    }
+
+    /// As `forward`: the head has no state across positions.
+    fn forward_cached(
+        &self,
+        params: &[Tensor],
+        x: &Tensor,
+        _pos: i64,
+        _cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        self.run(params, x, self.seq_len)
+    }
+
+    /// `2 * V * C` for the logits matmul (counted whether or not the matrix is tied).
     fn flops_per_token(&self) -> f64 {
         2.0 * self.v as f64 * self.c as f64
     }
