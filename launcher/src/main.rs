@@ -13,6 +13,7 @@
 //!     zrun bench ckpt                                          # checkpoint GB/s vs plain I/O
 //!     zrun --max-restarts 3 --nproc 8 train.toml               # restart from the newest checkpoint
 //!     zrun consolidate runs/x/ckpt/step-00001000 -o model.safetensors
+//!     zrun prepare --tokenizer tokenizer.json corpus/*.txt -o data/   # train.bin, val.bin
 //!
 //! Output: on a terminal node 0's launcher draws rank 0's progress as one live line (step,
 //! loss, tokens/s, MFU, memory, ETA) with every other line above it; elsewhere (a pipe, a
@@ -38,6 +39,7 @@ mod consolidate;
 mod fit;
 mod launch;
 mod plot;
+mod prepare;
 mod worker;
 
 use clap::{Parser, Subcommand};
@@ -81,6 +83,9 @@ enum Cmd {
     Exec(ExecArgs),
     /// Write one safetensors file of full, named parameters from a sharded checkpoint.
     Consolidate(consolidate::ConsolidateArgs),
+    /// Encode UTF-8 text files with a Hugging Face tokenizer.json into train.bin and val.bin
+    /// token files (uint16 or uint32, recorded in their header) for data.source = "tokens".
+    Prepare(prepare::PrepareArgs),
     /// Draw PNG and SVG charts (loss, throughput, memory, step-time breakdown) of one run or
     /// several, compared, from their metrics.jsonl and summary.json.
     Plot(plot::PlotArgs),
@@ -131,6 +136,7 @@ Common commands:
   zrun plan train.toml --nproc 8 --device-mem 80GiB       the cheapest config that fits
   zrun exec --nproc 2 -- sh -c 'echo $RANK'       any program as the ranks
   zrun consolidate runs/x/ckpt/step-00001000 -o model.safetensors
+  zrun prepare --tokenizer tokenizer.json corpus/*.txt -o data/   token files from text
   zrun bench comm --nproc 2                       collective bandwidth
   zrun plot runs/a runs/b -o plots/               charts from metrics.jsonl
 
@@ -167,6 +173,7 @@ fn main() -> ExitCode {
         Some(Cmd::Bench(BenchCmd::Adam(ref args))) => bench_adam::run_adam(args).map(|()| 0),
         Some(Cmd::Bench(BenchCmd::Ckpt(ref args))) => bench_ckpt::run_ckpt(args).map(|()| 0),
         Some(Cmd::Consolidate(ref args)) => consolidate::run(args),
+        Some(Cmd::Prepare(ref args)) => prepare::run(args),
         Some(Cmd::Plot(ref args)) => plot::run(args),
         Some(Cmd::Estimate(ref args)) => fit::estimate(args),
         Some(Cmd::Plan(ref args)) => fit::plan(args),

@@ -586,7 +586,10 @@ fn data_options(cfg: &Config, seq_len: i64, vocab_size: i64) -> DataOptions {
                 branching: d.branching,
             },
             DataKind::Tokens => DataSource::Tokens { path },
-            DataKind::Text => DataSource::Text { path },
+            DataKind::Text => DataSource::Text {
+                path,
+                tokenizer: crate::data::tokenizer_path(d, None),
+            },
         },
         seq_len: seq_len as usize,
         vocab_size: vocab_size as usize,

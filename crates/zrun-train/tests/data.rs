@@ -4,7 +4,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use zrun_train::data::{Cursor, DataOptions, DataSource, Dataset, Loader, Split};
+use zrun_train::data::{
+    Cursor, DataOptions, DataSource, Dataset, Loader, Split, TokenDtype, TokenWriter,
+};
 
 fn write_u16(path: &Path, tokens: &[u16]) {
     let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
@@ -155,7 +157,10 @@ fn text_sources_are_utf8_bytes_of_sorted_txt_files() {
     std::fs::write(dir.path().join("skip.md"), "\u{0}ignored").unwrap();
     let expected: Vec<i64> = format!("{a}{b}").bytes().map(i64::from).collect();
     let opts = |path: PathBuf| DataOptions {
-        source: DataSource::Text { path },
+        source: DataSource::Text {
+            path,
+            tokenizer: None,
+        },
         seq_len: 10,
         vocab_size: 256,
         seed: 3,
@@ -258,7 +263,10 @@ fn token_file_errors_name_the_file_the_problem_and_the_fix() {
 fn text_errors_name_the_file_the_key_and_the_fix() {
     let dir = tempfile::tempdir().unwrap();
     let opts = |path: PathBuf, vocab_size| DataOptions {
-        source: DataSource::Text { path },
+        source: DataSource::Text {
+            path,
+            tokenizer: None,
+        },
         seq_len: 4,
         vocab_size,
         seed: 0,
@@ -291,6 +299,165 @@ fn text_errors_name_the_file_the_key_and_the_fix() {
     let e = open_err(&opts(empty_dir.path().into(), 256));
     assert!(
         e.contains("no *.txt files") && e.contains("data.path"),
+        "{e}"
+    );
+}
+
+/// A token file with llm.c's header, written through the public writer.
+fn write_headered(path: &Path, dtype: TokenDtype, tokens: &[u32]) {
+    let mut w = TokenWriter::create(path, dtype).unwrap();
+    w.write(tokens).unwrap();
+    assert_eq!(w.finish().unwrap(), tokens.len() as u64);
+}
+
+#[test]
+fn headered_files_of_either_dtype_read_as_their_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens: Vec<u16> = (0..4001).map(|i| (i * 7 % 1000) as u16).collect();
+    let wide: Vec<u32> = tokens.iter().map(|&t| u32::from(t)).collect();
+    let plain = dir.path().join("plain.bin");
+    let u16_file = dir.path().join("u16.bin");
+    let u32_file = dir.path().join("u32.bin");
+    write_u16(&plain, &tokens);
+    write_headered(&u16_file, TokenDtype::U16, &wide);
+    write_headered(&u32_file, TokenDtype::U32, &wide);
+    let batch = |path: &PathBuf, split| {
+        let ds = Dataset::open(&tokens_opts(path.clone(), 16, 1000, 5)).unwrap();
+        ds.samples(split, &(0..32).collect::<Vec<u64>>()).unwrap()
+    };
+    for split in [Split::Train, Split::Eval] {
+        let (x, y) = batch(&plain, split);
+        for file in [&u16_file, &u32_file] {
+            let (x2, y2) = batch(file, split);
+            assert!(x.equal(&x2) && y.equal(&y2), "{}", file.display());
+        }
+    }
+    let summary = |path: &PathBuf| {
+        Dataset::open(&tokens_opts(path.clone(), 16, 1000, 5))
+            .unwrap()
+            .summary()
+    };
+    assert!(summary(&plain).contains("(uint16, no header)"));
+    assert!(summary(&u32_file).contains("(uint32, llm.c header)"));
+
+    // uint32 ids above 65535 come back whole, and the vocabulary still bounds them.
+    let big: Vec<u32> = (0..201).map(|i| 65_530 + i * 300).collect();
+    let big_file = dir.path().join("big.bin");
+    write_headered(&big_file, TokenDtype::U32, &big);
+    let ds = Dataset::open(&tokens_opts(big_file.clone(), 4, 200_000, 0)).unwrap();
+    let (x, _) = ds.samples(Split::Eval, &[0]).unwrap();
+    let w = ds.len(Split::Train).unwrap() as usize;
+    let want: Vec<i64> = big[w * 4..w * 4 + 4].iter().map(|&t| t.into()).collect();
+    assert_eq!(rows(&x)[0], want);
+    let e = open_err(&tokens_opts(big_file.clone(), 4, 100_000, 0));
+    let want = format!(
+        "data.path {}: token 125530 at offset 200 >= model.vocab_size 100000; raise \
+         model.vocab_size to at least 125531",
+        big_file.display()
+    );
+    assert_eq!(e, want);
+}
+
+#[test]
+fn a_header_that_disagrees_with_the_file_is_a_one_line_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("cut.bin");
+    write_headered(&file, TokenDtype::U32, &[1; 100]);
+    let bytes = std::fs::read(&file).unwrap();
+    std::fs::write(&file, &bytes[..bytes.len() - 8]).unwrap();
+    let e = open_err(&tokens_opts(file.clone(), 4, 256, 0));
+    assert!(!e.contains('\n'), "{e}");
+    assert!(
+        e.starts_with(&format!("data.path {}: ", file.display()))
+            && e.contains("header says 100 uint32 tokens")
+            && e.contains("1424 bytes")
+            && e.contains("file has 1416 bytes")
+            && e.contains("zrun prepare"),
+        "{e}"
+    );
+    let mut unknown = bytes.clone();
+    unknown[4] = 9;
+    std::fs::write(&file, &unknown).unwrap();
+    let e = open_err(&tokens_opts(file, 4, 256, 0));
+    assert!(e.contains("version 9"), "{e}");
+}
+
+/// A word-level tokenizer.json over `words` (ids in order), `[UNK]` next, then
+/// `<|endoftext|>`.
+fn word_tokenizer(dir: &Path, words: &[&str]) -> PathBuf {
+    let mut vocab: Vec<String> = words
+        .iter()
+        .enumerate()
+        .map(|(i, w)| format!("{w:?}: {i}"))
+        .collect();
+    let (unk, eot) = (words.len(), words.len() + 1);
+    vocab.push(format!("\"[UNK]\": {unk}"));
+    vocab.push(format!("\"<|endoftext|>\": {eot}"));
+    let json = format!(
+        r#"{{"version": "1.0", "truncation": null, "padding": null, "normalizer": null,
+            "added_tokens": [{{"id": {eot}, "content": "<|endoftext|>", "single_word": false,
+                "lstrip": false, "rstrip": false, "normalized": false, "special": true}}],
+            "pre_tokenizer": {{"type": "WhitespaceSplit"}}, "post_processor": null,
+            "decoder": null,
+            "model": {{"type": "WordLevel", "vocab": {{{}}}, "unk_token": "[UNK]"}}}}"#,
+        vocab.join(", ")
+    );
+    let path = dir.join("tokenizer.json");
+    std::fs::write(&path, json).unwrap();
+    path
+}
+
+#[test]
+fn text_encoded_by_a_tokenizer_is_its_documents_each_ended_by_eos() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = word_tokenizer(dir.path(), &["a", "b", "c"]);
+    let texts = dir.path().join("texts");
+    std::fs::create_dir(&texts).unwrap();
+    std::fs::write(texts.join("1.txt"), "a b c ".repeat(10)).unwrap();
+    std::fs::write(texts.join("2.txt"), "c c zz ".repeat(5)).unwrap();
+    let opts = |vocab_size| DataOptions {
+        source: DataSource::Text {
+            path: texts.clone(),
+            tokenizer: Some(tok.clone()),
+        },
+        seq_len: 4,
+        vocab_size,
+        seed: 0,
+        eval_fraction: 0.2,
+    };
+    let mut want: Vec<i64> = [0, 1, 2].repeat(10);
+    want.push(4);
+    want.extend([2, 2, 3].repeat(5));
+    want.push(4);
+    let ds = Dataset::open(&opts(5)).unwrap();
+    let windows = (want.len() as u64 - 1) / 4;
+    let eval = ds.len(Split::Eval).unwrap();
+    assert_eq!(ds.len(Split::Train).unwrap() + eval, windows);
+    let (x, y) = ds
+        .samples(Split::Eval, &(0..eval).collect::<Vec<u64>>())
+        .unwrap();
+    let first = (windows - eval) as usize;
+    for (k, (xi, yi)) in rows(&x).iter().zip(rows(&y)).enumerate() {
+        let w = (first + k) * 4;
+        assert_eq!(xi, &want[w..w + 4]);
+        assert_eq!(yi, want[w + 1..w + 5]);
+    }
+    assert!(ds.summary().contains("each ended by <|endoftext|> (id 4)"));
+
+    // The tokenizer's 5 ids do not fit 4 embedding rows.
+    let e = open_err(&opts(4));
+    assert_eq!(
+        e,
+        format!(
+            "data.tokenizer {}: its vocabulary has 5 tokens, more than model.vocab_size 4; \
+             set model.vocab_size to at least 5 (--set model.vocab_size=5)",
+            tok.display()
+        )
+    );
+    std::fs::write(&tok, "not json").unwrap();
+    let e = open_err(&opts(5));
+    assert!(
+        e.starts_with("data.tokenizer ") && e.contains("cannot load the tokenizer"),
         "{e}"
     );
 }

@@ -215,6 +215,14 @@ impl Config {
             }
             _ => {}
         }
+        if let (Some(p), DataKind::Synthetic) = (&d.tokenizer, d.source) {
+            return bad(
+                "data.tokenizer",
+                p.display(),
+                "not used by data.source = \"synthetic\"; remove it, or encode text with it \
+                 (data.source = \"text\")",
+            );
+        }
         if d.branching == 0 || d.branching as i64 >= g.vocab_size {
             return bad(
                 "data.branching",

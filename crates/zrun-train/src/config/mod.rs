@@ -107,9 +107,9 @@ pub enum DataKind {
     /// Seeded sparse Markov chain with a known loss floor.
     #[default]
     Synthetic,
-    /// uint16 token files (nanoGPT `.bin`).
+    /// Token files: llm.c's header (uint16 or uint32) or headerless uint16 (nanoGPT `.bin`).
     Tokens,
-    /// UTF-8 text as byte tokens.
+    /// UTF-8 text as byte tokens, or encoded by `data.tokenizer`.
     Text,
 }
 
@@ -121,6 +121,8 @@ pub struct DataConfig {
     pub source: DataKind,
     /// File or directory for tokens and text (relative to the working directory).
     pub path: Option<PathBuf>,
+    /// A Hugging Face `tokenizer.json` that encodes `data.source = "text"` (absent: bytes).
+    pub tokenizer: Option<PathBuf>,
     /// Synthetic: successors per state of the Markov chain.
     pub branching: usize,
     /// Share of windows held out for eval when there is no `val.bin`.
@@ -134,6 +136,7 @@ impl Default for DataConfig {
         DataConfig {
             source: DataKind::Synthetic,
             path: None,
+            tokenizer: None,
             branching: 4,
             eval_fraction: 0.05,
             seed: 0,

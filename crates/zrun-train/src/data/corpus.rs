@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use memmap2::Mmap;
 
 use super::rng::{shuffle, Rng};
+use super::token_file::{Layout, TokenDtype};
 use super::{DataError, Split};
 
 /// Salt of the per-epoch shuffle seeds.
@@ -17,35 +18,70 @@ const SALT_EPOCH: u64 = 0x65706f6368; // "epoch"
 /// Epoch permutations kept in memory (the current one and the next, across a boundary).
 const CACHED_EPOCHS: usize = 2;
 
-/// Token storage: little-endian uint16 or bytes, mapped or owned.
+/// Token storage: a memory-mapped token file, or bytes or ids, mapped or owned.
 #[derive(Debug)]
 pub(crate) enum TokenStore {
-    /// uint16 little-endian tokens, memory-mapped.
-    U16(Mmap),
+    /// A token file (little-endian uint16 or uint32 after any header), memory-mapped.
+    Mapped {
+        /// The whole file.
+        map: Mmap,
+        /// Where its tokens are and their dtype.
+        layout: Layout,
+    },
     /// Byte tokens, memory-mapped.
     Bytes(Mmap),
     /// Byte tokens in memory (several text files concatenated).
     OwnedBytes(Vec<u8>),
+    /// Token ids in memory (text encoded by a tokenizer).
+    Ids(Vec<u32>),
 }
 
 impl TokenStore {
     /// Number of tokens.
     pub(crate) fn len(&self) -> u64 {
         match self {
-            TokenStore::U16(m) => m.len() as u64 / 2,
+            TokenStore::Mapped { layout, .. } => layout.tokens,
             TokenStore::Bytes(m) => m.len() as u64,
             TokenStore::OwnedBytes(v) => v.len() as u64,
+            TokenStore::Ids(v) => v.len() as u64,
+        }
+    }
+
+    /// The element type, for the summary: "uint32, llm.c header", "uint16, no header".
+    pub(crate) fn describe(&self) -> String {
+        match self {
+            TokenStore::Mapped { layout, .. } => format!(
+                "{}, {}",
+                layout.dtype.name(),
+                if layout.header {
+                    "llm.c header"
+                } else {
+                    "no header"
+                }
+            ),
+            TokenStore::Bytes(_) | TokenStore::OwnedBytes(_) => "bytes".into(),
+            TokenStore::Ids(_) => "token ids".into(),
         }
     }
 
     /// Appends tokens `[start, start + count)` to `out`.
     fn extend(&self, start: usize, count: usize, out: &mut Vec<i64>) {
         match self {
-            TokenStore::U16(m) => out.extend(
-                m[2 * start..2 * (start + count)]
-                    .chunks_exact(2)
-                    .map(|p| i64::from(u16::from_le_bytes([p[0], p[1]]))),
-            ),
+            TokenStore::Mapped { map, layout } => {
+                let w = layout.dtype.bytes();
+                let body = &map[layout.start + w * start..layout.start + w * (start + count)];
+                match layout.dtype {
+                    TokenDtype::U16 => out.extend(
+                        body.chunks_exact(2)
+                            .map(|p| i64::from(u16::from_le_bytes([p[0], p[1]]))),
+                    ),
+                    TokenDtype::U32 => out.extend(
+                        body.chunks_exact(4)
+                            .map(|p| i64::from(u32::from_le_bytes([p[0], p[1], p[2], p[3]]))),
+                    ),
+                }
+            }
+            TokenStore::Ids(v) => out.extend(v[start..start + count].iter().map(|&x| i64::from(x))),
             TokenStore::Bytes(m) => {
                 out.extend(m[start..start + count].iter().map(|&x| i64::from(x)))
             }

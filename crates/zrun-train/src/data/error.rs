@@ -15,8 +15,10 @@ pub enum DataError {
         expected: &'static str,
     },
     /// A file or directory could not be read.
-    #[error("data.path {}: cannot {op}: {source}; check that it exists and is readable", path.display())]
+    #[error("{key} {}: cannot {op}: {source}; check that it exists and is readable", path.display())]
     Io {
+        /// Where the path was given (`data.path`, `input`).
+        key: &'static str,
         /// The file or directory.
         path: PathBuf,
         /// What was attempted ("open", "memory-map", "read", "list directory").
@@ -27,9 +29,9 @@ pub enum DataError {
     },
     /// A token file whose size is not a whole number of uint16 tokens.
     #[error(
-        "data.path {}: size {bytes} bytes is odd, but a token file must hold uint16 \
-         little-endian tokens (2 bytes each); regenerate it, e.g. \
-         np.array(ids, dtype=np.uint16).tofile(path)",
+        "data.path {}: size {bytes} bytes is odd, but a token file without a header must \
+         hold uint16 little-endian tokens (2 bytes each); regenerate it, e.g. \
+         np.array(ids, dtype=np.uint16).tofile(path), or write it with zrun prepare",
         path.display()
     )]
     OddSize {
@@ -67,7 +69,7 @@ pub enum DataError {
         /// The token file.
         path: PathBuf,
         /// The largest token in the file.
-        token: u16,
+        token: u32,
         /// Token offset (not byte offset) of its first occurrence.
         offset: u64,
         /// The configured vocabulary size.
@@ -75,11 +77,13 @@ pub enum DataError {
     },
     /// A text file that is not valid UTF-8.
     #[error(
-        "data.path {}: invalid UTF-8 at byte offset {offset}; the text source reads UTF-8: \
-         re-encode the file (e.g. iconv -t UTF-8) or tokenize it into a uint16 .bin token file",
+        "{key} {}: invalid UTF-8 at byte offset {offset}; text is read as UTF-8: re-encode \
+         the file (e.g. iconv -t UTF-8) or tokenize it into a .bin token file",
         path.display()
     )]
     InvalidUtf8 {
+        /// Where the path was given (`data.path`, `input`).
+        key: &'static str,
         /// The text file.
         path: PathBuf,
         /// Byte offset of the first invalid sequence.
@@ -103,6 +107,115 @@ pub enum DataError {
     TextVocab {
         /// The configured vocabulary size.
         vocab_size: usize,
+    },
+    /// A token file whose llm.c header disagrees with the file.
+    #[error(
+        "data.path {}: {problem}; write the file again, e.g. with zrun prepare (header: 256 \
+         little-endian int32 [20240520, 1 = uint16 or 2 = uint32, token count], then the tokens)",
+        path.display()
+    )]
+    Header {
+        /// The token file.
+        path: PathBuf,
+        /// What the header says against what the file holds.
+        problem: String,
+    },
+    /// A `tokenizer.json` that cannot be read or parsed.
+    #[error(
+        "{key} {}: cannot load the tokenizer: {reason}; give a Hugging Face tokenizer.json \
+         (what tokenizer.save(path) or save_pretrained(dir) writes)",
+        path.display()
+    )]
+    Tokenizer {
+        /// Where the path was given (`data.tokenizer`, `--tokenizer`).
+        key: &'static str,
+        /// The tokenizer file.
+        path: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A tokenizer whose ids do not fit the model's embedding.
+    #[error(
+        "data.tokenizer {}: its vocabulary has {tokenizer_vocab} tokens, more than \
+         model.vocab_size {vocab_size}; set model.vocab_size to at least {tokenizer_vocab} \
+         (--set model.vocab_size={tokenizer_vocab})",
+        path.display()
+    )]
+    TokenizerVocab {
+        /// The tokenizer file.
+        path: PathBuf,
+        /// Its largest id + 1.
+        tokenizer_vocab: usize,
+        /// The configured vocabulary size.
+        vocab_size: usize,
+    },
+    /// A separator token that the tokenizer does not have.
+    #[error(
+        "{key} {token}: not in the vocabulary of {}; name one of its tokens, or give \
+         {key} none to join documents without a separator",
+        tokenizer.display()
+    )]
+    UnknownToken {
+        /// The flag that named it (`--eos`).
+        key: &'static str,
+        /// The token as given.
+        token: String,
+        /// The tokenizer file.
+        tokenizer: PathBuf,
+    },
+    /// The tokenizer failed on a document.
+    #[error(
+        "{}: the tokenizer {} cannot encode it: {reason}; check that the text and the \
+         tokenizer belong together",
+        path.display(),
+        tokenizer.display()
+    )]
+    Encode {
+        /// The text file.
+        path: PathBuf,
+        /// The tokenizer file.
+        tokenizer: PathBuf,
+        /// The tokenizer's error.
+        reason: String,
+    },
+    /// An output file that cannot be written.
+    #[error(
+        "{}: cannot {op}: {source}; check that the output directory (-o) can be created and \
+         is writable and that the disk has room",
+        path.display()
+    )]
+    Write {
+        /// The file or directory.
+        path: PathBuf,
+        /// What was attempted ("create", "write", "rename", ...).
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A token id too wide for the file's dtype.
+    #[error(
+        "{}: token {token} does not fit a uint16 token file; write it as uint32 (a \
+         vocabulary above 65536 tokens)",
+        path.display()
+    )]
+    TokenTooWide {
+        /// The token file.
+        path: PathBuf,
+        /// The token.
+        token: u32,
+    },
+    /// More tokens than an llm.c header counts.
+    #[error(
+        "{}: {tokens} tokens are more than the 2147483647 an llm.c header counts; split the \
+         input over several output directories",
+        path.display()
+    )]
+    TooManyTokens {
+        /// The token file.
+        path: PathBuf,
+        /// Tokens written.
+        tokens: u64,
     },
     /// The synthetic chain's branching factor is out of range.
     #[error(

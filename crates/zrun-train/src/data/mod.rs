@@ -1,4 +1,6 @@
-//! Training and eval data: synthetic Markov chain, uint16 token files, byte-level text.
+//! Training and eval data: synthetic Markov chain, token files (uint16 or uint32, with
+//! llm.c's header or nanoGPT's headerless uint16), UTF-8 text as bytes or encoded by a
+//! Hugging Face tokenizer, and `zrun prepare`, which writes token files from text.
 //!
 //! A [`Dataset`] maps a global sample index to one sequence window, deterministically from
 //! the seed, so any rank can read any sample without coordination. A [`Loader`] turns the
@@ -15,9 +17,12 @@
 mod corpus;
 mod error;
 mod loader;
+mod prepare;
 mod rng;
 mod synthetic;
 mod text;
+mod token_file;
+mod tokenizer;
 mod tokens;
 
 use std::path::PathBuf;
@@ -26,6 +31,9 @@ use tch::Tensor;
 
 pub use error::DataError;
 pub use loader::Loader;
+pub use prepare::{prepare, PrepareOptions, Prepared};
+pub use token_file::{TokenDtype, TokenWriter};
+pub use tokenizer::{tokenizer_path, Eos, Tokenizer};
 
 use corpus::Corpus;
 use synthetic::MarkovChain;
@@ -38,17 +46,21 @@ pub enum DataSource {
         /// Successors per state (`data.branching`).
         branching: usize,
     },
-    /// nanoGPT-style uint16 little-endian token file(s): a `.bin` file, or a directory with
-    /// `train.bin` and optionally `val.bin`. Memory-mapped.
+    /// Token file(s): a `.bin` file, or a directory with `train.bin` and optionally
+    /// `val.bin`; each with llm.c's header (uint16 or uint32) or headerless uint16 as
+    /// nanoGPT writes them. Memory-mapped.
     Tokens {
         /// The `.bin` file or the directory (`data.path`).
         path: PathBuf,
     },
     /// UTF-8 text: a file, or a directory of `*.txt` files (sorted, concatenated); byte-level
-    /// tokens 0..=255.
+    /// tokens 0..=255, or encoded by a tokenizer.
     Text {
         /// The text file or directory (`data.path`).
         path: PathBuf,
+        /// A Hugging Face `tokenizer.json` to encode the text with (`data.tokenizer`); none:
+        /// bytes.
+        tokenizer: Option<PathBuf>,
     },
 }
 
@@ -128,7 +140,9 @@ impl Dataset {
                 Source::Synthetic(MarkovChain::build(opts.vocab_size, *branching, opts.seed)?)
             }
             DataSource::Tokens { path } => Source::Corpus(tokens::open(path, opts)?),
-            DataSource::Text { path } => Source::Corpus(text::open(path, opts)?),
+            DataSource::Text { path, tokenizer } => {
+                Source::Corpus(text::open(path, tokenizer.as_deref(), opts)?)
+            }
         };
         Ok(Dataset {
             source,

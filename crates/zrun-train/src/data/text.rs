@@ -1,5 +1,6 @@
-//! UTF-8 text as byte-level tokens 0..=255: one file (memory-mapped) or a directory of
-//! `*.txt` files, sorted by name and concatenated.
+//! UTF-8 text: one file (memory-mapped) or a directory of `*.txt` files, sorted by name and
+//! concatenated, as byte-level tokens 0..=255; or, with `data.tokenizer`, encoded at open by
+//! a Hugging Face tokenizer, each file a document (see `tokenizer`).
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -7,11 +8,19 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 
 use super::corpus::{Corpus, TokenStore};
+use super::tokenizer::Tokenizer;
 use super::{DataError, DataOptions};
 
-/// Opens a text file or a directory of `*.txt` files; the last `eval_fraction` of windows
-/// are the eval split.
-pub(crate) fn open(path: &Path, opts: &DataOptions) -> Result<Corpus, DataError> {
+/// Opens a text file or a directory of `*.txt` files, encoded by `tokenizer` when given;
+/// the last `eval_fraction` of windows are the eval split.
+pub(crate) fn open(
+    path: &Path,
+    tokenizer: Option<&Path>,
+    opts: &DataOptions,
+) -> Result<Corpus, DataError> {
+    if let Some(tokenizer) = tokenizer {
+        return open_encoded(path, tokenizer, opts);
+    }
     if opts.vocab_size < 256 {
         return Err(DataError::TextVocab {
             vocab_size: opts.vocab_size,
@@ -53,6 +62,51 @@ pub(crate) fn open(path: &Path, opts: &DataOptions) -> Result<Corpus, DataError>
     )
 }
 
+/// Opens text encoded by the tokenizer at `tokenizer`, whose vocabulary must fit
+/// `model.vocab_size`.
+fn open_encoded(path: &Path, tokenizer: &Path, opts: &DataOptions) -> Result<Corpus, DataError> {
+    let tok = Tokenizer::load(tokenizer, "data.tokenizer")?;
+    if tok.vocab_size() > opts.vocab_size {
+        return Err(DataError::TokenizerVocab {
+            path: tokenizer.to_path_buf(),
+            tokenizer_vocab: tok.vocab_size(),
+            vocab_size: opts.vocab_size,
+        });
+    }
+    if !path.exists() {
+        return Err(DataError::NotFound {
+            path: path.to_path_buf(),
+            expected: "a UTF-8 text file, or a directory of *.txt files",
+        });
+    }
+    let files = if path.is_dir() {
+        txt_files(path)?
+    } else {
+        vec![path.to_path_buf()]
+    };
+    let mut ids = Vec::new();
+    tok.encode_files(&files, "data.path", |batch| {
+        ids.extend_from_slice(batch);
+        Ok(())
+    })?;
+    let label = format!(
+        "text {} encoded by {} (vocabulary {}; {} document(s), {})",
+        path.display(),
+        tokenizer.display(),
+        tok.vocab_size(),
+        files.len(),
+        tok.separator()
+    );
+    Corpus::with_held_out(
+        label,
+        TokenStore::Ids(ids),
+        path,
+        opts.seq_len,
+        opts.seed,
+        opts.eval_fraction,
+    )
+}
+
 /// The directory's `*.txt` files, sorted by name.
 fn txt_files(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
     let mut files = Vec::new();
@@ -75,6 +129,7 @@ fn check_utf8(path: &Path, bytes: &[u8]) -> Result<(), DataError> {
     std::str::from_utf8(bytes)
         .map(|_| ())
         .map_err(|e| DataError::InvalidUtf8 {
+            key: "data.path",
             path: path.to_path_buf(),
             offset: e.valid_up_to() as u64,
         })
@@ -82,6 +137,7 @@ fn check_utf8(path: &Path, bytes: &[u8]) -> Result<(), DataError> {
 
 fn io<'a>(path: &'a Path, op: &'static str) -> impl FnOnce(std::io::Error) -> DataError + 'a {
     move |source| DataError::Io {
+        key: "data.path",
         path: path.to_path_buf(),
         op,
         source,

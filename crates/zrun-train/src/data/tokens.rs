@@ -1,4 +1,5 @@
-//! nanoGPT-style token files: uint16 little-endian, memory-mapped, validated at open.
+//! Token files: llm.c's header with a uint16 or uint32 dtype, or nanoGPT's headerless uint16
+//! (see `token_file`); memory-mapped and validated at open.
 
 use std::fs::File;
 use std::path::Path;
@@ -6,9 +7,10 @@ use std::path::Path;
 use memmap2::Mmap;
 
 use super::corpus::{Corpus, TokenStore};
+use super::token_file::{self, TokenDtype};
 use super::{DataError, DataOptions};
 
-/// Bytes per scan chunk of the max-token check (even, so chunks hold whole tokens).
+/// Bytes per scan chunk of the max-token check (a multiple of 4, so chunks hold whole tokens).
 const SCAN_CHUNK: usize = 1 << 20;
 
 /// Opens a `.bin` file, or a directory with `train.bin` and optionally `val.bin`.
@@ -16,56 +18,53 @@ pub(crate) fn open(path: &Path, opts: &DataOptions) -> Result<Corpus, DataError>
     if !path.exists() {
         return Err(DataError::NotFound {
             path: path.to_path_buf(),
-            expected: "a uint16 token .bin file, or a directory holding train.bin (and \
-                       optionally val.bin) as nanoGPT's prepare.py writes them",
+            expected: "a token .bin file, or a directory holding train.bin (and optionally \
+                       val.bin) as zrun prepare or nanoGPT's prepare.py writes them",
         });
     }
-    let label = format!("tokens {}", path.display());
     let (t, seed) = (opts.seq_len, opts.seed);
     if path.is_dir() {
         let train_path = path.join("train.bin");
         if !train_path.is_file() {
             return Err(DataError::NotFound {
                 path: train_path,
-                expected: "train.bin (uint16 little-endian tokens) in the data.path directory",
+                expected: "train.bin (a token file) in the data.path directory",
             });
         }
-        let train = map_u16(&train_path, opts.vocab_size)?;
+        let train = map(&train_path, opts.vocab_size)?;
+        let label = format!("tokens {} ({})", path.display(), train.describe());
         let val_path = path.join("val.bin");
         if val_path.is_file() {
-            let val = map_u16(&val_path, opts.vocab_size)?;
+            let val = map(&val_path, opts.vocab_size)?;
             return Corpus::with_eval_file(label, (train, &train_path), (val, &val_path), t, seed);
         }
         return Corpus::with_held_out(label, train, &train_path, t, seed, opts.eval_fraction);
     }
-    let store = map_u16(path, opts.vocab_size)?;
+    let store = map(path, opts.vocab_size)?;
+    let label = format!("tokens {} ({})", path.display(), store.describe());
     Corpus::with_held_out(label, store, path, t, seed, opts.eval_fraction)
 }
 
-/// Maps a uint16 token file after checking its size and that every token is below
-/// `vocab_size`.
-fn map_u16(path: &Path, vocab_size: usize) -> Result<TokenStore, DataError> {
+/// Maps a token file after checking its header (if any) against its size and that every
+/// token is below `vocab_size`.
+fn map(path: &Path, vocab_size: usize) -> Result<TokenStore, DataError> {
     let io = |op| {
         move |source| DataError::Io {
+            key: "data.path",
             path: path.to_path_buf(),
             op,
             source,
         }
     };
     let file = File::open(path).map_err(io("open"))?;
-    let bytes = file.metadata().map_err(io("stat"))?.len();
-    if bytes % 2 != 0 {
-        return Err(DataError::OddSize {
-            path: path.to_path_buf(),
-            bytes,
-        });
-    }
     // SAFETY: the map is read-only and the file is not written while training reads it
     // (token files are prepared once, before the job); a concurrent truncation would be a
     // misuse of the data directory that no reader can guard against.
     let map = unsafe { Mmap::map(&file) }.map_err(io("memory-map"))?;
-    if let Some((token, offset)) = max_token(&map) {
-        if usize::from(token) >= vocab_size {
+    let layout = token_file::layout(path, &map)?;
+    let body = &map[layout.start..];
+    if let Some((token, offset)) = max_token(body, layout.dtype) {
+        if token as usize >= vocab_size {
             return Err(DataError::TokenOutOfRange {
                 path: path.to_path_buf(),
                 token,
@@ -74,21 +73,52 @@ fn map_u16(path: &Path, vocab_size: usize) -> Result<TokenStore, DataError> {
             });
         }
     }
-    Ok(TokenStore::U16(map))
+    Ok(TokenStore::Mapped { map, layout })
 }
 
-/// The largest uint16 little-endian token and the token offset of its first occurrence;
-/// None for an empty slice. One vectorizable pass per chunk, then a search of the one chunk
-/// where the maximum first appears.
-pub(crate) fn max_token(bytes: &[u8]) -> Option<(u16, u64)> {
-    let mut best: Option<(u16, usize)> = None;
+/// A little-endian token type of a file.
+trait Token: Copy + Ord + Into<u32> {
+    const BYTES: usize;
+    const ZERO: Self;
+    fn from_le(b: &[u8]) -> Self;
+}
+
+impl Token for u16 {
+    const BYTES: usize = 2;
+    const ZERO: u16 = 0;
+    fn from_le(b: &[u8]) -> u16 {
+        u16::from_le_bytes([b[0], b[1]])
+    }
+}
+
+impl Token for u32 {
+    const BYTES: usize = 4;
+    const ZERO: u32 = 0;
+    fn from_le(b: &[u8]) -> u32 {
+        u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+}
+
+/// The largest little-endian token of `dtype` and the token offset of its first occurrence;
+/// None for an empty slice.
+pub(crate) fn max_token(bytes: &[u8], dtype: TokenDtype) -> Option<(u32, u64)> {
+    match dtype {
+        TokenDtype::U16 => max_of::<u16>(bytes),
+        TokenDtype::U32 => max_of::<u32>(bytes),
+    }
+}
+
+/// One vectorizable pass per chunk, then a search of the one chunk where the maximum first
+/// appears.
+fn max_of<T: Token>(bytes: &[u8]) -> Option<(u32, u64)> {
+    let mut best: Option<(T, usize)> = None;
     for (i, chunk) in bytes.chunks(SCAN_CHUNK).enumerate() {
         let m = chunk
-            .chunks_exact(2)
-            .map(|p| u16::from_le_bytes([p[0], p[1]]))
-            .fold(0u16, u16::max);
+            .chunks_exact(T::BYTES)
+            .map(T::from_le)
+            .fold(T::ZERO, T::max);
         let better = match best {
-            None => chunk.len() >= 2,
+            None => chunk.len() >= T::BYTES,
             Some((b, _)) => m > b,
         };
         if better {
@@ -98,9 +128,9 @@ pub(crate) fn max_token(bytes: &[u8]) -> Option<(u16, u64)> {
     let (max, chunk) = best?;
     let base = chunk * SCAN_CHUNK;
     let within = bytes[base..]
-        .chunks_exact(2)
-        .position(|p| u16::from_le_bytes([p[0], p[1]]) == max)?;
-    Some((max, (base / 2 + within) as u64))
+        .chunks_exact(T::BYTES)
+        .position(|p| T::from_le(p) == max)?;
+    Some((max.into(), (base / T::BYTES + within) as u64))
 }
 
 #[cfg(test)]
@@ -113,7 +143,7 @@ mod tests {
 
     #[test]
     fn max_token_finds_the_first_largest_across_chunks() {
-        assert_eq!(max_token(&[]), None);
+        assert_eq!(max_token(&[], TokenDtype::U16), None);
         let mut tokens = vec![7u16; 3 * SCAN_CHUNK / 2 + 5];
         let late = SCAN_CHUNK / 2 + 100; // in the second chunk
         tokens[late] = 50_256;
@@ -124,11 +154,19 @@ mod tests {
             .enumerate()
             .max_by_key(|(i, &t)| (t, usize::MAX - i));
         let (i, &t) = expected.unwrap();
-        assert_eq!(max_token(&le(&tokens)), Some((t, i as u64)));
         assert_eq!(
-            max_token(&le(&[0x0102])),
+            max_token(&le(&tokens), TokenDtype::U16),
+            Some((u32::from(t), i as u64))
+        );
+        assert_eq!(
+            max_token(&le(&[0x0102]), TokenDtype::U16),
             Some((0x0102, 0)),
             "little-endian"
         );
+        let wide: Vec<u8> = [5u32, 128_000, 70_000, 128_000]
+            .iter()
+            .flat_map(|t| t.to_le_bytes())
+            .collect();
+        assert_eq!(max_token(&wide, TokenDtype::U32), Some((128_000, 1)));
     }
 }

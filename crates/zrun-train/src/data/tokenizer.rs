@@ -1,0 +1,368 @@
+//! Hugging Face tokenizers (`tokenizer.json`) and how documents are joined into one token
+//! stream.
+//!
+//! Every document (a text file) is encoded on its own, with the tokenizer's post-processor
+//! (`add_special_tokens = true`, as `tokenizer.encode(text)` does in Python), so a tokenizer
+//! whose template adds a beginning-of-text token (Llama 3's `<|begin_of_text|>`, Llama 2's
+//! `<s>`) starts every document with it. A tokenizer whose template adds nothing (GPT-2's)
+//! gets its end-of-text token appended to every document instead, as nanoGPT's
+//! `prepare.py` does: the first of `<|endoftext|>`, `<|end_of_text|>`, `</s>`, `<eos>` that
+//! its vocabulary holds. With neither, documents are joined as they are. `zrun prepare --eos`
+//! names another token to append, or `none`.
+
+use std::path::{Path, PathBuf};
+
+use super::DataError;
+use crate::config::DataConfig;
+
+/// End-of-text tokens looked for when the tokenizer's template marks no document start.
+const EOS_CANDIDATES: [&str; 4] = ["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"];
+
+/// Texts per `encode_batch` call, and their bytes at most (one text may be larger).
+const BATCH_TEXTS: usize = 256;
+const BATCH_BYTES: usize = 32 << 20;
+
+/// The token appended after every document.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub enum Eos {
+    /// The tokenizer's end-of-text token when its template adds nothing (module docs).
+    #[default]
+    Auto,
+    /// Nothing.
+    None,
+    /// This token (it must be in the vocabulary).
+    Token(String),
+}
+
+impl std::str::FromStr for Eos {
+    type Err = std::convert::Infallible;
+
+    /// `auto`, `none`, or a token such as `<|endoftext|>`.
+    fn from_str(s: &str) -> Result<Eos, Self::Err> {
+        Ok(match s {
+            "auto" => Eos::Auto,
+            "none" => Eos::None,
+            token => Eos::Token(token.to_string()),
+        })
+    }
+}
+
+/// A loaded `tokenizer.json`, with truncation and padding turned off (documents are encoded
+/// whole) and the document separator resolved.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+    vocab_size: usize,
+    /// The template adds tokens to every sequence (a beginning-of-text token, say).
+    templated: bool,
+    /// Appended after every document: (token, id).
+    eos: Option<(String, u32)>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("path", &self.path)
+            .field("vocab_size", &self.vocab_size)
+            .field("templated", &self.templated)
+            .field("eos", &self.eos)
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    /// Loads `path`; `key` names where it was given (`data.tokenizer`, `--tokenizer`) in
+    /// errors. The separator is [`Eos::Auto`]'s until [`Tokenizer::set_eos`].
+    pub fn load(path: &Path, key: &'static str) -> Result<Tokenizer, DataError> {
+        let bad = |reason: String| DataError::Tokenizer {
+            key,
+            path: path.to_path_buf(),
+            reason,
+        };
+        let bytes = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+        let mut inner =
+            tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| bad(one_line(&e.to_string())))?;
+        inner
+            .with_truncation(None)
+            .map_err(|e| bad(one_line(&e.to_string())))?;
+        inner.with_padding(None);
+        // The largest id + 1, which is what an embedding must hold (ids may have gaps).
+        let vocab_size = inner
+            .get_vocab(true)
+            .values()
+            .max()
+            .map_or(0, |&m| m as usize + 1);
+        if vocab_size == 0 {
+            return Err(bad("its vocabulary is empty".into()));
+        }
+        let templated = !inner
+            .encode_fast("", true)
+            .map_err(|e| bad(one_line(&e.to_string())))?
+            .get_ids()
+            .is_empty();
+        let mut t = Tokenizer {
+            inner,
+            path: path.to_path_buf(),
+            vocab_size,
+            templated,
+            eos: None,
+        };
+        t.set_eos(&Eos::Auto, key)?;
+        Ok(t)
+    }
+
+    /// Chooses the token appended after every document; a named token missing from the
+    /// vocabulary is an error naming `key` (the flag or config key that gave it).
+    pub fn set_eos(&mut self, eos: &Eos, key: &'static str) -> Result<(), DataError> {
+        self.eos = match eos {
+            Eos::None => None,
+            Eos::Auto if self.templated => None,
+            Eos::Auto => EOS_CANDIDATES
+                .iter()
+                .find_map(|&t| self.inner.token_to_id(t).map(|id| (t.to_string(), id))),
+            Eos::Token(t) => {
+                let id = self
+                    .inner
+                    .token_to_id(t)
+                    .ok_or_else(|| DataError::UnknownToken {
+                        key,
+                        token: t.clone(),
+                        tokenizer: self.path.clone(),
+                    })?;
+                Some((t.clone(), id))
+            }
+        };
+        Ok(())
+    }
+
+    /// The file it was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The largest token id + 1 (added tokens included): what `model.vocab_size` must reach.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// How documents are separated, for summaries: "each ended by <|endoftext|> (id 50256)".
+    pub fn separator(&self) -> String {
+        match (&self.eos, self.templated) {
+            (Some((t, id)), _) => format!("each ended by {t} (id {id})"),
+            (None, true) => "each marked by the tokenizer's template".into(),
+            (None, false) => "joined without a separator".into(),
+        }
+    }
+
+    /// Encodes documents (in parallel) and appends their tokens to `out`, each followed by the
+    /// separator; `paths[i]` names `texts[i]` in errors.
+    pub fn encode_documents(
+        &self,
+        texts: &[&str],
+        paths: &[&Path],
+        out: &mut Vec<u32>,
+    ) -> Result<(), DataError> {
+        let encodings = match self.inner.encode_batch_fast(texts.to_vec(), true) {
+            Ok(e) => e,
+            Err(_) => {
+                // Find the document that failed, to name it.
+                for (text, path) in texts.iter().zip(paths) {
+                    if let Err(e) = self.inner.encode_fast(*text, true) {
+                        return Err(self.encode_error(path, &e.to_string()));
+                    }
+                }
+                return Err(self.encode_error(paths[0], "batch encoding failed"));
+            }
+        };
+        for enc in &encodings {
+            out.extend_from_slice(enc.get_ids());
+            if let Some((_, id)) = &self.eos {
+                out.push(*id);
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads and encodes text files in order, in batches of up to 32 MiB; `key` names them
+    /// in errors (`data.path`, `input`). Calls `sink` with the tokens of each batch.
+    pub fn encode_files(
+        &self,
+        files: &[PathBuf],
+        key: &'static str,
+        mut sink: impl FnMut(&[u32]) -> Result<(), DataError>,
+    ) -> Result<(), DataError> {
+        let mut ids = Vec::new();
+        let mut start = 0;
+        while start < files.len() {
+            let mut texts = Vec::new();
+            let mut bytes = 0;
+            let mut end = start;
+            while end < files.len() && texts.len() < BATCH_TEXTS && bytes < BATCH_BYTES {
+                let text = read_text(&files[end], key)?;
+                bytes += text.len();
+                texts.push(text);
+                end += 1;
+            }
+            let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+            let paths: Vec<&Path> = files[start..end].iter().map(PathBuf::as_path).collect();
+            ids.clear();
+            self.encode_documents(&refs, &paths, &mut ids)?;
+            sink(&ids)?;
+            start = end;
+        }
+        Ok(())
+    }
+
+    fn encode_error(&self, path: &Path, reason: &str) -> DataError {
+        DataError::Encode {
+            path: path.to_path_buf(),
+            tokenizer: self.path.clone(),
+            reason: one_line(reason),
+        }
+    }
+}
+
+/// The tokenizer a run uses: `data.tokenizer` when set, else `tokenizer.json` in `init_from`
+/// (the directory of the model the run starts from) when that file exists, else none.
+pub fn tokenizer_path(cfg: &DataConfig, init_from: Option<&Path>) -> Option<PathBuf> {
+    cfg.tokenizer.clone().or_else(|| {
+        init_from
+            .map(|dir| dir.join("tokenizer.json"))
+            .filter(|p| p.is_file())
+    })
+}
+
+/// A UTF-8 text file as a string; `key` names it in errors.
+pub(crate) fn read_text(path: &Path, key: &'static str) -> Result<String, DataError> {
+    let bytes = std::fs::read(path).map_err(|source| DataError::Io {
+        key,
+        path: path.to_path_buf(),
+        op: "read",
+        source,
+    })?;
+    String::from_utf8(bytes).map_err(|e| DataError::InvalidUtf8 {
+        key,
+        path: path.to_path_buf(),
+        offset: e.utf8_error().valid_up_to() as u64,
+    })
+}
+
+fn one_line(msg: &str) -> String {
+    msg.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A word-level tokenizer.json: words split on whitespace, `[UNK]` for the rest, and the
+    /// given added special tokens after the words.
+    pub(crate) fn word_level(words: &[&str], special: &[&str]) -> String {
+        let mut vocab: Vec<String> = words
+            .iter()
+            .enumerate()
+            .map(|(i, w)| format!("{w:?}: {i}"))
+            .collect();
+        let unk = words.len();
+        vocab.push(format!("\"[UNK]\": {unk}"));
+        let added: Vec<String> = special
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                vocab.push(format!("{t:?}: {}", unk + 1 + i));
+                format!(
+                    r#"{{"id": {}, "content": {t:?}, "single_word": false, "lstrip": false,
+                        "rstrip": false, "normalized": false, "special": true}}"#,
+                    unk + 1 + i
+                )
+            })
+            .collect();
+        format!(
+            r#"{{"version": "1.0", "truncation": null, "padding": null,
+                "added_tokens": [{}], "normalizer": null,
+                "pre_tokenizer": {{"type": "WhitespaceSplit"}}, "post_processor": null,
+                "decoder": null,
+                "model": {{"type": "WordLevel", "vocab": {{{}}}, "unk_token": "[UNK]"}}}}"#,
+            added.join(", "),
+            vocab.join(", ")
+        )
+    }
+
+    fn load(json: &str) -> Tokenizer {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("tokenizer.json");
+        std::fs::write(&p, json).unwrap();
+        Tokenizer::load(&p, "--tokenizer").unwrap()
+    }
+
+    #[test]
+    fn documents_end_with_the_end_of_text_token() {
+        let mut t = load(&word_level(&["a", "b"], &["<|endoftext|>"]));
+        assert_eq!(t.vocab_size(), 4);
+        let mut out = Vec::new();
+        let p = Path::new("x.txt");
+        t.encode_documents(&["a b zz", "b"], &[p, p], &mut out)
+            .unwrap();
+        assert_eq!(out, [0, 1, 2, 3, 1, 3]);
+        assert!(t.separator().contains("<|endoftext|> (id 3)"));
+        t.set_eos(&Eos::None, "--eos").unwrap();
+        out.clear();
+        t.encode_documents(&["a", "b"], &[p, p], &mut out).unwrap();
+        assert_eq!(out, [0, 1]);
+        t.set_eos(&"b".parse().unwrap(), "--eos").unwrap();
+        out.clear();
+        t.encode_documents(&["a"], &[p], &mut out).unwrap();
+        assert_eq!(out, [0, 1]);
+        let e = t
+            .set_eos(&Eos::Token("<nope>".into()), "--eos")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--eos <nope>") && e.contains("tokenizer.json"),
+            "{e}"
+        );
+        // Without an end-of-text token, documents are joined as they are.
+        let t = load(&word_level(&["a", "b"], &[]));
+        assert!(t.separator().contains("without"));
+    }
+
+    #[test]
+    fn tokenizer_path_prefers_the_config_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = DataConfig::default();
+        assert_eq!(tokenizer_path(&cfg, Some(dir.path())), None);
+        std::fs::write(dir.path().join("tokenizer.json"), "{}").unwrap();
+        assert_eq!(
+            tokenizer_path(&cfg, Some(dir.path())),
+            Some(dir.path().join("tokenizer.json"))
+        );
+        assert_eq!(tokenizer_path(&cfg, None), None);
+        cfg.tokenizer = Some("other.json".into());
+        assert_eq!(
+            tokenizer_path(&cfg, Some(dir.path())),
+            Some(PathBuf::from("other.json"))
+        );
+    }
+
+    #[test]
+    fn bad_tokenizer_files_are_one_line_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("missing.json");
+        let e = Tokenizer::load(&missing, "--tokenizer")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("--tokenizer ") && e.contains("missing.json"),
+            "{e}"
+        );
+        let bad = dir.path().join("bad.json");
+        std::fs::write(&bad, "{\"model\":\n 3}").unwrap();
+        let e = Tokenizer::load(&bad, "data.tokenizer")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("data.tokenizer ") && e.contains("bad.json") && !e.contains('\n'),
+            "{e}"
+        );
+    }
+}
