@@ -139,7 +139,7 @@ fn bench_rank(args: &CkptArgs, topo: &Topology) -> anyhow::Result<()> {
     )?);
     let (rank, world) = (comm.rank(), comm.world_size());
     let mut cfg = Config::default();
-    cfg.model.preset = args.model.clone();
+    cfg.model.preset = Some(args.model.clone());
     cfg.zero.stage = zrun_shard::Stage::from_number(args.stage)
         .ok_or_else(|| anyhow::anyhow!("--stage {}: give 0, 1, 2 or 3", args.stage))?;
     cfg.dist.device = DeviceChoice::Cpu;
@@ -150,7 +150,7 @@ fn bench_rank(args: &CkptArgs, topo: &Topology) -> anyhow::Result<()> {
     // Asynchronous saves take their host buffer when the run starts.
     cfg.checkpoint.async_save = true;
     cfg.checkpoint.every = 1;
-    cfg.gpt()?;
+    cfg.arch()?;
     let mut run = Run::new(&cfg, comm.clone(), topo)?;
     let params = run.engine().layout().param_count();
     let plain_dir = args.dir.join("plain");

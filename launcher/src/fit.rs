@@ -108,7 +108,7 @@ pub fn estimate(a: &FitArgs) -> anyhow::Result<u8> {
         c.zero.stage,
         c.zero.precision,
         c.train.micro_batch,
-        c.gpt()?.seq_len,
+        c.arch()?.seq_len(),
         c.train.grad_accum,
         on_off(c.zero.activation_checkpointing),
         c.zero.offload_optimizer,

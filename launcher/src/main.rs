@@ -13,6 +13,8 @@
 //!     zrun bench ckpt                                          # checkpoint GB/s vs plain I/O
 //!     zrun --max-restarts 3 --nproc 8 train.toml               # restart from the newest checkpoint
 //!     zrun consolidate runs/x/ckpt/step-00001000 -o model.safetensors
+//!     zrun export runs/x/ckpt/step-00001000 --hf out/       # a directory transformers loads
+//!     zrun sample out/ --prompt "Once upon" --max-new-tokens 50  # generate on one process
 //!     zrun prepare --tokenizer tokenizer.json corpus/*.txt -o data/   # train.bin, val.bin
 //!
 //! Output: on a terminal node 0's launcher draws rank 0's progress as one live line (step,
@@ -36,10 +38,12 @@ mod bench;
 mod bench_adam;
 mod bench_ckpt;
 mod consolidate;
+mod export;
 mod fit;
 mod launch;
 mod plot;
 mod prepare;
+mod sample;
 mod worker;
 
 use clap::{Parser, Subcommand};
@@ -83,6 +87,11 @@ enum Cmd {
     Exec(ExecArgs),
     /// Write one safetensors file of full, named parameters from a sharded checkpoint.
     Consolidate(consolidate::ConsolidateArgs),
+    /// Write a Hugging Face model directory (config.json, safetensors weights, the run's
+    /// tokenizer) from a checkpoint, for transformers' from_pretrained.
+    Export(export::ExportArgs),
+    /// Generate text from a Hugging Face directory, a checkpoint or an export, on one process.
+    Sample(sample::SampleArgs),
     /// Encode UTF-8 text files with a Hugging Face tokenizer.json into train.bin and val.bin
     /// token files (uint16 or uint32, recorded in their header) for data.source = "tokens".
     Prepare(prepare::PrepareArgs),
@@ -136,6 +145,8 @@ Common commands:
   zrun plan train.toml --nproc 8 --device-mem 80GiB       the cheapest config that fits
   zrun exec --nproc 2 -- sh -c 'echo $RANK'       any program as the ranks
   zrun consolidate runs/x/ckpt/step-00001000 -o model.safetensors
+  zrun export runs/x/ckpt/step-00001000 --hf out/  a directory transformers loads
+  zrun sample out/ --prompt \"Once upon\" --max-new-tokens 50   generate
   zrun prepare --tokenizer tokenizer.json corpus/*.txt -o data/   token files from text
   zrun bench comm --nproc 2                       collective bandwidth
   zrun plot runs/a runs/b -o plots/               charts from metrics.jsonl
@@ -173,6 +184,8 @@ fn main() -> ExitCode {
         Some(Cmd::Bench(BenchCmd::Adam(ref args))) => bench_adam::run_adam(args).map(|()| 0),
         Some(Cmd::Bench(BenchCmd::Ckpt(ref args))) => bench_ckpt::run_ckpt(args).map(|()| 0),
         Some(Cmd::Consolidate(ref args)) => consolidate::run(args),
+        Some(Cmd::Export(ref args)) => export::run(args),
+        Some(Cmd::Sample(ref args)) => sample::run(args),
         Some(Cmd::Prepare(ref args)) => prepare::run(args),
         Some(Cmd::Plot(ref args)) => plot::run(args),
         Some(Cmd::Estimate(ref args)) => fit::estimate(args),

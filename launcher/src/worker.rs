@@ -89,8 +89,8 @@ pub fn run(config: &Path, overrides: &[String]) -> Result<()> {
 /// model; `zrun estimate` adds activations and buffers.
 pub fn dry_run(config: &Path, overrides: &[String], world_size: usize) -> Result<()> {
     let cfg = Config::load(config, overrides)?;
-    let gpt = zrun_models::Gpt::new(cfg.gpt()?)?;
-    let units = zrun_models::Model::units(&gpt);
+    let model = cfg.build_model()?;
+    let units = model.units();
     let w = world_size.max(1) as i64;
     let mib = |b: i64| b as f64 / (1 << 20) as f64;
     let first = ShardLayout::new(units, 0, w);

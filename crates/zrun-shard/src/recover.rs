@@ -134,8 +134,18 @@ mod tests {
     #[test]
     fn a_micro_step_issues_its_schedule() {
         use std::sync::Arc;
-        let gpt = zrun_models::Gpt::new(zrun_models::GptConfig::preset("tiny").unwrap()).unwrap();
-        let model: Arc<dyn zrun_models::Model> = Arc::new(gpt);
+        for tied in [false, true] {
+            let cfg = zrun_models::GptConfig {
+                tied,
+                ..zrun_models::GptConfig::preset("tiny").unwrap()
+            };
+            let model: Arc<dyn zrun_models::Model> = Arc::new(zrun_models::Gpt::new(cfg).unwrap());
+            issues_its_schedule(model);
+        }
+    }
+
+    fn issues_its_schedule(model: std::sync::Arc<dyn zrun_models::Model>) {
+        use std::sync::Arc;
         let adamw = zrun_optim::AdamWConfig {
             beta1: 0.9,
             beta2: 0.95,

@@ -9,6 +9,11 @@ use zrun_shard::{Engine, EngineConfig, Precision, Stage};
 const SEED: u64 = 11;
 
 fn model() -> Arc<dyn Model> {
+    model_with(false)
+}
+
+/// The GPT of these tests; `tied`: its head reads the token embedding (GPT-2's tying).
+fn model_with(tied: bool) -> Arc<dyn Model> {
     let cfg = GptConfig {
         vocab_size: 97,
         seq_len: 24,
@@ -16,7 +21,7 @@ fn model() -> Arc<dyn Model> {
         n_head: 4,
         d_model: 32,
         init_std: 0.02,
-        tied: false,
+        tied,
     };
     Arc::new(Gpt::new(cfg).unwrap())
 }
@@ -417,4 +422,75 @@ fn offloaded_update_during_backward_equals_the_update_at_the_step() {
     let err = e.forward_backward(&x, &y, 1.0).unwrap_err().to_string();
     assert!(err.contains("call step first"), "{err}");
     assert!(e.step(1e-2, 0.0).unwrap().applied);
+}
+
+#[test]
+fn a_tied_embedding_gets_both_gradients_at_every_stage_and_setting() {
+    let m = model_with(true);
+    // Against whole-model autograd, where the one matrix is used twice.
+    let mut e = engine(m.clone());
+    let (x, y) = batch(3, 3, 24, 97);
+    e.forward_backward(&x, &y, 1.0).unwrap();
+    let leaves: Vec<Vec<Tensor>> = init_model_params(m.as_ref(), SEED, Kind::Float, Device::Cpu)
+        .unwrap()
+        .into_iter()
+        .map(|u| u.into_iter().map(|p| p.set_requires_grad(true)).collect())
+        .collect();
+    lm_loss(&forward_model(m.as_ref(), &leaves, &x).unwrap(), &y)
+        .unwrap()
+        .backward();
+    let grads = e.local_gradients().unwrap();
+    assert_eq!(grads[0].0, "wte.weight");
+    for ((name, g), want) in grads.iter().zip(leaves.iter().flatten()) {
+        let err = max_rel_err(g, &want.grad());
+        assert!(err <= 1e-6, "{name}: max relative error {err:e}");
+    }
+    // Sharding, prefetch and checkpointing move the second use, not the arithmetic.
+    let make = |stage, f: &dyn Fn(&mut EngineConfig)| {
+        let mut cfg = EngineConfig::fp32(stage, Device::Cpu, SEED, adamw());
+        f(&mut cfg);
+        Engine::new(model_with(true), single(), cfg).unwrap()
+    };
+    let (want_l, want_p) = train_losses(make(Stage::Zero0, &|_| {}), 3);
+    for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+        for (ckpt, depth) in [(false, 1), (true, 1), (false, 0), (true, 3)] {
+            let e = make(stage, &|c| {
+                c.activation_checkpointing = ckpt;
+                c.prefetch = depth;
+            });
+            let (l, p) = train_losses(e, 3);
+            let what = format!("stage {stage} ckpt {ckpt} prefetch {depth}");
+            assert_eq!(l, want_l, "{what}");
+            for ((n, a), (_, b)) in p.iter().zip(&want_p) {
+                assert!(a.equal(b), "{n} differs with {what}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_tied_embedding_is_updated_once_by_an_overlapped_offloaded_step() {
+    // The head's share of the embedding's gradient arrives first: the update during backward
+    // must wait for the embedding's own.
+    let wide = GptConfig {
+        vocab_size: 256,
+        seq_len: 32,
+        n_layer: 2,
+        n_head: 4,
+        d_model: 64,
+        init_std: 0.02,
+        tied: true,
+    };
+    let make = || {
+        let mut cfg = EngineConfig::fp32(Stage::Zero3, Device::Cpu, SEED, adamw());
+        cfg.offload = zrun_shard::Offload::Cpu;
+        cfg.optimizer_threads = 2;
+        Engine::new(Arc::new(Gpt::new(wide.clone()).unwrap()), single(), cfg).unwrap()
+    };
+    let (want_l, want_p) = offload_run(make(), 2, false, 0.0);
+    let (got_l, got_p) = offload_run(make(), 2, true, 0.0);
+    assert_eq!(got_l, want_l);
+    for ((n, a), (_, b)) in got_p.iter().zip(&want_p) {
+        assert!(a.equal(b), "{n} differs");
+    }
 }

@@ -6,11 +6,13 @@
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod hf;
 pub mod memory;
 pub mod metrics;
 pub mod oom;
 mod reduce;
 pub mod report;
+pub mod sample;
 pub mod stop;
 pub mod trainer;
 
@@ -95,6 +97,7 @@ impl Error {
                     zrun_ckpt::Error::Damaged { .. }
                         | zrun_ckpt::Error::Format { .. }
                         | zrun_ckpt::Error::Mismatch { .. }
+                        | zrun_ckpt::Error::Hf { .. }
                 )
         )
     }

@@ -5,7 +5,7 @@ use crate::config::{Capabilities, Config, ConfigError, DeviceChoice, DeviceKind}
 use crate::Error;
 use serde::Serialize;
 use tch::{Device, Kind, Tensor};
-use zrun_models::{Gpt, Model};
+use zrun_models::Gpt;
 use zrun_shard::{estimate, Estimate, EstimateConfig, Offload, ShardLayout, Stage};
 
 /// The CUDA context, cuBLAS workspaces and kernels that a rank holds on its GPU before it
@@ -158,7 +158,7 @@ pub struct Fit {
 
 /// The estimator's configuration for `cfg`.
 pub fn estimate_config(cfg: &Config) -> Result<EstimateConfig, Error> {
-    let gpt = cfg.gpt()?;
+    let arch = cfg.arch()?;
     Ok(EstimateConfig {
         stage: cfg.zero.stage,
         precision: cfg.zero.precision,
@@ -168,7 +168,7 @@ pub fn estimate_config(cfg: &Config) -> Result<EstimateConfig, Error> {
         activation_checkpointing: cfg.zero.activation_checkpointing,
         prefetch: cfg.zero.prefetch,
         micro_batch: cfg.train.micro_batch as i64,
-        seq_len: gpt.seq_len,
+        seq_len: arch.seq_len(),
         eval_batch: cfg.train.micro_batch as i64,
         cuda: match cfg.dist.device {
             DeviceChoice::Cuda => true,
@@ -193,13 +193,13 @@ pub fn estimate_ranks(
     fixed: i64,
     limit: Option<i64>,
 ) -> Result<Vec<RankEstimate>, Error> {
-    let gpt = Gpt::new(cfg.gpt()?)?;
+    let model = cfg.build_model()?;
     let ec = estimate_config(cfg)?;
     let w = world.max(1) as i64;
     Ok((0..w)
         .map(|r| {
-            let layout = ShardLayout::new(gpt.units(), r, w);
-            let e: Estimate = estimate(&gpt, &layout, &ec);
+            let layout = ShardLayout::new(model.units(), r, w);
+            let e: Estimate = estimate(model.as_ref(), &layout, &ec);
             RankEstimate {
                 rank: r as usize,
                 peak_bytes: e.peak_bytes,

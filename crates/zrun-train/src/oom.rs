@@ -191,13 +191,14 @@ pub fn at_startup(
     let fixed = crate::memory::fixed_cost(device, base_rss);
     let phase = "building the engine (allocating the model states)".to_string();
     let parts = (|| -> Result<(Estimate, (i64, String)), Error> {
-        let gpt = zrun_models::Gpt::new(cfg.gpt()?)?;
-        let layout = zrun_shard::ShardLayout::new(
-            zrun_models::Model::units(&gpt),
-            rank.rank as i64,
-            rank.world_size as i64,
+        let model = cfg.build_model()?;
+        let layout =
+            zrun_shard::ShardLayout::new(model.units(), rank.rank as i64, rank.world_size as i64);
+        let predicted = zrun_shard::estimate(
+            model.as_ref(),
+            &layout,
+            &crate::memory::estimate_config(cfg)?,
         );
-        let predicted = zrun_shard::estimate(&gpt, &layout, &crate::memory::estimate_config(cfg)?);
         let budget = crate::memory::budget(cfg, device, rank.local_world_size)?;
         Ok((predicted, budget))
     })();

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use tch::Device;
 use zrun_comm::{Communicator, ReduceOp, Topology};
-use zrun_models::{Gpt, Model};
+use zrun_models::Model;
 use zrun_optim::{AdamWConfig, LrSchedule};
 use zrun_shard::{Engine, EngineConfig, Offload, Precision};
 
@@ -149,13 +149,12 @@ impl Run {
             }
         }
         let threads = set_threads(cfg.train.threads, rank.local_world_size);
-        let gpt = cfg.gpt()?;
+        let model = cfg.build_model()?;
         let dataset = Arc::new(Dataset::open(&data_options(
             cfg,
-            gpt.seq_len,
-            gpt.vocab_size,
+            model.seq_len(),
+            model.vocab_size(),
         ))?);
-        let model: Arc<dyn Model> = Arc::new(Gpt::new(gpt)?);
         let t = &cfg.train;
         let engine = Engine::new(
             model.clone(),
@@ -278,6 +277,18 @@ impl Run {
                     "the global batch was {} samples per step and is now {global}: training continues from sample {}, but on other batches than the first run would have seen",
                     r.global_batch,
                     r.next_sample
+                );
+            }
+        }
+        if let (None, Some(dir)) = (&resumed, &self.cfg.model.init_from) {
+            let t0 = std::time::Instant::now();
+            crate::hf::load_into(&mut self.engine, self.model.as_ref(), dir)?;
+            if self.rank.rank == 0 {
+                tracing::info!(
+                    "initialised from {} in {:.1} s (rank 0's peak resident memory so far: {} MiB)",
+                    dir.display(),
+                    t0.elapsed().as_secs_f64(),
+                    rss_bytes().1 >> 20
                 );
             }
         }
@@ -588,7 +599,7 @@ fn data_options(cfg: &Config, seq_len: i64, vocab_size: i64) -> DataOptions {
             DataKind::Tokens => DataSource::Tokens { path },
             DataKind::Text => DataSource::Text {
                 path,
-                tokenizer: crate::data::tokenizer_path(d, None),
+                tokenizer: crate::data::tokenizer_path(d, cfg.model.init_from.as_deref()),
             },
         },
         seq_len: seq_len as usize,

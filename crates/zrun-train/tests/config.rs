@@ -217,7 +217,9 @@ fn defaults_overrides_and_presets_resolve() {
     let cfg = Config::load(&path, &sets).unwrap();
     assert_eq!(cfg.train.steps, 50);
     assert_eq!(cfg.log.dir, PathBuf::from("/tmp/x"));
-    let g = cfg.gpt().unwrap();
+    let zrun_models::ArchConfig::Gpt(g) = cfg.arch().unwrap() else {
+        panic!("a GPT preset")
+    };
     assert_eq!((g.n_layer, g.n_head, g.d_model), (6, 12, 768));
     assert_eq!(cfg.train.micro_batch, 8); // default
     assert!((cfg.min_lr() - cfg.train.lr / 10.0).abs() < 1e-18);
@@ -254,4 +256,93 @@ fn a_warmup_longer_than_the_run_is_shortened_with_a_note() {
     let cfg = Config::load(&p, &[]).unwrap();
     assert_eq!(cfg.train.warmup_steps, 20);
     assert!(cfg.notes.is_empty());
+}
+
+#[test]
+fn llama_presets_and_their_keys_resolve() {
+    let path = write(
+        "llama.toml",
+        "[model]\narch = \"llama\"\npreset = \"llama-tiny\"\nn_kv_head = 1\nffn_hidden = 96\n",
+    );
+    let cfg = Config::load(&path, &[]).unwrap();
+    let zrun_models::ArchConfig::Llama(l) = cfg.arch().unwrap() else {
+        panic!("a Llama preset")
+    };
+    assert_eq!((l.n_kv_head, l.ffn_hidden, l.head_dim), (1, 96, 16));
+    // Width and heads set: the head width follows.
+    let sets = [
+        "model.d_model=128".to_string(),
+        "model.n_head=2".to_string(),
+    ];
+    let zrun_models::ArchConfig::Llama(l) = Config::load(&path, &sets).unwrap().arch().unwrap()
+    else {
+        panic!("a Llama preset")
+    };
+    assert_eq!(l.head_dim, 64);
+    let big = write(
+        "llama-8b.toml",
+        "[model]\narch = \"llama\"\npreset = \"llama3.1-8b\"\n",
+    );
+    let m = Config::load(&big, &[]).unwrap().build_model().unwrap();
+    assert_eq!(m.param_count(), 8_030_261_248);
+}
+
+#[test]
+fn model_key_errors_name_the_key_and_the_fix() {
+    let dir = std::env::temp_dir().join(format!("zrun-config-hf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 128}"#,
+    )
+    .unwrap();
+    let from = format!("[model]\ninit_from = \"{}\"\n", dir.display());
+    let cases: Vec<(String, &[&str])> = vec![
+        (
+            "[model]\narch = \"llama\"\npreset = \"tiny\"\n".into(),
+            &["model.preset", "allowed Llama presets", "llama3.2-1b"],
+        ),
+        (
+            "[model]\nn_kv_head = 2\n".into(),
+            &["model.n_kv_head", "Llama key", "model.arch"],
+        ),
+        (
+            "[model]\ninit_from = \"/nonexistent/model\"\n".into(),
+            &[
+                "model.init_from",
+                "/nonexistent/model/config.json",
+                "cannot read",
+            ],
+        ),
+        (
+            format!("{from}n_layer = 4\n"),
+            &["model.n_layer = 4", "conflicts with 2", "config.json"],
+        ),
+        (
+            format!("{from}arch = \"gpt\"\n"),
+            &["model.arch = gpt", "Llama model"],
+        ),
+        (
+            format!("{from}preset = \"llama-tiny\"\n"),
+            &["model.preset", "remove model.preset"],
+        ),
+        (
+            format!("{from}seq_len = 256\n"),
+            &["model.seq_len = 256", "max_position_embeddings = 128"],
+        ),
+    ];
+    for (i, (text, want)) in cases.iter().enumerate() {
+        let err = error_of(&format!("model-{i}.toml"), text, &[]);
+        for w in *want {
+            assert!(err.contains(w), "{text:?}: {err:?} lacks {w:?}");
+        }
+    }
+    // The file's architecture, with a shorter training sequence.
+    let ok = write("from.toml", &format!("{from}seq_len = 32\n"));
+    let arch = Config::load(&ok, &[]).unwrap().arch().unwrap();
+    assert_eq!(
+        (arch.arch(), arch.seq_len(), arch.vocab_size()),
+        ("llama", 32, 64)
+    );
 }

@@ -44,7 +44,7 @@ fn every_line_carries_each_ranks_breakdown_and_memory_by_kind() {
     ];
     common::spawn_ranks("rank_process", "report", 2, &env);
     let cfg = Config::load(&config, &[]).unwrap();
-    let gpt = zrun_models::Gpt::new(cfg.gpt().unwrap()).unwrap();
+    let gpt = cfg.build_model().unwrap();
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("metrics.jsonl"))
         .unwrap()
         .lines()
@@ -75,7 +75,7 @@ fn every_line_carries_each_ranks_breakdown_and_memory_by_kind() {
             );
             assert!(f("forward_s") > 0.0 && f("backward_s") > 0.0 && f("comm_wait_s") >= 0.0);
             // The model-state kinds are the ledger's for this rank's layout.
-            let layout = ShardLayout::new(zrun_models::Model::units(&gpt), r as i64, 2);
+            let layout = ShardLayout::new(gpt.units(), r as i64, 2);
             let want =
                 MemoryLedger::plan(&layout, Stage::Zero3, Precision::Bf16, ReduceDtype::Fp32);
             let m = &fig["memory"];

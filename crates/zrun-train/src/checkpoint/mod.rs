@@ -97,15 +97,25 @@ pub fn unit_entries(layout: &ShardLayout) -> Vec<UnitEntry> {
 }
 
 /// The `[model]` of `cfg` as the manifest records it.
+/// The `[model]` of `cfg` as the manifest records it: the family, the training sequence
+/// length, the Hugging Face `config.json` that `zrun export --hf` writes and the run's
+/// tokenizer file, if any.
 fn model_json(cfg: &Config) -> Result<serde_json::Value, Error> {
-    let g = cfg.gpt()?;
+    let a = cfg.arch()?;
+    let arch = match a {
+        zrun_models::ArchConfig::Gpt(_) => "gpt",
+        zrun_models::ArchConfig::Llama(_) => "llama",
+    };
+    // The tokenizer travels with exports: recorded as an absolute path.
+    let tokenizer = crate::data::tokenizer_path(&cfg.data, cfg.model.init_from.as_deref())
+        .and_then(|p| std::fs::canonicalize(p).ok())
+        .map(|p| p.display().to_string());
     Ok(serde_json::json!({
-        "arch": "gpt",
-        "vocab_size": g.vocab_size,
-        "seq_len": g.seq_len,
-        "n_layer": g.n_layer,
-        "n_head": g.n_head,
-        "d_model": g.d_model,
+        "arch": arch,
+        "seq_len": a.seq_len(),
+        "vocab_size": a.vocab_size(),
+        "hf_config": a.to_hf_config(),
+        "tokenizer": tokenizer,
     }))
 }
 
@@ -129,7 +139,7 @@ impl Checkpointer {
             data: zrun_ckpt::DataPosition {
                 next_sample: 0,
                 global_batch: (t.micro_batch * t.grad_accum * world) as u64,
-                seq_len: cfg.gpt()?.seq_len as u64,
+                seq_len: cfg.arch()?.seq_len() as u64,
             },
             model: model_json(cfg)?,
             world_size: world,

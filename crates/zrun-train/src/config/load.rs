@@ -3,7 +3,6 @@
 use super::{Config, ConfigError, DataKind};
 use std::fmt::Display;
 use std::path::Path;
-use zrun_models::GptConfig;
 use zrun_shard::{Offload, Precision, ReduceDtype, Stage, StateDtype};
 
 /// Replaces `zero.stage = "auto"` and `train.micro_batch = "auto"` with placeholders (0 and 1)
@@ -86,32 +85,6 @@ impl Config {
         Ok(cfg)
     }
 
-    /// The preset with the `[model]` overrides applied, not yet validated (the preset name
-    /// is checked by `load`).
-    fn resolve_gpt(&self) -> GptConfig {
-        let m = &self.model;
-        let mut g = GptConfig::preset(&m.preset)
-            .unwrap_or_else(|_| GptConfig::preset("tiny").expect("tiny exists"));
-        g.vocab_size = m.vocab_size.unwrap_or(g.vocab_size);
-        g.seq_len = m.seq_len.unwrap_or(g.seq_len);
-        g.n_layer = m.n_layer.unwrap_or(g.n_layer);
-        g.n_head = m.n_head.unwrap_or(g.n_head);
-        g.d_model = m.d_model.unwrap_or(g.d_model);
-        g.init_std = m.init_std.unwrap_or(g.init_std);
-        g
-    }
-
-    /// The model architecture this config asks for.
-    pub fn gpt(&self) -> Result<GptConfig, ConfigError> {
-        let preset = &self.model.preset;
-        GptConfig::preset(preset)
-            .map_err(|e| ConfigError(format!("model.preset = {preset:?}: {e}")))?;
-        let g = self.resolve_gpt();
-        g.validate()
-            .map_err(|e| ConfigError(format!("[model]: {e}")))?;
-        Ok(g)
-    }
-
     /// The final learning rate of the cosine decay.
     pub fn min_lr(&self) -> f64 {
         self.train.min_lr.unwrap_or(self.train.lr / 10.0)
@@ -125,41 +98,7 @@ impl Config {
             Err((key.to_string(), v.to_string(), allowed.to_string()))
         }
         let finite_pos = |x: f64| x.is_finite() && x > 0.0;
-        if !GptConfig::PRESETS.contains(&self.model.preset.as_str()) {
-            let allowed = format!("allowed presets: {}", GptConfig::PRESETS.join(", "));
-            return bad("model.preset", format!("{:?}", self.model.preset), &allowed);
-        }
-        let m = &self.model;
-        for (key, v) in [
-            ("model.vocab_size", m.vocab_size),
-            ("model.seq_len", m.seq_len),
-            ("model.n_layer", m.n_layer),
-            ("model.n_head", m.n_head),
-            ("model.d_model", m.d_model),
-        ] {
-            if let Some(v) = v.filter(|&v| v <= 0) {
-                return bad(key, v, "must be at least 1");
-            }
-        }
-        if let Some(s) = m.init_std.filter(|&s| !finite_pos(s)) {
-            return bad("model.init_std", s, "must be a finite number > 0");
-        }
-        let g = self.resolve_gpt();
-        if g.d_model % g.n_head != 0 {
-            let allowed = format!(
-                "model.d_model ({}) must be a multiple of model.n_head",
-                g.d_model
-            );
-            return bad("model.n_head", g.n_head, &allowed);
-        }
-        if let Err(zrun_models::Error::InvalidConfig {
-            field,
-            value,
-            reason,
-        }) = g.validate()
-        {
-            return bad(&format!("model.{field}"), value, &reason);
-        }
+        let arch = self.resolve_arch()?;
         if t.steps == 0 {
             return bad("train.steps", t.steps, "must be at least 1");
         }
@@ -223,7 +162,7 @@ impl Config {
                  (data.source = \"text\")",
             );
         }
-        if d.branching == 0 || d.branching as i64 >= g.vocab_size {
+        if d.branching == 0 || d.branching as i64 >= arch.vocab_size() {
             return bad(
                 "data.branching",
                 d.branching,

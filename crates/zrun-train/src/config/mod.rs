@@ -7,8 +7,10 @@
 
 mod dist;
 mod load;
+mod model;
 
 pub use dist::{BackendChoice, Capabilities, DeviceChoice, DeviceKind, DistConfig, ResolvedDist};
+pub use model::{arch_from_hf, hf_config_path};
 
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -61,16 +63,21 @@ pub enum Arch {
     /// GPT-2 style decoder.
     #[default]
     Gpt,
+    /// Llama family: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention.
+    Llama,
 }
 
-/// `[model]`: a preset, with any field overridden.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+/// `[model]`: a preset with any field overridden, or a Hugging Face directory.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
-    /// Architecture family.
-    pub arch: Arch,
-    /// Preset name: tiny, gpt2-small, gpt2-medium, gpt2-large, gpt2-xl.
-    pub preset: String,
+    /// Architecture family: gpt (default) or llama; taken from `init_from` when set.
+    pub arch: Option<Arch>,
+    /// Preset name: tiny, gpt2-small, ... for gpt; llama-tiny, llama3.2-1b, ... for llama.
+    pub preset: Option<String>,
+    /// A Hugging Face model directory (`config.json`, `model.safetensors` or a sharded
+    /// index): the architecture and the initial weights come from it.
+    pub init_from: Option<PathBuf>,
     /// Overrides the preset's vocabulary size.
     pub vocab_size: Option<i64>,
     /// Overrides the preset's sequence length (tokens per sample).
@@ -83,21 +90,16 @@ pub struct ModelConfig {
     pub d_model: Option<i64>,
     /// Overrides the init standard deviation.
     pub init_std: Option<f64>,
-}
-
-impl Default for ModelConfig {
-    fn default() -> Self {
-        ModelConfig {
-            arch: Arch::Gpt,
-            preset: "tiny".into(),
-            vocab_size: None,
-            seq_len: None,
-            n_layer: None,
-            n_head: None,
-            d_model: None,
-            init_std: None,
-        }
-    }
+    /// Llama: key/value heads (grouped-query attention).
+    pub n_kv_head: Option<i64>,
+    /// Llama: width of one attention head.
+    pub head_dim: Option<i64>,
+    /// Llama: hidden width of the SwiGLU MLP.
+    pub ffn_hidden: Option<i64>,
+    /// Llama: base of the rotary embeddings.
+    pub rope_theta: Option<f64>,
+    /// Whether the output head multiplies by the token embedding (one shared matrix).
+    pub tie_embeddings: Option<bool>,
 }
 
 /// Where the data comes from.

@@ -1,0 +1,246 @@
+//! Hugging Face models through the `zrun` binary: greedy `zrun sample` picks transformers'
+//! `generate(do_sample=False)` tokens (GPT-2 and Llama); a Llama fine-tuned for 5 steps on 2
+//! ranks at stage 3, exported with `zrun export --hf`, loads in transformers with the logits
+//! zrun computes from the checkpoint; and bad model directories are one-line errors with
+//! exit code 2 naming the file and the key or tensor.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::{scratch, stderr, stdout, zrun};
+use serde_json::{json, Value};
+use tch::Tensor;
+
+fn root() -> PathBuf {
+    common::root()
+}
+
+/// Builds (or loads, for exports) models with transformers: `tests/hf/tiny_model.py`.
+fn tiny_models(cases: Vec<Value>, dir: &Path) {
+    let spec = dir.join("spec.json");
+    std::fs::write(&spec, json!({ "cases": cases }).to_string()).unwrap();
+    let out = Command::new(root().join(".venv/bin/python"))
+        .arg(root().join("tests/hf/tiny_model.py"))
+        .arg(&spec)
+        .output()
+        .expect("the project's .venv python runs (make setup)");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn gpt2() -> Value {
+    json!({"model_type": "gpt2", "vocab_size": 96, "n_positions": 64, "n_embd": 32,
+           "n_layer": 2, "n_head": 4})
+}
+
+fn llama() -> Value {
+    json!({"model_type": "llama", "vocab_size": 80, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": true})
+}
+
+fn case(dir: &Path, config: Value, seed: u64) -> Value {
+    json!({
+        "dir": dir, "build": {"config": config, "seed": seed, "std": 0.3},
+        "tokens": [[1, 5, 9, 3, 7, 2, 11, 4], [6, 0, 8, 10, 12, 3, 1, 9]],
+        "prompt": [[3, 14, 15, 9, 2]], "new_tokens": 10,
+    })
+}
+
+fn read(file: &Path) -> std::collections::HashMap<String, Tensor> {
+    Tensor::read_safetensors(file)
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+#[test]
+fn greedy_sample_is_transformers_generate() {
+    let base = scratch("hf-sample");
+    let (g, l) = (base.join("gpt2"), base.join("llama"));
+    tiny_models(vec![case(&g, gpt2(), 1), case(&l, llama(), 2)], &base);
+    for dir in [&g, &l] {
+        let want = read(&dir.join("expected.safetensors"))["generated"].shallow_clone();
+        let want: Vec<i64> = Vec::try_from(want.flatten(0, -1)).unwrap();
+        let d = dir.display().to_string();
+        let o = zrun(&[
+            "sample",
+            &d,
+            "--prompt-ids",
+            "3,14,15,9,2",
+            "--max-new-tokens",
+            "10",
+            "--greedy",
+            "--ignore-eos",
+            "--json",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let got: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+        let tokens: Vec<i64> = serde_json::from_value(got["tokens"].clone()).unwrap();
+        assert_eq!(
+            tokens,
+            want[5..],
+            "{d}: zrun sample against transformers' generate"
+        );
+    }
+}
+
+#[test]
+fn a_fine_tuned_export_loads_in_transformers_with_zruns_logits() {
+    let base = scratch("hf-finetune");
+    let model = base.join("llama");
+    tiny_models(vec![case(&model, llama(), 3)], &base);
+    let config = common::write(
+        &base,
+        "train.toml",
+        format!(
+            "[model]\ninit_from = \"{}\"\nseq_len = 16\n[data]\nbranching = 4\n\
+             [train]\nsteps = 5\nmicro_batch = 2\nlr = 1e-2\nthreads = 1\neval_batches = 1\n\
+             [zero]\nstage = 3\n[checkpoint]\nevery = 5\n[log]\ndir = \"{}\"\n",
+            model.display(),
+            base.join("run").display()
+        )
+        .as_bytes(),
+    );
+    let o = zrun(&["--nproc", "2", &config]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ckpt = base.join("run/ckpt/step-00000005");
+    let out = base.join("export");
+    let o = zrun(&[
+        "export",
+        &ckpt.display().to_string(),
+        "--hf",
+        &out.display().to_string(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("tensors"), "{}", stdout(&o));
+    // transformers loads the export (no missing or unexpected keys, or it fails) ...
+    let mut load = case(&out, Value::Null, 0);
+    load.as_object_mut().unwrap().remove("build");
+    load["load"] = json!(true);
+    tiny_models(vec![load], &base);
+    let theirs = read(&out.join("expected.safetensors"))["logits"].shallow_clone();
+    // ... and computes the logits zrun computes from the checkpoint.
+    let m = zrun_train::hf::load_full(&ckpt).unwrap();
+    let idx =
+        Tensor::from_slice(&[1i64, 5, 9, 3, 7, 2, 11, 4, 6, 0, 8, 10, 12, 3, 1, 9]).reshape([2, 8]);
+    let ours = zrun_models::forward_model(m.model.as_ref(), &m.params, &idx).unwrap();
+    let err =
+        (&ours - &theirs).abs().max().double_value(&[]) / theirs.abs().max().double_value(&[]);
+    assert!(err <= 1e-5, "exported logits differ by {err:e} (relative)");
+    // Training moved the weights: the export is not the imported model.
+    let before = read(&model.join("expected.safetensors"))["logits"].shallow_clone();
+    assert!((&ours - &before).abs().max().double_value(&[]) > 1e-3);
+}
+
+/// A copy of a model directory with `edit` applied, trained for one step: exit code 2 and
+/// one line containing `want`.
+fn refused(base: &Path, model: &Path, name: &str, edit: impl Fn(&Path), want: &[&str]) {
+    let dir = base.join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in std::fs::read_dir(model).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
+    }
+    edit(&dir);
+    let config = common::write(
+        base,
+        &format!("{name}.toml"),
+        format!(
+            "[model]\ninit_from = \"{}\"\n[train]\nsteps = 1\nmicro_batch = 1\nthreads = 1\n\
+             [log]\ndir = \"{}\"\n",
+            dir.display(),
+            base.join(format!("run-{name}")).display()
+        )
+        .as_bytes(),
+    );
+    let o = zrun(&[&config]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{name}: {err}");
+    let line = err.lines().find(|l| l.contains("error")).unwrap_or("");
+    for w in want {
+        assert!(
+            line.contains(w),
+            "{name}: {line:?} lacks {w:?} (stderr: {err})"
+        );
+    }
+}
+
+#[test]
+fn bad_model_directories_are_one_line_errors() {
+    let base = scratch("hf-bad");
+    let model = base.join("gpt2");
+    tiny_models(vec![case(&model, gpt2(), 4)], &base);
+    let json_edit = |f: &'static str, key: &'static str, v: Value| {
+        move |d: &Path| {
+            let p = d.join(f);
+            let mut j: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+            j[key] = v.clone();
+            std::fs::write(&p, j.to_string()).unwrap();
+        }
+    };
+    refused(
+        &base,
+        &model,
+        "no-config",
+        |d| std::fs::remove_file(d.join("config.json")).unwrap(),
+        &["config.json", "model.init_from"],
+    );
+    refused(
+        &base,
+        &model,
+        "model-type",
+        json_edit("config.json", "model_type", json!("mamba")),
+        &["config.json", "model_type", "mamba"],
+    );
+    refused(
+        &base,
+        &model,
+        "shape",
+        json_edit("config.json", "vocab_size", json!(100)),
+        &[
+            "model.safetensors",
+            "transformer.wte.weight",
+            "[96, 32]",
+            "[100, 32]",
+        ],
+    );
+    // A tensor missing: the weights rewritten without the last block's MLP output.
+    refused(
+        &base,
+        &model,
+        "missing",
+        |d| {
+            let f = d.join("model.safetensors");
+            let mut t = read(&f);
+            assert!(t.remove("transformer.h.1.mlp.c_proj.weight").is_some());
+            let refs: Vec<(&str, &Tensor)> = t.iter().map(|(n, t)| (n.as_str(), t)).collect();
+            Tensor::write_safetensors(&refs, &f).unwrap();
+        },
+        &["transformer.h.1.mlp.c_proj.weight", "missing"],
+    );
+    refused(
+        &base,
+        &model,
+        "index",
+        |d| {
+            std::fs::rename(d.join("model.safetensors"), d.join("part-1.safetensors")).unwrap();
+            let t = read(&d.join("part-1.safetensors"));
+            let map: serde_json::Map<String, Value> = t
+                .keys()
+                .map(|k| (k.clone(), json!("part-2.safetensors")))
+                .collect();
+            std::fs::write(
+                d.join("model.safetensors.index.json"),
+                json!({"metadata": {}, "weight_map": map}).to_string(),
+            )
+            .unwrap();
+        },
+        &["model.safetensors.index.json", "part-2.safetensors"],
+    );
+}
