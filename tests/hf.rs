@@ -227,6 +227,26 @@ fn bad_model_directories_are_one_line_errors() {
     refused(
         &base,
         &model,
+        "unexpected",
+        |d| {
+            let f = d.join("model.safetensors");
+            let mut t = read(&f);
+            t.insert(
+                "transformer.h.0.attn.q_norm.weight".into(),
+                Tensor::ones([8], tch::kind::FLOAT_CPU),
+            );
+            let refs: Vec<(&str, &Tensor)> = t.iter().map(|(n, t)| (n.as_str(), t)).collect();
+            Tensor::write_safetensors(&refs, &f).unwrap();
+        },
+        &[
+            "model.safetensors",
+            "transformer.h.0.attn.q_norm.weight",
+            "not part of",
+        ],
+    );
+    refused(
+        &base,
+        &model,
         "index",
         |d| {
             std::fs::rename(d.join("model.safetensors"), d.join("part-1.safetensors")).unwrap();

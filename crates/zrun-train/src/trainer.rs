@@ -282,7 +282,8 @@ impl Run {
         }
         if let (None, Some(dir)) = (&resumed, &self.cfg.model.init_from) {
             let t0 = std::time::Instant::now();
-            crate::hf::load_into(&mut self.engine, self.model.as_ref(), dir)?;
+            let arch = self.cfg.arch()?;
+            crate::hf::load_into(&mut self.engine, &arch, self.model.as_ref(), dir)?;
             if self.rank.rank == 0 {
                 tracing::info!(
                     "initialised from {} in {:.1} s (rank 0's peak resident memory so far: {} MiB)",

@@ -234,7 +234,7 @@ fn load_hf(dir: &Path) -> Result<Loaded, Error> {
     let arch = ArchConfig::from_hf_config(hf.config())
         .map_err(|e| bad(hf.config_path(), e.to_string()))?;
     let model = arch.build()?;
-    let src = sources(&hf, model.as_ref())?;
+    let src = sources(&hf, &arch, model.as_ref())?;
     let mut params = Vec::new();
     for u in model.units() {
         let mut unit = Vec::new();

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use zrun_ckpt::HfDir;
-use zrun_models::{HfParam, Model};
+use zrun_models::{ArchConfig, HfParam, Model};
 use zrun_shard::{Counters, Engine, StatePart};
 
 use crate::Error;
@@ -29,15 +29,27 @@ pub(crate) fn bad(path: &Path, detail: String) -> Error {
     })
 }
 
-/// Finds every parameter of `model` in `hf`, checking its shape against the model's (built
-/// from the same directory's config.json). Names are tried as Hugging Face writes them and
-/// without the `transformer.` / `model.` prefix that base-model checkpoints leave out.
-pub(crate) fn sources(hf: &HfDir, model: &dyn Model) -> Result<HashMap<String, Source>, Error> {
+/// Finds every parameter of `model` (built from `arch`, the same directory's config.json) in
+/// `hf`, checking its shape. Names are matched as Hugging Face writes them, also without the
+/// `transformer.` / `model.` prefix that base-model checkpoints leave out; a tensor of the
+/// file that the model neither uses nor knows to skip (mask buffers, a tied head's copy) is an
+/// error, as the file then describes another model than config.json.
+pub(crate) fn sources(
+    hf: &HfDir,
+    arch: &ArchConfig,
+    model: &dyn Model,
+) -> Result<HashMap<String, Source>, Error> {
     let shapes: HashMap<&str, &[i64]> = model
         .units()
         .iter()
         .flat_map(|u| u.params())
         .map(|p| (p.name.as_str(), p.shape.as_slice()))
+        .collect();
+    // The file's tensors by the name hf_params uses.
+    let in_file: HashMap<String, &String> = hf
+        .names()
+        .iter()
+        .map(|n| (arch.hf_alias(n).unwrap_or_else(|| n.clone()), n))
         .collect();
     let mut out = HashMap::new();
     for HfParam {
@@ -46,12 +58,9 @@ pub(crate) fn sources(hf: &HfDir, model: &dyn Model) -> Result<HashMap<String, S
         transpose,
     } in model.hf_params()
     {
-        let stripped = ["transformer.", "model."]
-            .iter()
-            .find_map(|p| hf_name.strip_prefix(p));
-        let Some((tensor, info)) = std::iter::once(hf_name.as_str())
-            .chain(stripped)
-            .find_map(|n| hf.info(n).map(|i| (n.to_string(), i)))
+        let Some((tensor, info)) = in_file
+            .get(&hf_name)
+            .and_then(|n| hf.info(n).map(|i| ((*n).clone(), i)))
         else {
             return Err(bad(
                 hf.dir(),
@@ -82,15 +91,36 @@ pub(crate) fn sources(hf: &HfDir, model: &dyn Model) -> Result<HashMap<String, S
         }
         out.insert(name, Source { tensor, transpose });
     }
+    let used: std::collections::HashSet<&str> = out.values().map(|s| s.tensor.as_str()).collect();
+    if let Some(extra) = hf
+        .names()
+        .iter()
+        .find(|n| !used.contains(n.as_str()) && !arch.hf_ignored(n))
+    {
+        let file = hf.file_of(extra).unwrap_or(hf.dir());
+        return Err(bad(
+            file,
+            format!(
+                "tensor `{extra}` is not part of the {} model {} describes; the weights and config.json disagree",
+                arch.arch(),
+                hf.config_path().display()
+            ),
+        ));
+    }
     Ok(out)
 }
 
 /// Loads the weights of the Hugging Face directory `dir` into `engine` as the starting point
 /// of a run (optimizer state zero, step 0). Every rank calls it and reads only the element
 /// ranges it keeps, so at stage 3 no rank holds the whole model.
-pub fn load_into(engine: &mut Engine, model: &dyn Model, dir: &Path) -> Result<(), Error> {
+pub fn load_into(
+    engine: &mut Engine,
+    arch: &ArchConfig,
+    model: &dyn Model,
+    dir: &Path,
+) -> Result<(), Error> {
     let hf = HfDir::open(dir)?;
-    let src = sources(&hf, model)?;
+    let src = sources(&hf, arch, model)?;
     let layout = engine.layout().clone();
     for (u, l) in layout.units.iter().enumerate() {
         let (start, len) = engine.loaded_range(u);
