@@ -139,6 +139,7 @@ fn every_example_is_listed_parses_and_states_its_commands() {
         names,
         [
             "compare-stages",
+            "finetune-hf",
             "mpirun",
             "offload-larger-than-memory",
             "slurm",
@@ -629,5 +630,96 @@ fn compare_stages_trains_both_and_plots_them_together() {
     assert!(
         loss.contains("stage2") && loss.contains("stage3"),
         "loss.svg names neither run"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// A Hugging Face model fine-tuned and exported.
+
+/// The lines of `out` after the line `heading`, up to the next `== ` heading.
+fn section<'a>(out: &'a str, heading: &str) -> Vec<&'a str> {
+    out.lines()
+        .skip_while(|l| *l != heading)
+        .skip(1)
+        .take_while(|l| !l.starts_with("== "))
+        .collect()
+}
+
+/// finetune-hf/run.sh as it stands: a Llama made by transformers is fine-tuned on 2 ranks at
+/// stage 3 from its directory (tokenizer found beside it), its loss falls, the export loads
+/// in transformers, whose greedy tokens `zrun sample --greedy` picks too, and both recite the
+/// text learned.
+#[test]
+fn finetune_hf_trains_exports_and_generates_in_transformers_and_zrun() {
+    let d = scratch("ex-finetune-hf");
+    let out_dir = d.display().to_string();
+    let (code, out) = run_script(
+        "examples/finetune-hf/run.sh",
+        &[],
+        &[("OUT", out_dir.as_str())],
+    );
+    assert_eq!(code, 0, "{out}");
+    let run = d.join("run");
+    assert_run(&run, 2, 150, &["step-00000150"], &out);
+    // Started from the model directory, at stage 3, encoding with the tokenizer beside it.
+    let model = d.join("model");
+    assert!(
+        out.contains(&format!("initialised from {}", model.display())),
+        "{out}"
+    );
+    let m = read_json(&run.join("ckpt/step-00000150/manifest.json"));
+    assert_eq!(m["stage"].as_u64(), Some(3), "{m}");
+    assert_eq!(
+        m["model"]["tokenizer"].as_str(),
+        Some(model.join("tokenizer.json").to_str().unwrap()),
+        "{m}"
+    );
+    // The loss fell: from near ln(512) at the first logged step to a fraction of it.
+    let losses: Vec<f64> = std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect();
+    let (first, last) = (losses[0], *losses.last().unwrap());
+    assert!(first > 4.5, "first logged loss {first}: {losses:?}");
+    assert!(last < first / 3.0, "loss {first} -> {last}: {losses:?}");
+    // The export carries the tokenizer.
+    let export = d.join("export");
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        assert!(export.join(f).is_file(), "export has no {f}: {out}");
+    }
+    assert_eq!(
+        read_json(&export.join("config.json"))["model_type"].as_str(),
+        Some("llama")
+    );
+    // transformers generated 20 tokens from the export; zrun's greedy text is the same.
+    let hf = section(&out, "== transformers, greedy");
+    let ids = hf
+        .last()
+        .and_then(|l| l.strip_prefix("ids: "))
+        .unwrap_or_else(|| panic!("no ids line from generate.py: {out}"));
+    assert_eq!(ids.split(',').count(), 20, "{ids}");
+    let hf_text = hf[..hf.len() - 1].join("\n");
+    let zrun_text = section(&out, "== zrun sample --greedy").join("\n");
+    assert!(
+        hf_text.starts_with("The Fox") && hf_text.len() > "The Fox".len() + 20,
+        "{hf_text:?}"
+    );
+    assert_eq!(zrun_text.trim_end(), hf_text.trim_end(), "{out}");
+    // What was learned: the story that follows the title (the untrained model knows no words).
+    assert!(hf_text.contains("hungry"), "{hf_text:?}");
+    let sampled = section(&out, "== zrun sample --temperature 0.7 --top-k 5").join("\n");
+    assert!(
+        sampled.starts_with("The Fox") && sampled.len() > "The Fox".len(),
+        "{out}"
     );
 }
