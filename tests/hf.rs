@@ -119,6 +119,14 @@ fn a_fine_tuned_export_loads_in_transformers_with_zruns_logits() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("tensors"), "{}", stdout(&o));
+    // The original model's special tokens travel with the export.
+    let config = |d: &Path| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap()
+    };
+    let (src, dst) = (config(&model), config(&out));
+    assert!(!src["eos_token_id"].is_null(), "{src}");
+    assert_eq!(dst["eos_token_id"], src["eos_token_id"]);
+    assert_eq!(dst["bos_token_id"], src["bos_token_id"]);
     // transformers loads the export (no missing or unexpected keys, or it fails) ...
     let mut load = case(&out, Value::Null, 0);
     load.as_object_mut().unwrap().remove("build");

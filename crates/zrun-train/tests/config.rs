@@ -338,6 +338,31 @@ fn model_key_errors_name_the_key_and_the_fix() {
             assert!(err.contains(w), "{text:?}: {err:?} lacks {w:?}");
         }
     }
+    // Keys a GPT-2 directory cannot honour.
+    let gdir = dir.join("gpt2");
+    std::fs::create_dir_all(&gdir).unwrap();
+    std::fs::write(
+        gdir.join("config.json"),
+        r#"{"model_type": "gpt2", "vocab_size": 64, "n_positions": 32, "n_embd": 32,
+            "n_layer": 2, "n_head": 4}"#,
+    )
+    .unwrap();
+    let g = format!("[model]\ninit_from = \"{}\"\n", gdir.display());
+    for (text, want) in [
+        (
+            format!("{g}n_kv_head = 2\n"),
+            ["model.n_kv_head", "Llama key"],
+        ),
+        (
+            format!("{g}tie_embeddings = false\n"),
+            ["model.tie_embeddings = false", "tie_word_embeddings = true"],
+        ),
+    ] {
+        let err = error_of("gpt2-from.toml", &text, &[]);
+        for w in want {
+            assert!(err.contains(w), "{text:?}: {err:?} lacks {w:?}");
+        }
+    }
     // The file's architecture, with a shorter training sequence.
     let ok = write("from.toml", &format!("{from}seq_len = 32\n"));
     let arch = Config::load(&ok, &[]).unwrap().arch().unwrap();

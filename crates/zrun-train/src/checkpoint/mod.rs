@@ -116,7 +116,27 @@ fn model_json(cfg: &Config) -> Result<serde_json::Value, Error> {
         "vocab_size": a.vocab_size(),
         "hf_config": a.to_hf_config(),
         "tokenizer": tokenizer,
+        "special_tokens": special_tokens(cfg),
     }))
+}
+
+/// `bos_token_id`, `eos_token_id` and `pad_token_id` of `model.init_from`'s config.json, for
+/// the export's: generation stops where the original model's does.
+fn special_tokens(cfg: &Config) -> serde_json::Value {
+    let Some(dir) = &cfg.model.init_from else {
+        return serde_json::Value::Null;
+    };
+    let json: serde_json::Value = std::fs::read_to_string(crate::config::hf_config_path(dir))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_default();
+    let mut out = serde_json::Map::new();
+    for key in ["bos_token_id", "eos_token_id", "pad_token_id"] {
+        if let Some(v) = json.get(key).filter(|v| !v.is_null()) {
+            out.insert(key.into(), v.clone());
+        }
+    }
+    serde_json::Value::Object(out)
 }
 
 impl Checkpointer {

@@ -205,13 +205,30 @@ impl Config {
                 ));
             }
         }
-        if let (Some(t), ArchConfig::Llama(g)) = (m.tie_embeddings, &arch) {
-            if t != g.tied {
-                return Err(bad(
-                    "model.tie_embeddings",
-                    t,
-                    &format!("conflicts with tie_word_embeddings = {} in {shown}", g.tied),
-                ));
+        if let Some(t) = m.tie_embeddings.filter(|&t| t != arch.tied()) {
+            return Err(bad(
+                "model.tie_embeddings",
+                t,
+                &format!(
+                    "conflicts with tie_word_embeddings = {} in {shown}",
+                    arch.tied()
+                ),
+            ));
+        }
+        if let ArchConfig::Gpt(_) = arch {
+            for (key, set) in [
+                ("model.n_kv_head", m.n_kv_head.is_some()),
+                ("model.head_dim", m.head_dim.is_some()),
+                ("model.ffn_hidden", m.ffn_hidden.is_some()),
+                ("model.rope_theta", m.rope_theta.is_some()),
+            ] {
+                if set {
+                    return Err(bad(
+                        key,
+                        "(set)",
+                        &format!("is a Llama key, but {shown} describes a GPT-2 model; remove it"),
+                    ));
+                }
             }
         }
         if let (Some(t), ArchConfig::Llama(g)) = (m.rope_theta, &arch) {

@@ -129,6 +129,11 @@ pub fn export(
         OutDtype::Bf16 => "bfloat16",
         OutDtype::F16 => "float16",
     });
+    if let Some(tokens) = ckpt.manifest.model["special_tokens"].as_object() {
+        for (k, v) in tokens {
+            config[k] = v.clone();
+        }
+    }
     zrun_ckpt::write_json(out, "config.json", &config)?;
     let tokenizer = match checkpoint_tokenizer(&ckpt) {
         Some(t) => copy_tokenizer(&t, out)?,
