@@ -7,12 +7,14 @@
     python benches/hf_speed.py --malloc glibc,zrun      # both allocator settings, on both sides
     python benches/hf_speed.py --quiet-wait 120          # on a shared machine: wait for quiet first
 
-Speed. transformers builds a Llama (`--llama`: vocab 32000, hidden 768, 12 layers, 12 heads,
+Speed. transformers builds a Llama (LLAMA below: vocab 32000, hidden 768, 12 layers, 12 heads,
 4 key/value heads, intermediate 2048, untied head: 124.7M parameters, 100.3M of them in
 matmuls) with random weights and saves it; zrun starts from those files (`model.init_from`,
 stage 0, one rank) and transformers' `LlamaForCausalLM` (attn_implementation="sdpa",
 model.train(); Llama has no dropout) loads the same files, so both run identical weights.
-Both train `warmup + steps` steps of the same batch shape with the same libtorch thread
+Both train `warmup + steps` steps of the same batch shape (fp32: `--batch` x `--seq-len`,
+4 x 256; bf16: `--bf16-batch` x `--bf16-seq-len`, 1 x 32, kept short because libtorch's
+bf16 matmul is slow on CPUs without AVX-512 BF16 or AMX) with the same libtorch thread
 count (OMP_NUM_THREADS, torch.set_num_threads, train.threads) and the same malloc settings
 (`--malloc`), runs alternating zrun / transformers, the order flipping every round. Per step:
   zrun          forward_s and backward_s from metrics.jsonl (log.every = 1): the units'
@@ -30,7 +32,8 @@ not in either figure). fp32: fp32 weights and compute on both sides. bf16: zrun'
 compute, RMSNorm statistics, rotary angles and the loss in fp32, fp32 gradient buffer);
 transformers: fp32 weights under `torch.autocast("cpu", dtype=torch.bfloat16)` (linear and
 attention in bf16, the weights cast per forward, RMSNorm and the loss in fp32 as its code
-writes them), backward outside autocast: the standard mixed-precision equivalent.
+writes them, the residual stream fp32 where zrun's is bf16), backward outside autocast: the
+standard mixed-precision equivalent.
 
 Import. transformers builds a GPT-2 with gpt2-medium's shapes (n_embd 1024, 24 layers, 16
 heads, vocab 50257; n_positions `--gpt2-positions`) and saves it (one model.safetensors,
@@ -41,8 +44,9 @@ POSIX_FADV_DONTNEED: a cold read) and again with it cached (warm):
                 start to its "training steps" line (libtorch start-up, engine allocation
                 and its random init, the load); each rank is stopped there (SIGKILL: the
                 training step is not part of an import); then 2 ranks at stage 3.
-  transformers  AutoModelForCausalLM.from_pretrained(dir) (fp32): its call's time, and
-                the time from the process's start (interpreter, `import transformers`).
+  transformers  AutoModelForCausalLM.from_pretrained(dir) (fp32) and one read of every
+                weight (fp32 weights stay zero-copy views of the mapped file, unread, until
+                then), and the time from the process's start (interpreter, imports).
 Memory: every process's /proc status is sampled every 20 ms: peak RSS (VmHWM, exact), and
 the largest anonymous (RssAnon) and file-backed (RssFile: mapped safetensors pages, plus
 the program's own code) resident sizes seen, with RssFile growth over its value before
@@ -426,8 +430,9 @@ def hf_speed(work, model_dir, precision, batch, seq_len, warmup, steps, threads,
 
 def summarize(runs, tokens):
     """Median over rounds of each run's median per step; best = the fastest single step."""
-    def med(key, rs=runs):
-        return statistics.median(statistics.median(s[key] for s in r["steps"]) for r in rs)
+    def med(key):
+        return statistics.median(statistics.median(s[key] for s in r["steps"]) for r in runs)
+
     fb = [statistics.median(s["forward_s"] + s["backward_s"] for s in r["steps"]) for r in runs]
     best = min(s["forward_s"] + s["backward_s"] for r in runs for s in r["steps"])
     fwd_bwd = statistics.median(fb)
@@ -508,11 +513,11 @@ def zrun_import(work, model_dir, nproc, stage, threads, mode, tag):
     watch(procs, lambda ps: all(w.first(READY) for w in ps), f"zrun import {tag}")
     t_init, m_init = procs[0].first(INIT)
     load_s = float(m_init.group(1))
+    start = t_init - load_s  # rank 0's; the ranks started within milliseconds of each other
     ranks = []
     for w in procs:
         t_ready, m = w.first(READY)
-        start = (t_init - load_s) if w is procs[0] else None
-        file0 = w.at("RssFile", start) if start is not None else None
+        file0 = w.at("RssFile", start)
         ranks.append({
             "rank": int(m.group(1)),
             "ready_s": t_ready,
@@ -570,7 +575,9 @@ def import_bench(args, work, results):
                     res = hf_import(work, model_dir, args.threads, mode, tag)
                 res["cache"] = cache
                 runs.append(res)
-                print(f"#   {tag}: load {res['load_s']:.2f} s, ready {res['ready_s']:.1f} s", flush=True)
+                split = (f" (from_pretrained {res['from_pretrained_s']:.2f} s + reading the weights {res['read_s']:.2f} s)"
+                         if side == "transformers" else "")
+                print(f"#   {tag}: load {res['load_s']:.2f} s{split}, ready {res['ready_s']:.1f} s", flush=True)
         for cache in ("cold", "warm"):
             if cache == "cold":
                 evict(st)
