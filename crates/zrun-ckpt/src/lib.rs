@@ -36,8 +36,8 @@ pub use hf::{
     TOKENIZER_FILES,
 };
 pub use manifest::{
-    DataPosition, FileEntry, Manifest, OptimizerState, RankEntry, ScalerState, ScheduleState,
-    Shard, UnitEntry, ViewEntry, FORMAT, FORMAT_VERSION,
+    DataOrder, DataPosition, FileEntry, Manifest, OptimizerState, RankEntry, RunRecord,
+    ScalerState, ScheduleState, Shard, UnitEntry, ViewEntry, FORMAT, FORMAT_VERSION,
 };
 pub use read::{Checkpoint, RankFile, Reader};
 pub use write::{commit, prune, rank_file_name, Dtype, RankWriter, TensorSpec};

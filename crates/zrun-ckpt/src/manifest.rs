@@ -49,6 +49,41 @@ pub struct Manifest {
     pub ranks: Vec<RankEntry>,
     /// Every data file with its size and content hash.
     pub files: Vec<FileEntry>,
+    /// The run that wrote it (absent in checkpoints of older versions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<RunRecord>,
+    /// What fixes the order of the training samples (absent in checkpoints of older
+    /// versions): a resume compares it with the new run's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_order: Option<DataOrder>,
+}
+
+/// The identity of the run that wrote a checkpoint: a restart of the same run (the
+/// launcher's `--max-restarts`, a requeued job with the same `ZRUN_RUN_ID`) has the same id.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunRecord {
+    /// The run id (`ZRUN_RUN_ID`, or one made at the run's start).
+    pub id: String,
+    /// The host of the rank that committed the checkpoint (rank 0).
+    pub host: String,
+}
+
+/// What decides which samples each step sees: the data source, its file and size, the
+/// sequence length, the seed and the global batch.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataOrder {
+    /// `data.source`: `synthetic`, `tokens` or `text`.
+    pub source: String,
+    /// `data.path` as given (absent for synthetic data).
+    pub path: Option<String>,
+    /// Bytes of the data the path names (a file's size, or a directory's files summed).
+    pub bytes: Option<u64>,
+    /// Tokens per sample.
+    pub seq_len: u64,
+    /// `data.seed`.
+    pub seed: u64,
+    /// Samples per optimizer step over all ranks.
+    pub global_batch: u64,
 }
 
 /// The data stream's position, in global samples (independent of the world size).

@@ -163,6 +163,8 @@ fn write_ranks(root: &Path, step: u64, world: usize, moments: Dtype) -> (PathBuf
             })
             .collect(),
         files,
+        run: None,
+        data_order: None,
     };
     (tmp, manifest)
 }

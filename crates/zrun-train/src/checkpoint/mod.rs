@@ -197,6 +197,8 @@ impl Checkpointer {
                 })
                 .collect(),
             files: Vec::new(),
+            run: None,
+            data_order: None,
         };
         let kill_at = std::env::var(KILL_IN_SAVE_ENV).ok().and_then(|v| {
             let (r, s) = v.split_once(':')?;
