@@ -23,6 +23,7 @@ mod consolidate;
 mod dir;
 mod hash;
 mod hf;
+mod lock;
 mod manifest;
 mod read;
 mod write;
@@ -35,6 +36,7 @@ pub use hf::{
     copy_tokenizer_files, parse_size, write_json, HfDir, HfDtype, HfWriter, TensorInfo,
     TOKENIZER_FILES,
 };
+pub use lock::{hostname, Acquired, DirLock, LockOwner, LEASE, LOCK_FILE};
 pub use manifest::{
     DataOrder, DataPosition, FileEntry, Manifest, OptimizerState, RankEntry, RunRecord,
     ScalerState, ScheduleState, Shard, UnitEntry, ViewEntry, FORMAT, FORMAT_VERSION,
@@ -116,6 +118,14 @@ pub enum Error {
         dir: PathBuf,
         /// The first difference, and what to do.
         detail: String,
+    },
+    /// Another live run holds the checkpoint directory.
+    #[error("checkpoint.dir {} is in use by {holder}: two jobs must not share a checkpoint directory; give this one another checkpoint.dir, or stop the other job", dir.display())]
+    Held {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// Who holds it.
+        holder: String,
     },
     /// A caller asked for something the format cannot express.
     #[error("checkpoint: {0}")]
