@@ -27,7 +27,7 @@ pub enum Error {
     },
 
     /// The store refused this client's token.
-    #[error("rendezvous store at {addr} refused this client: wrong job token; every rank must share the launcher's ZRUN_JOB_TOKEN")]
+    #[error("rendezvous store at {addr} refused this client: wrong job token; every node and rank must present the same token: export the same ZRUN_JOB_TOKEN on every node, or (zrun --nnodes > 1 without it) give every node the same secret file (ZRUN_SECRET_FILE, default ~/.config/zrun/secret: a home directory the nodes share, or node 0's file copied with mode 0600) and the same --run-id")]
     StoreRefused {
         /// `host:port` of the store.
         addr: String,
@@ -42,6 +42,15 @@ pub enum Error {
         missing: Vec<String>,
         /// The deadline that passed.
         timeout: Duration,
+    },
+
+    /// The secret file that multi-node job tokens are derived from is unusable.
+    #[error("secret file {path}: {detail}")]
+    Secret {
+        /// The file (`ZRUN_SECRET_FILE`, default `~/.config/zrun/secret`).
+        path: String,
+        /// What is wrong and what to do.
+        detail: String,
     },
 
     /// An I/O failure or a malformed message while talking to the store.

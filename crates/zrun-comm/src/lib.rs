@@ -8,6 +8,7 @@
 mod buf;
 mod device;
 mod error;
+mod greet;
 mod kernels;
 #[cfg_attr(not(feature = "mpi"), path = "mpi_stub.rs")]
 mod mpi;
@@ -16,6 +17,7 @@ mod nccl;
 // Used by nccl.rs only, but built (and tested) without the `cuda` feature too.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod nccl_rendezvous;
+mod secret;
 mod single;
 mod store;
 mod tcp;
@@ -27,7 +29,8 @@ use std::time::Duration;
 pub use device::gpu_index;
 pub use error::Error;
 pub use nccl::gpu_total_bytes;
-pub use store::{StoreClient, StoreServer};
+pub use secret::{job_token, load_or_create_secret, secret_path, SECRET_FILE_ENV};
+pub use store::{StoreClient, StoreLimits, StoreServer};
 pub use topology::{Topology, TopologySource};
 pub use work::Work;
 

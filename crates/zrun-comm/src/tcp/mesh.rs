@@ -5,6 +5,7 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
+use crate::greet::{self, Greeting, Progress};
 use crate::Error;
 
 /// What a running collective is, for error messages.
@@ -118,61 +119,142 @@ pub(crate) fn connect_mesh(
     listener
         .set_nonblocking(true)
         .map_err(|e| cerr(format!("listener: {e}")))?;
+    let mut greetings = Greetings {
+        rank,
+        world,
+        token: token.as_bytes(),
+        pending: Vec::new(),
+        cap: MAX_UNKNOWN.max(2 * world),
+    };
     let mut missing = world - rank - 1;
     while missing > 0 {
-        match listener.accept() {
-            Ok((s, from)) => {
-                s.set_nonblocking(false)
-                    .map_err(|e| cerr(format!("accepted socket: {e}")))?;
-                tune(&s, Duration::from_secs(10))
-                    .map_err(|e| cerr(format!("socket options: {e}")))?;
-                match read_hello(&s, token, world) {
-                    Some(q) if q > rank && peers[q].is_none() => {
-                        tune(&s, timeout).map_err(|e| cerr(format!("socket options: {e}")))?;
-                        peers[q] = Some(s);
-                        missing -= 1;
-                    }
-                    _ => {
-                        tracing::warn!(rank, %from, "refused a peer connection: bad greeting or token")
-                    }
-                }
+        let now = Instant::now();
+        if now >= deadline {
+            let absent: Vec<usize> = (rank + 1..world).filter(|&q| peers[q].is_none()).collect();
+            return Err(cerr(format!(
+                "ranks {absent:?} did not connect within {timeout:?}"
+            )));
+        }
+        greetings.expire(now);
+        let mut fds = vec![greet::readable(&listener)];
+        fds.extend(greetings.pending.iter().map(|g| greet::readable(&g.stream)));
+        let wake = greetings
+            .pending
+            .iter()
+            .map(|g| g.deadline)
+            .fold(deadline.min(now + Duration::from_millis(100)), Instant::min);
+        greet::poll(&mut fds, wake.saturating_duration_since(now))
+            .map_err(|e| cerr(format!("poll: {e}")))?;
+        let ready: Vec<bool> = fds[1..].iter().map(|p| p.revents != 0).collect();
+        for (q, s) in greetings.advance(&ready) {
+            if peers[q].is_some() {
+                tracing::warn!(rank, peer = q, "refused a second connection from one peer");
+                continue;
             }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    let absent: Vec<usize> =
-                        (rank + 1..world).filter(|&q| peers[q].is_none()).collect();
-                    return Err(cerr(format!(
-                        "ranks {absent:?} did not connect within {timeout:?}"
-                    )));
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            Err(e) => return Err(cerr(format!("accept: {e}"))),
+            tune(&s, timeout).map_err(|e| cerr(format!("socket options for rank {q}: {e}")))?;
+            peers[q] = Some(s);
+            missing -= 1;
+        }
+        if fds[0].revents != 0 {
+            greetings.accept_all(&listener, deadline);
         }
     }
     Ok(peers)
 }
 
-fn read_hello(s: &TcpStream, token: &str, world: usize) -> Option<usize> {
-    let mut r: &TcpStream = s;
-    let mut head = [0u8; 12];
-    r.read_exact(&mut head).ok()?;
-    if &head[..4] != HELLO {
-        return None;
+/// Unknown connections entertained at once (at least twice the world size); a new one past
+/// it drops the oldest.
+const MAX_UNKNOWN: usize = 64;
+/// Time for a peer's whole greeting, from its accept.
+const GREETING: Duration = Duration::from_secs(5);
+/// Greeting head: `ZRPR`, the dialer's rank, the token length.
+const HEAD: usize = 12;
+
+/// Greetings of accepted connections, read together so that a silent or slow connection
+/// delays nobody: each must arrive whole within [`GREETING`].
+struct Greetings<'a> {
+    rank: usize,
+    world: usize,
+    token: &'a [u8],
+    /// Oldest first.
+    pending: Vec<Greeting>,
+    cap: usize,
+}
+
+impl Greetings<'_> {
+    /// Drops greetings past their deadline.
+    fn expire(&mut self, now: Instant) {
+        let rank = self.rank;
+        self.pending.retain(|g| {
+            let alive = g.deadline > now;
+            if !alive {
+                tracing::warn!(rank, from = %g.from, "dropped a peer connection: no whole greeting within {GREETING:?}");
+            }
+            alive
+        });
     }
-    let q = u32::from_le_bytes(head[4..8].try_into().ok()?) as usize;
-    let n = u32::from_le_bytes(head[8..12].try_into().ok()?) as usize;
-    if n > 4096 || q >= world {
-        return None;
+
+    /// Accepts what waits in the backlog (errors are left for the next round: the overall
+    /// deadline bounds them).
+    fn accept_all(&mut self, listener: &TcpListener, deadline: Instant) {
+        for _ in 0..64 {
+            let (s, from) = match listener.accept() {
+                Ok(x) => x,
+                Err(e) if greet::out_of_resources(&e) => {
+                    // Free a descriptor and let the next poll round retry.
+                    if !self.pending.is_empty() {
+                        self.pending.remove(0);
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                    return;
+                }
+                Err(_) => return,
+            };
+            let until = (Instant::now() + GREETING).min(deadline);
+            if let Ok(g) = Greeting::new(s, from, HELLO, HEAD, until) {
+                if self.pending.len() >= self.cap {
+                    let old = self.pending.remove(0);
+                    tracing::warn!(rank = self.rank, from = %old.from, "dropped a peer connection: too many connections without a greeting");
+                }
+                self.pending.push(g);
+            }
+        }
     }
-    let mut t = vec![0u8; n];
-    r.read_exact(&mut t).ok()?;
-    let same = t.len() == token.len()
-        && t.iter()
-            .zip(token.as_bytes())
-            .fold(0u8, |a, (x, y)| a | (x ^ y))
-            == 0;
-    same.then_some(q)
+
+    /// Reads the greetings flagged `ready`; returns the peers that greeted well (rank, socket
+    /// made blocking again).
+    fn advance(&mut self, ready: &[bool]) -> Vec<(usize, TcpStream)> {
+        let mut done = Vec::new();
+        let mut keep = Vec::with_capacity(self.pending.len());
+        for (i, mut g) in std::mem::take(&mut self.pending).into_iter().enumerate() {
+            if !ready.get(i).copied().unwrap_or(false) {
+                keep.push(g);
+                continue;
+            }
+            match g.feed() {
+                Progress::More => keep.push(g),
+                Progress::Done => {
+                    let q = g.head_fields()[..4]
+                        .try_into()
+                        .map_or(usize::MAX, |b| u32::from_le_bytes(b) as usize);
+                    let from = g.from;
+                    let ok =
+                        q > self.rank && q < self.world && greet::same_token(g.token(), self.token);
+                    match g.into_stream() {
+                        Ok(s) if ok => done.push((q, s)),
+                        _ => {
+                            tracing::warn!(rank = self.rank, %from, "refused a peer connection: bad rank or token")
+                        }
+                    }
+                }
+                Progress::Bad => {
+                    tracing::warn!(rank = self.rank, from = %g.from, "refused a peer connection: bad greeting")
+                }
+            }
+        }
+        self.pending = keep;
+        done
+    }
 }
 
 /// The address peers should dial: the local side of the store connection's interface.
