@@ -58,11 +58,42 @@ pub struct Consolidated {
 
 /// Writes every parameter of the checkpoint in `dir` as one full tensor named as the model
 /// names it, in `dtype`, into the safetensors file `out` (written to `out.tmp`, fsynced, then
-/// renamed). Every rank file is verified (its hash over all of it) before the file is renamed
-/// into place.
+/// renamed; an existing `out` is replaced only then). The manifest is validated before any
+/// rank file is read, every rank file is opened (size and header checked) before a buffer is
+/// sized from the manifest, and every rank file is verified (its hash over all of it) before
+/// the file is renamed into place; on any error `out.tmp` is removed and `out` is untouched.
 pub fn consolidate(dir: &Path, out: &Path, dtype: OutDtype) -> Result<Consolidated> {
     let ckpt = Checkpoint::open(dir)?;
+    let mut tmp_name = out.as_os_str().to_owned();
+    tmp_name.push(".tmp");
+    let tmp = PathBuf::from(tmp_name);
+    match write(&ckpt, &tmp, dtype) {
+        Ok((tensors, params, size)) => {
+            std::fs::rename(&tmp, out).map_err(|e| {
+                let _ = std::fs::remove_file(&tmp);
+                Error::io("rename into place", &tmp, e)
+            })?;
+            Ok(Consolidated {
+                path: out.to_path_buf(),
+                tensors,
+                params,
+                bytes: size,
+                step: ckpt.manifest.step,
+            })
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
+/// Writes the consolidated file to `tmp` and verifies every rank file; returns the tensors,
+/// parameters and bytes written.
+fn write(ckpt: &Checkpoint, tmp: &Path, dtype: OutDtype) -> Result<(usize, u64, u64)> {
     let m = &ckpt.manifest;
+    let mut reader = ckpt.reader();
+    reader.open_all()?;
     let d = dtype.dtype();
     let specs: Vec<TensorSpec> = m
         .units
@@ -77,15 +108,11 @@ pub fn consolidate(dir: &Path, out: &Path, dtype: OutDtype) -> Result<Consolidat
     let mut meta = std::collections::HashMap::new();
     meta.insert("format".to_string(), "pt".to_string());
     let head = header(&specs, Some(meta))?;
-    let mut tmp_name = out.as_os_str().to_owned();
-    tmp_name.push(".tmp");
-    let tmp = PathBuf::from(tmp_name);
-    let f = File::create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
+    let f = File::create(tmp).map_err(|e| Error::io("create", tmp, e))?;
     let mut w = BufWriter::with_capacity(8 << 20, f);
     let put =
-        |w: &mut BufWriter<File>, b: &[u8]| w.write_all(b).map_err(|e| Error::io("write", &tmp, e));
+        |w: &mut BufWriter<File>, b: &[u8]| w.write_all(b).map_err(|e| Error::io("write", tmp, e));
     put(&mut w, &head)?;
-    let mut reader = ckpt.reader();
     let (mut buf, mut bytes) = (Vec::<f32>::new(), Vec::<u8>::new());
     let mut params = 0u64;
     for (i, u) in m.units.iter().enumerate() {
@@ -123,23 +150,12 @@ pub fn consolidate(dir: &Path, out: &Path, dtype: OutDtype) -> Result<Consolidat
             params += v.numel;
         }
     }
-    // Only verified data leaves: a damaged rank file removes what was written.
-    if let Err(e) = reader.verify() {
-        drop(w);
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e);
-    }
+    // Only verified data leaves: every rank file, read or not, against its hash.
+    reader.verify_all()?;
     let f = w
         .into_inner()
-        .map_err(|e| Error::io("write", &tmp, e.into_error()))?;
-    f.sync_all().map_err(|e| Error::io("sync", &tmp, e))?;
-    let size = f.metadata().map_err(|e| Error::io("stat", &tmp, e))?.len();
-    std::fs::rename(&tmp, out).map_err(|e| Error::io("rename into place", &tmp, e))?;
-    Ok(Consolidated {
-        path: out.to_path_buf(),
-        tensors: specs.len(),
-        params,
-        bytes: size,
-        step: m.step,
-    })
+        .map_err(|e| Error::io("write", tmp, e.into_error()))?;
+    f.sync_all().map_err(|e| Error::io("sync", tmp, e))?;
+    let size = f.metadata().map_err(|e| Error::io("stat", tmp, e))?.len();
+    Ok((specs.len(), params, size))
 }

@@ -7,10 +7,20 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
 
+mod check;
+
+pub(crate) use check::tables as check_tables;
+
 /// The `format` field of every manifest.
 pub const FORMAT: &str = "zrun-checkpoint";
 /// The manifest layout this version writes; it reads this one and every earlier one.
-pub const FORMAT_VERSION: u32 = 1;
+///
+/// Version 2 adds the manifest's own hash: `manifest_hash`, the last member of the
+/// top-level object, is the XXH3-128 of the file's bytes without that member (see
+/// [`crate::commit`]); a version-2 manifest without it, or whose bytes do not match it, is
+/// damaged. Version 1 manifests (no such member) are read as before, checked in every other
+/// way.
+pub const FORMAT_VERSION: u32 = 2;
 
 /// Everything about a checkpoint except the tensors.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -251,20 +261,13 @@ impl Manifest {
         self.files.iter().find(|f| f.name == name)
     }
 
-    /// Reads and checks `dir/manifest.json`: a zrun checkpoint of a known version whose
-    /// tables are consistent (every rank has a file, shards tile each unit).
+    /// Reads and checks `dir/manifest.json` as untrusted input, before any rank file is
+    /// touched: its size is bounded, it must be a zrun checkpoint of a known version, its own
+    /// hash (format version 2 on) must match its bytes, and its tables must be consistent
+    /// (see [`Manifest::validate`]). Every violation is one [`Error::Damaged`] or
+    /// [`Error::Format`] naming the field.
     pub fn load(dir: &Path) -> Result<Manifest> {
-        let path = dir.join(crate::MANIFEST);
-        let text = std::fs::read(&path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => Error::Format {
-                dir: dir.to_path_buf(),
-                detail: format!(
-                    "no {} (an incomplete save, or not a checkpoint directory); give a directory such as runs/x/ckpt/step-00000500",
-                    crate::MANIFEST
-                ),
-            },
-            _ => Error::io("read", &path, e),
-        })?;
+        let text = check::read_bounded(dir)?;
         // The format fields first, so a newer layout is named as such rather than as damage.
         #[derive(Deserialize)]
         struct Head {
@@ -283,8 +286,8 @@ impl Manifest {
                 ),
             });
         }
-        match head.format_version {
-            Some(v) if (1..=FORMAT_VERSION).contains(&v) => {}
+        let version = match head.format_version {
+            Some(v) if (1..=FORMAT_VERSION).contains(&v) => v,
             v => {
                 return Err(Error::Format {
                     dir: dir.to_path_buf(),
@@ -294,44 +297,26 @@ impl Manifest {
                     ),
                 })
             }
-        }
+        };
+        check::verify_seal(dir, version, &text)?;
         let m: Manifest = serde_json::from_slice(&text)
             .map_err(|e| Error::damaged(dir, crate::MANIFEST, format!("unreadable ({e})")))?;
-        m.check()
-            .map_err(|d| Error::damaged(dir, crate::MANIFEST, d))?;
+        m.validate(dir)?;
         Ok(m)
     }
 
-    /// Internal consistency: one rank entry and one file per rank, shards inside each unit.
-    fn check(&self) -> std::result::Result<(), String> {
-        let w = self.world_size;
-        if w == 0 || self.ranks.len() != w {
-            return Err(format!(
-                "world size {w} but {} rank entries",
-                self.ranks.len()
-            ));
-        }
-        for (r, e) in self.ranks.iter().enumerate() {
-            if e.rank != r || self.file(&e.file).is_none() {
-                return Err(format!("rank {r}'s entry or file is missing"));
-            }
-        }
-        for u in &self.units {
-            if u.shards.len() != w {
-                return Err(format!(
-                    "unit {} has {} shards for {w} ranks",
-                    u.name,
-                    u.shards.len()
-                ));
-            }
-            if u.shards.iter().any(|s| s.start + s.len > u.numel) {
-                return Err(format!("unit {} has a shard past its end", u.name));
-            }
-            if u.views.iter().any(|v| v.offset + v.numel > u.numel) {
-                return Err(format!("unit {} has a view past its end", u.name));
-            }
-        }
-        Ok(())
+    /// Checks the tables of a manifest read from `dir` as untrusted input: world size and
+    /// counts bounded; rank entries in rank order naming exactly `rank-NNNNN.safetensors`
+    /// (no path ever leaves the directory); one file entry per rank with a size and an
+    /// XXH3-128 hash; every unit's shards tiling `[0, numel)` exactly in rank order; every
+    /// view's `numel` the product of its shape, inside its unit and overlapping no other;
+    /// names unique; each rank file large enough for its shards; policy fields known; the
+    /// step matching a `step-NNNNNNNN` directory name. [`Error::Damaged`] or
+    /// [`Error::Format`] names the first violation.
+    pub fn validate(&self, dir: &Path) -> Result<()> {
+        check::tables(self).map_err(|d| Error::damaged(dir, crate::MANIFEST, d))?;
+        check::hashes(self, dir)?;
+        check::step_dir(self, dir)
     }
 
     /// Checks that `units` (the running model's view tables) lay the flat buffers out as this

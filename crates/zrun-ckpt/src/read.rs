@@ -17,6 +17,10 @@ use crate::{rng_name, tensor_name, Error, Manifest, Part, Result};
 /// Bytes read per call when hashing a stretch nobody asked for.
 const CHUNK: usize = 16 << 20;
 
+/// Largest safetensors header of a rank file read (safetensors' own readers refuse more than
+/// 100 MB too); a rank file's header lists a few tensors per unit.
+pub(crate) const MAX_HEADER_BYTES: u64 = 100_000_000;
+
 /// A checkpoint directory whose manifest has been read and checked.
 #[derive(Clone, Debug)]
 pub struct Checkpoint {
@@ -74,7 +78,17 @@ impl RankFile {
     pub fn open(ckpt: &Checkpoint, rank: usize) -> Result<RankFile> {
         let m = &ckpt.manifest;
         let dir = &ckpt.dir;
-        let name = &m.ranks[rank].file;
+        let name = &m
+            .ranks
+            .get(rank)
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "rank {rank} asked of a checkpoint of {} ranks ({})",
+                    m.world_size,
+                    dir.display()
+                ))
+            })?
+            .file;
         let entry = m
             .file(name)
             .ok_or_else(|| Error::damaged(dir, name, "has no entry in the manifest"))?;
@@ -113,6 +127,11 @@ impl RankFile {
         let n = u64::from_le_bytes(n);
         if n > len.saturating_sub(8) {
             return Err(f.damage(format!("its header length {n} runs past its end")));
+        }
+        if n > MAX_HEADER_BYTES {
+            return Err(f.damage(format!(
+                "its header length {n} is more than the {MAX_HEADER_BYTES} bytes a header may be"
+            )));
         }
         let mut head = vec![0u8; n as usize];
         f.read_at(8, &mut head)?;
@@ -264,6 +283,23 @@ impl Reader<'_> {
             self.files.insert(rank, f);
         }
         Ok(self.files.get_mut(&rank).expect("inserted above"))
+    }
+
+    /// Opens every rank file of the checkpoint (sizes and headers checked against the
+    /// manifest), so buffers sized from the manifest are known to fit the files on disk.
+    pub fn open_all(&mut self) -> Result<()> {
+        for r in 0..self.ckpt.manifest.world_size {
+            self.open(r)?;
+        }
+        Ok(())
+    }
+
+    /// Hashes every rank file of the checkpoint, opened or not, and compares each with the
+    /// manifest: what a command that reads a whole checkpoint (consolidate, export, sample)
+    /// runs before its output is used.
+    pub fn verify_all(&mut self) -> Result<()> {
+        self.open_all()?;
+        self.verify()
     }
 
     /// Hashes the rest of every file opened so far and compares each with the manifest: the

@@ -208,16 +208,26 @@ impl RankWriter {
     }
 }
 
-/// Makes the checkpoint in `tmp` (every rank file written and fsynced) complete: writes
-/// `manifest` into it (fsynced), renames it to `parent/step-NNNNNNNN` and fsyncs the parent.
-/// Returns the final directory.
+/// Makes the checkpoint in `tmp` (every rank file written and fsynced) complete: checks
+/// `manifest`'s tables as a reader will, writes it into `tmp` sealed with its own hash
+/// (`"manifest_hash"`, the last member: XXH3-128 of the pretty-printed JSON without it) and
+/// fsynced, renames `tmp` to `parent/step-NNNNNNNN` and fsyncs the parent. Returns the final
+/// directory.
 pub fn commit(tmp: &Path, manifest: &Manifest) -> Result<PathBuf> {
     let parent = tmp
         .parent()
         .ok_or_else(|| Error::Invalid(format!("{} has no parent", tmp.display())))?;
+    crate::manifest::check_tables(manifest).map_err(|d| {
+        Error::Invalid(format!(
+            "the manifest for {} is inconsistent: {d}",
+            tmp.display()
+        ))
+    })?;
     let path = tmp.join(MANIFEST);
-    let json = serde_json::to_vec_pretty(manifest)
+    let body = serde_json::to_vec_pretty(manifest)
         .map_err(|e| Error::Invalid(format!("manifest: {e}")))?;
+    let json = crate::hash::seal(&body)
+        .ok_or_else(|| Error::Invalid("manifest: not a JSON object".into()))?;
     let write = || -> std::io::Result<()> {
         let mut f = File::create(&path)?;
         f.write_all(&json)?;
