@@ -316,7 +316,10 @@ fn foreign_newer_and_unwritable_checkpoints_are_one_line_errors() {
     let text = std::fs::read_to_string(&m).unwrap();
     std::fs::write(
         &m,
-        text.replace("\"format_version\": 1", "\"format_version\": 99"),
+        text.replace(
+            &format!("\"format_version\": {}", zrun_ckpt::FORMAT_VERSION),
+            "\"format_version\": 99",
+        ),
     )
     .unwrap();
     let o = run(&args(&[], &sets(&dir, 12, 0)));
