@@ -2,7 +2,7 @@
 //! token and run id, and the environment each worker gets.
 
 use std::net::ToSocketAddrs;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::{BadInput, LaunchFlags};
@@ -50,7 +50,16 @@ pub struct Layout {
 
 impl Plan {
     /// Checks the flags and fills in the defaults; every error is one line (exit code 2).
+    ///
+    /// The token is `ZRUN_JOB_TOKEN` when set; otherwise random on one node, and on several
+    /// derived from the run id and the per-user secret file (`ZRUN_SECRET_FILE`, default
+    /// `~/.config/zrun/secret`, made on first use), which every node must share.
     pub fn new(f: &LaunchFlags) -> Result<Plan, BadInput> {
+        Plan::with_secret(f, None)
+    }
+
+    /// [`Plan::new`] reading the multi-node secret from `secret` instead of the default file.
+    fn with_secret(f: &LaunchFlags, secret: Option<&Path>) -> Result<Plan, BadInput> {
         let nproc = match f.nproc {
             Some(0) => {
                 return Err(BadInput(
@@ -117,17 +126,16 @@ impl Plan {
             .clone()
             .or_else(|| std::env::var("ZRUN_RUN_ID").ok().filter(|s| !s.is_empty()))
             .unwrap_or_else(|| default_run_id(nnodes, &master_addr, master_port));
-        let token = std::env::var(zrun_comm::TOKEN_ENV)
+        let token = match std::env::var(zrun_comm::TOKEN_ENV)
             .ok()
             .filter(|t| !t.is_empty())
-            .unwrap_or_else(|| {
-                if nnodes == 1 {
-                    random_token()
-                } else {
-                    // Every node must derive the same token without talking first.
-                    format!("zrun-run-{run_id}")
-                }
-            });
+        {
+            Some(t) => t,
+            None if nnodes == 1 => random_token(),
+            // Every node must derive the same token without talking first, and nobody else
+            // may: the run id is keyed with a secret only this user's files hold.
+            None => shared_token(secret, &run_id)?,
+        };
         Ok(Plan {
             nproc,
             nnodes,
@@ -209,6 +217,21 @@ fn resolve(addr: &str, port: u16) -> Result<(), BadInput> {
     })
 }
 
+/// The multi-node token of `run_id`, keyed with the secret at `secret` (default: the per-user
+/// secret file, made on first use).
+fn shared_token(secret: Option<&Path>, run_id: &str) -> Result<String, BadInput> {
+    let bad = |e: zrun_comm::Error| BadInput(e.to_string());
+    let path = match secret {
+        Some(p) => p.to_path_buf(),
+        None => zrun_comm::secret_path().map_err(bad)?,
+    };
+    let key = zrun_comm::load_or_create_secret(&path).map_err(bad)?;
+    Ok(zrun_comm::job_token(&key, run_id))
+}
+
+/// The run id when none is given: on one node the time and pid; on several, which cannot
+/// agree on anything before meeting, node 0's `addr-port` (the same for every job there: give
+/// `--run-id`, e.g. the scheduler's job id, to tell jobs apart).
 fn default_run_id(nnodes: usize, addr: &str, port: u16) -> String {
     if nnodes > 1 {
         return format!("{addr}-{port}");
@@ -287,19 +310,77 @@ mod tests {
         assert!(Plan::new(&f).unwrap_err().0.contains("--grace-s"));
     }
 
-    #[test]
-    fn multi_node_defaults_agree_across_nodes() {
+    /// A fresh directory for secret files.
+    fn secret_dir(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("zrun-plan-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    fn two_nodes() -> LaunchFlags {
         let mut f = flags();
         f.nnodes = Some(2);
         f.master_addr = Some("127.0.0.1".into());
-        let a = Plan::new(&f).unwrap();
+        f
+    }
+
+    #[test]
+    fn multi_node_defaults_agree_across_nodes() {
+        let d = secret_dir("agree");
+        let secret = d.join("secret");
+        let mut f = two_nodes();
+        let a = Plan::with_secret(&f, Some(&secret)).unwrap();
         f.node_rank = Some(1);
-        let b = Plan::new(&f).unwrap();
+        let b = Plan::with_secret(&f, Some(&secret)).unwrap();
         assert_eq!(a.master_port, DEFAULT_MULTI_NODE_PORT);
         if std::env::var_os(zrun_comm::TOKEN_ENV).is_none() {
             assert_eq!(a.token, b.token, "nodes must derive the same token");
         }
         assert_eq!(a.run_id, b.run_id);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn multi_node_default_token_needs_the_secret() {
+        if std::env::var_os(zrun_comm::TOKEN_ENV).is_some() {
+            return;
+        }
+        let d = secret_dir("unguessable");
+        let (mine, theirs) = (d.join("mine/secret"), d.join("theirs/secret"));
+        let f = two_nodes();
+        let a = Plan::with_secret(&f, Some(&mine)).unwrap();
+        let b = Plan::with_secret(&f, Some(&theirs)).unwrap();
+        // Same address, port and run id: only the secret tells the tokens apart.
+        assert_eq!(a.run_id, b.run_id);
+        assert_ne!(a.token, b.token);
+        for public in [&a.run_id, &a.master_addr, &format!("zrun-run-{}", a.run_id)] {
+            assert!(!a.token.contains(public.as_str()), "{}", a.token);
+        }
+        assert_eq!(a.token.len(), 64);
+        assert!(a.token.chars().all(|c| c.is_ascii_hexdigit()));
+        // Another run id under the same secret gets another token.
+        let mut g = two_nodes();
+        g.run_id = Some("job-2".into());
+        assert_ne!(Plan::with_secret(&g, Some(&mine)).unwrap().token, a.token);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_secret_file_others_can_read_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        if std::env::var_os(zrun_comm::TOKEN_ENV).is_some() {
+            return;
+        }
+        let d = secret_dir("mode");
+        let secret = d.join("secret");
+        Plan::with_secret(&two_nodes(), Some(&secret)).unwrap();
+        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let e = Plan::with_secret(&two_nodes(), Some(&secret))
+            .unwrap_err()
+            .0;
+        assert!(e.contains("chmod 600") && e.contains("mode 640"), "{e}");
+        assert!(!e.contains('\n'));
+        let _ = std::fs::remove_dir_all(&d);
     }
 
     #[test]
