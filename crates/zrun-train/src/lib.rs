@@ -98,6 +98,7 @@ impl Error {
                         | zrun_ckpt::Error::Format { .. }
                         | zrun_ckpt::Error::Mismatch { .. }
                         | zrun_ckpt::Error::Hf { .. }
+                        | zrun_ckpt::Error::Held { .. }
                 )
         )
     }

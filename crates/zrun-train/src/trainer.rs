@@ -251,7 +251,6 @@ impl Run {
             .ckpt
             .resume(&mut self.engine, &self.cfg.checkpoint.resume.clone())?;
         if let (Some(r), 0) = (&resumed, self.rank.rank) {
-            let t = &self.cfg.train;
             let z = &self.cfg.zero;
             let now = format!(
                 "{} rank(s), stage {}, {}, offload {}",
@@ -261,8 +260,13 @@ impl Run {
                 "{} rank(s), stage {}, {}, offload {}",
                 r.world_size, r.stage, r.precision, r.offload
             );
+            let by = match &r.run_id {
+                Some(id) if id == self.ckpt.run_id() => "this run".to_string(),
+                Some(id) => format!("run {id}"),
+                None => "an earlier run".to_string(),
+            };
             tracing::info!(
-                "resuming from {} at step {} (written by {then}{})",
+                "resuming from {} at step {} (written by {by}: {then}{})",
                 r.dir.display(),
                 r.step,
                 if then == now {
@@ -271,14 +275,6 @@ impl Run {
                     format!("; now {now}")
                 }
             );
-            let global = (t.micro_batch * t.grad_accum * self.rank.world_size) as u64;
-            if global != r.global_batch {
-                tracing::warn!(
-                    "the global batch was {} samples per step and is now {global}: training continues from sample {}, but on other batches than the first run would have seen",
-                    r.global_batch,
-                    r.next_sample
-                );
-            }
         }
         if let (None, Some(dir)) = (&resumed, &self.cfg.model.init_from) {
             let t0 = std::time::Instant::now();

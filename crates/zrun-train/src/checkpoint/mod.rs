@@ -8,6 +8,7 @@
 //! step: each writes its own file, the ranks exchange the files' sizes and hashes, and rank 0
 //! writes the manifest and renames the directory into place.
 
+mod identity;
 mod load;
 mod save;
 
@@ -26,6 +27,9 @@ pub use load::Resumed;
 /// Environment variable of a test hook: `R:S` makes rank R kill itself (SIGKILL) halfway
 /// through writing its file of the checkpoint of step S.
 pub const KILL_IN_SAVE_ENV: &str = "ZRUN_TEST_KILL_IN_SAVE";
+/// Environment variable of a test hook: `R:S` makes rank R send itself SIGTERM halfway
+/// through writing its file of the checkpoint of step S (a stop request during a save).
+pub const SIGNAL_IN_SAVE_ENV: &str = "ZRUN_TEST_SIGNAL_IN_SAVE";
 
 /// Where the run stands at a step boundary: what a save records beside the engine's state.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -68,6 +72,23 @@ pub struct Checkpointer {
     pruner: Option<std::thread::JoinHandle<()>>,
     /// Test hook: the step at whose save this rank kills itself.
     kill_at: Option<u64>,
+    /// Test hook: the step at whose save this rank sends itself SIGTERM.
+    signal_at: Option<u64>,
+    /// The job's run id (rank 0's), recorded in every manifest.
+    run_id: String,
+    /// What fixes this run's data order, recorded and compared on resume.
+    order: zrun_ckpt::DataOrder,
+    /// `checkpoint.resume_changed`.
+    resume_changed: crate::config::ResumeChanged,
+    /// Rank 0's hold on the directory while the run lives.
+    lock: Option<zrun_ckpt::DirLock>,
+}
+
+/// Rank `rank`'s step of a test hook `R:S` in the environment variable `var`.
+fn hook_step(var: &str, rank: usize) -> Option<u64> {
+    let v = std::env::var(var).ok()?;
+    let (r, s) = v.split_once(':')?;
+    (r.parse::<usize>().ok()? == rank).then(|| s.parse().ok())?
 }
 
 /// The view tables of `layout` as a checkpoint records them, each unit split into the
@@ -150,6 +171,8 @@ impl Checkpointer {
             Device::Cuda(_) => vec!["cpu".into(), "cuda".into()],
             _ => vec!["cpu".into()],
         };
+        let run_id = identity::run_id(comm.as_ref(), device)?;
+        let order = identity::data_order(cfg, world)?;
         let template = Manifest {
             format: zrun_ckpt::FORMAT.into(),
             format_version: zrun_ckpt::FORMAT_VERSION,
@@ -197,13 +220,14 @@ impl Checkpointer {
                 })
                 .collect(),
             files: Vec::new(),
-            run: None,
-            data_order: None,
+            run: Some(zrun_ckpt::RunRecord {
+                id: run_id.clone(),
+                host: zrun_ckpt::hostname(),
+            }),
+            data_order: Some(order.clone()),
         };
-        let kill_at = std::env::var(KILL_IN_SAVE_ENV).ok().and_then(|v| {
-            let (r, s) = v.split_once(':')?;
-            (r.parse::<usize>().ok()? == rank).then(|| s.parse().ok())?
-        });
+        let kill_at = hook_step(KILL_IN_SAVE_ENV, rank);
+        let signal_at = hook_step(SIGNAL_IN_SAVE_ENV, rank);
         // Asynchronous saves copy the state into host memory: take it now, touched, so the
         // first save blocks no longer than the others and the memory shows from the start.
         let snapshot = if cfg.checkpoint.async_save && cfg.checkpoint.every > 0 {
@@ -234,6 +258,11 @@ impl Checkpointer {
             snapshot,
             pruner: None,
             kill_at,
+            signal_at,
+            run_id,
+            order,
+            resume_changed: cfg.checkpoint.resume_changed,
+            lock: None,
         })
     }
 
@@ -242,11 +271,17 @@ impl Checkpointer {
         &self.dir
     }
 
-    /// Rank 0 makes sure the directory can be written (so a mistake shows now, not at the
-    /// first save hours later) and removes what interrupted saves left behind (temporary
-    /// directories, step directories without a manifest). Every rank calls it, before the
-    /// first save; all fail together when rank 0 fails.
-    pub fn clean_up(&self, engine: &Engine) -> Result<(), Error> {
+    /// The job's run id.
+    pub fn run_id(&self) -> &str {
+        &self.run_id
+    }
+
+    /// Rank 0 takes the directory for this run (refused while another live run holds it),
+    /// makes sure it can be written (so a mistake shows now, not at the first save hours
+    /// later) and removes what interrupted saves left behind (temporary directories, step
+    /// directories without a manifest). Every rank calls it, before the first save; all fail
+    /// together when rank 0 fails.
+    pub fn clean_up(&mut self, engine: &Engine) -> Result<(), Error> {
         let local = if self.rank == 0 {
             self.prepare_dir()
         } else {
@@ -268,7 +303,7 @@ impl Checkpointer {
         Ok(())
     }
 
-    fn prepare_dir(&self) -> Result<(), Error> {
+    fn prepare_dir(&mut self) -> Result<(), Error> {
         let unwritable = |e: std::io::Error| {
             Error::Config(crate::config::ConfigError(format!(
                 "checkpoint.dir {}: cannot write there ({e}); give a writable directory",
@@ -276,6 +311,26 @@ impl Checkpointer {
             )))
         };
         std::fs::create_dir_all(&self.dir).map_err(unwritable)?;
+        if self.lock.is_none() {
+            let owner = zrun_ckpt::LockOwner::this_process(&self.run_id);
+            let lock = zrun_ckpt::DirLock::acquire(&self.dir, owner)?;
+            match &lock.acquired {
+                zrun_ckpt::Acquired::FromExpired(o) => tracing::warn!(
+                    "checkpoint.dir {}: taking it over from run {} on {}, whose lease expired",
+                    self.dir.display(),
+                    o.run_id,
+                    o.host
+                ),
+                zrun_ckpt::Acquired::FromDead(o) => tracing::info!(
+                    "checkpoint.dir {}: run {} (pid {}) held it and is gone",
+                    self.dir.display(),
+                    o.run_id,
+                    o.pid
+                ),
+                _ => {}
+            }
+            self.lock = Some(lock);
+        }
         let probe = self.dir.join(".zrun-write-test");
         std::fs::write(&probe, b"ok").map_err(unwritable)?;
         std::fs::remove_file(&probe).map_err(unwritable)?;
@@ -324,8 +379,27 @@ impl Checkpointer {
             return Ok(None);
         }
         let path = self.save_now(engine, pos)?;
-        Ok(stop.then_some(Stopped {
-            signal,
+        if stop {
+            return Ok(Some(Stopped {
+                signal,
+                step: pos.step,
+                checkpoint: path,
+            }));
+        }
+        if last {
+            return Ok(None);
+        }
+        // A stop asked for while this save was written is met now, with the checkpoint just
+        // saved: another step and a second save could miss checkpoint.signal_deadline_s.
+        let late = stop::requested();
+        let agreed = reduce(
+            engine.comm().as_ref(),
+            self.device,
+            &[f64::from(u8::from(late.is_some()))],
+            zrun_comm::ReduceOp::Sum,
+        )?;
+        Ok((agreed[0] > 0.0).then_some(Stopped {
+            signal: late,
             step: pos.step,
             checkpoint: path,
         }))

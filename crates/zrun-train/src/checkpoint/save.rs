@@ -97,8 +97,22 @@ fn plan(engine: &Engine) -> Result<Plan, Error> {
 }
 
 impl Checkpointer {
-    /// Test hook: kill this rank halfway through writing the file of step `step`.
+    /// Test hooks: kill this rank, or send it SIGTERM, halfway through writing the file of
+    /// step `step`.
     fn maybe_die(&self, step: u64, written: usize, total: usize) {
+        if self.signal_at == Some(step)
+            && written * 2 >= total
+            && crate::stop::requested().is_none()
+        {
+            tracing::warn!(
+                "{}: sending this rank SIGTERM mid-save (test hook)",
+                super::SIGNAL_IN_SAVE_ENV
+            );
+            // SAFETY: raise has no memory-safety preconditions; the handler only stores.
+            unsafe {
+                libc::raise(libc::SIGTERM);
+            }
+        }
         if self.kill_at == Some(step) && written * 2 >= total {
             tracing::warn!(
                 "{}: killing this rank mid-save (test hook)",
@@ -300,12 +314,25 @@ impl Checkpointer {
                 "checkpoint of step {step}: rank 0 could not commit it (see its error); the older checkpoints are untouched"
             )));
         }
-        // Rank 0 renamed the directory on its node: every rank must see its file there.
-        if !final_dir.join(rank_file_name(self.rank)).is_file() {
+        // Rank 0 renamed the directory on its node: every rank must see its file there, as
+        // it wrote it, before the checkpoint counts and older ones may go.
+        let mine = all[self.rank][8..16]
+            .try_into()
+            .map(u64::from_le_bytes)
+            .unwrap_or(0);
+        let there = std::fs::metadata(final_dir.join(rank_file_name(self.rank)))
+            .is_ok_and(|m| m.is_file() && m.len() == mine);
+        let seen = gather_bytes(comm.as_ref(), self.device, &[u8::from(there)])?;
+        let absent: Vec<usize> = (0..seen.len()).filter(|&r| seen[r][0] != 1).collect();
+        if !absent.is_empty() {
+            if self.rank == 0 {
+                // Not a checkpoint any rank can resume from: out of the way of a later resume.
+                let aside = final_dir.with_extension("incomplete");
+                let _ = std::fs::rename(&final_dir, &aside);
+            }
             return Err(Error::Save(format!(
-                "checkpoint {}: rank {}'s file is not there after rank 0 committed it; checkpoint.dir must be one directory that every node sees (a shared file system)",
-                final_dir.display(),
-                self.rank
+                "checkpoint {}: rank(s) {absent:?} do not see their files in it after rank 0 committed it; checkpoint.dir must be one directory that every node sees (a shared file system); the older checkpoints are untouched",
+                final_dir.display()
             )));
         }
         if self.rank == 0 {

@@ -281,6 +281,20 @@ pub struct CheckpointConfig {
     /// Seconds between SIGTERM/SIGUSR1 and the end of the save it triggers; the launcher
     /// kills the ranks after it.
     pub signal_deadline_s: u64,
+    /// What a resume does when the data order changed since the checkpoint (data source,
+    /// path or its size, sequence length, seed, global batch).
+    pub resume_changed: ResumeChanged,
+}
+
+/// `checkpoint.resume_changed`: whether a resume may change what decides the data order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ResumeChanged {
+    /// Stop with one line saying what changed (exit 2).
+    #[default]
+    Refuse,
+    /// Say what changed and resume anyway.
+    Allow,
 }
 
 impl Default for CheckpointConfig {
@@ -292,6 +306,7 @@ impl Default for CheckpointConfig {
             resume: "auto".into(),
             async_save: false,
             signal_deadline_s: 60,
+            resume_changed: ResumeChanged::Refuse,
         }
     }
 }

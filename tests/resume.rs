@@ -1,0 +1,349 @@
+//! Resume rules through the real `zrun` binary on CPU ranks: a running job holds its
+//! checkpoint directory; a resume that changes the data order says what changed and stops;
+//! `resume = "none"` and an explicit path continue only what their own run wrote; ranks that
+//! see different checkpoint directories are stopped with their names; a commit that not
+//! every rank can see keeps the last good checkpoint; a stop asked for during a save stops
+//! at that save.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use common::{free_port, root, scratch, signal, stderr, zrun, Job};
+
+const CONFIG: &str = "configs/tiny-cpu.toml";
+
+/// The overrides of every run here: `steps` steps of the demo model, saving every `every`.
+fn sets(dir: &Path, steps: u64, every: u64) -> Vec<String> {
+    [
+        format!("log.dir=\"{}\"", dir.display()),
+        format!("train.steps={steps}"),
+        format!("checkpoint.every={every}"),
+        "train.eval_every=0".into(),
+        "train.eval_batches=2".into(),
+        "train.micro_batch=8".into(),
+        "train.warmup_steps=4".into(),
+        "log.every=1".into(),
+        "dist.timeout_s=60".into(),
+    ]
+    .into_iter()
+    .flat_map(|s| ["--set".to_string(), s])
+    .collect()
+}
+
+/// `zrun --nproc N CONFIG` with `sets`.
+fn args(nproc: usize, sets: &[String]) -> Vec<String> {
+    let mut a = vec!["--nproc".to_string(), nproc.to_string(), CONFIG.into()];
+    a.extend(sets.iter().cloned());
+    a
+}
+
+fn set(key_value: String) -> [String; 2] {
+    ["--set".into(), key_value]
+}
+
+fn run(a: &[String], env: &[(&str, &str)]) -> std::process::Output {
+    let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+    if env.is_empty() {
+        return zrun(&refs);
+    }
+    common::zrun_child(&refs, env).wait_with_output().unwrap()
+}
+
+/// The last line of stderr (the one-line error).
+fn last_line(o: &std::process::Output) -> String {
+    stderr(o).lines().last().unwrap_or_default().to_string()
+}
+
+fn steps_in(dir: &Path) -> Vec<u64> {
+    zrun_ckpt::complete(dir)
+        .unwrap()
+        .iter()
+        .map(|c| c.0)
+        .collect()
+}
+
+/// A finished 10-step run on 2 ranks with checkpoints at 5 and 10, copied to a fresh
+/// directory (its checkpoints are another run's to every run below).
+fn saved_run(name: &str) -> PathBuf {
+    static BASE: OnceLock<PathBuf> = OnceLock::new();
+    let base = BASE.get_or_init(|| {
+        let dir = scratch("rs-base");
+        let o = run(&args(2, &sets(&dir, 10, 5)), &[]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        dir
+    });
+    let dir = scratch(name);
+    let o = Command::new("cp")
+        .args(["-r", &format!("{}/ckpt", base.display())])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    dir
+}
+
+#[test]
+fn a_second_job_on_a_running_jobs_directory_is_refused_and_harms_nothing() {
+    let dir = scratch("rs-held");
+    let a = args(2, &sets(&dir, 40, 4));
+    let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+    let mut first = Job::start(&refs, &[]);
+    assert!(
+        first.wait_for(Duration::from_secs(60), |t| t.contains("step 6/40 ")),
+        "{}",
+        first.text()
+    );
+    // The same command again, as a second job would run it.
+    let o = run(&a, &[]);
+    let line = last_line(&o);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        line.contains("is in use by run") && line.contains("another checkpoint.dir"),
+        "{line}"
+    );
+    assert!(!stderr(&o).contains("left by a save that did not finish"));
+    let status = first.exit_within(Duration::from_secs(120));
+    assert_eq!(status.code(), Some(0), "{}", first.text());
+    assert_eq!(steps_in(&dir.join("ckpt")).last(), Some(&40));
+    assert!(!dir.join("ckpt").join(zrun_ckpt::LOCK_FILE).exists());
+}
+
+#[test]
+fn resuming_with_other_data_settings_is_refused_unless_allowed() {
+    let dir = saved_run("rs-data");
+    let mut s = sets(&dir, 12, 0);
+    s.extend(set("data.seed=5".into()));
+    s.extend(set("train.micro_batch=4".into()));
+    let o = run(&args(2, &s), &[]);
+    let line = last_line(&o);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        line.contains("data.seed was 0, now 5")
+            && line
+                .contains("global batch (micro_batch x grad_accum x ranks) was 16 samples, now 8")
+            && line.contains("checkpoint.resume_changed = \"allow\""),
+        "{line}"
+    );
+    s.extend(set("checkpoint.resume_changed=\"allow\"".into()));
+    let o = run(&args(2, &s), &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("data.seed was 0, now 5"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(stderr(&o).contains("at step 10"), "{}", stderr(&o));
+    // The same global batch on another world size is the same data order.
+    let dir = saved_run("rs-reshard");
+    let mut s = sets(&dir, 12, 0);
+    s.extend(set("train.micro_batch=16".into()));
+    let o = run(&args(1, &s), &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// The run id of the checkpoint `dir`.
+fn writer(dir: &Path) -> String {
+    let m = common::read_json(&dir.join("manifest.json"));
+    m["run"]["id"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn resume_none_continues_only_what_its_own_run_wrote() {
+    let dir = saved_run("rs-none");
+    let ckpt = dir.join("ckpt");
+    let mut s = sets(&dir, 12, 0);
+    s.extend(set("checkpoint.resume=\"none\"".into()));
+    // One rank with the global batch of the two that saved.
+    s.extend(set("train.micro_batch=16".into()));
+    let one = |env: &[(&str, &str)]| {
+        // One rank under a launcher that restarted it (as torchrun or a requeue does).
+        let mut e = vec![("RANK", "0"), ("WORLD_SIZE", "1")];
+        e.extend_from_slice(env);
+        let mut a = vec![CONFIG.to_string()];
+        a.extend(s.iter().cloned());
+        run(&a, &e)
+    };
+    // A restart of a run that never saved: the checkpoints are another run's.
+    let o = one(&[
+        ("TORCHELASTIC_RESTART_COUNT", "1"),
+        ("ZRUN_RUN_ID", "rs-other"),
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        last_line(&o).contains("checkpoints of another run"),
+        "{}",
+        last_line(&o)
+    );
+    // The run that wrote them, restarted: it continues from its newest.
+    let id = writer(&ckpt.join("step-00000010"));
+    let o = one(&[("TORCHELASTIC_RESTART_COUNT", "1"), ("ZRUN_RUN_ID", &id)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("step-00000010 at step 10 (written by this run"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn an_explicit_resume_is_not_replaced_by_another_runs_newer_checkpoint() {
+    let dir = saved_run("rs-path");
+    let five = dir.join("ckpt/step-00000005");
+    let resume = set(format!("checkpoint.resume=\"{}\"", five.display()));
+    let mut s = sets(&dir, 30, 0);
+    s.extend(resume.clone());
+    let o = run(&args(2, &s), &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let line = last_line(&o);
+    assert!(
+        line.contains("names step 5") && line.contains("(step 10) of another run"),
+        "{line}"
+    );
+    // Into a directory of its own, it resumes at the step it names.
+    let mut s = sets(&dir, 12, 0);
+    s.extend(resume);
+    s.extend(set(format!(
+        "checkpoint.dir=\"{}\"",
+        dir.join("fresh").display()
+    )));
+    let o = run(&args(2, &s), &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("step-00000005 at step 5"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+/// Starts node `node` of a two-node job (one rank each) in `cwd`, where the relative
+/// `checkpoint.dir = "ckpt"` is that node's own directory.
+fn node(node: usize, port: u16, cwd: &Path, sets: &[String]) -> Job {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_zrun"));
+    cmd.current_dir(cwd)
+        .env("RUST_BACKTRACE", "0")
+        .env("ZRUN_JOB_TOKEN", format!("rs-token-{port}"))
+        .args(["--nnodes", "2", "--node-rank", &node.to_string()])
+        .args([
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port.to_string(),
+        ])
+        .args(["--nproc", "1"])
+        .arg(root().join(CONFIG))
+        .args(sets)
+        .args(["--set", "checkpoint.dir=\"ckpt\""]);
+    Job::spawn(cmd)
+}
+
+/// Copies the base run's checkpoints into `to/ckpt`.
+fn copy_checkpoints(from: &Path, to: &Path) {
+    let o = Command::new("cp")
+        .args(["-r"])
+        .arg(from)
+        .arg(to.join("ckpt"))
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+}
+
+#[test]
+fn ranks_that_see_different_checkpoint_directories_are_stopped() {
+    let src = saved_run("rs-split-src");
+    let dir = scratch("rs-split");
+    // Node 0 sees checkpoints 5 and 10, node 1 only 5.
+    for n in ["node0", "node1"] {
+        std::fs::create_dir_all(dir.join(n)).unwrap();
+        copy_checkpoints(&src.join("ckpt"), &dir.join(n));
+    }
+    std::fs::remove_dir_all(dir.join("node1/ckpt/step-00000010")).unwrap();
+    let s = sets(&dir, 12, 0);
+    let port = free_port();
+    let mut jobs = [
+        node(0, port, &dir.join("node0"), &s),
+        node(1, port, &dir.join("node1"), &s),
+    ];
+    for j in &mut jobs {
+        let status = j.exit_within(Duration::from_secs(60));
+        assert_ne!(status.code(), Some(0), "{}", j.text());
+    }
+    // Node 1's rank fails first, with bad input; node 0 stops its rank for it.
+    assert_eq!(jobs[1].child.wait().unwrap().code(), Some(2));
+    let text = jobs[0].text();
+    assert!(
+        text.contains("ranks [1] see other checkpoints in checkpoint.dir")
+            && text.contains(
+                "rank 0: 2 checkpoint(s), newest step 10; rank 1: 1 checkpoint(s), newest step 5"
+            ),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_commit_not_every_rank_sees_keeps_the_last_good_checkpoint() {
+    let src = saved_run("rs-commit-src");
+    let keep_one = ["--set".to_string(), "checkpoint.keep=1".into()];
+    let (dir, mut jobs) = {
+        let dir = scratch("rs-commit");
+        for n in ["node0", "node1"] {
+            std::fs::create_dir_all(dir.join(n)).unwrap();
+            copy_checkpoints(&src.join("ckpt"), &dir.join(n));
+            std::fs::remove_dir_all(dir.join(n).join("ckpt/step-00000005")).unwrap();
+        }
+        let mut s = sets(&dir, 14, 2);
+        s.extend(keep_one);
+        let port = free_port();
+        let jobs = [
+            node(0, port, &dir.join("node0"), &s),
+            node(1, port, &dir.join("node1"), &s),
+        ];
+        (dir, jobs)
+    };
+    for j in &mut jobs {
+        let status = j.exit_within(Duration::from_secs(60));
+        assert_ne!(status.code(), Some(0), "{}", j.text());
+    }
+    let text = jobs[0].text();
+    assert!(
+        text.contains("do not see their files in it after rank 0 committed it"),
+        "{text}"
+    );
+    // Node 0's directory: the step-10 checkpoint it resumed from is still there, whole; the
+    // commit rank 1 could not see is set aside.
+    let ckpt = dir.join("node0/ckpt");
+    assert_eq!(steps_in(&ckpt), vec![10], "{text}");
+    zrun_ckpt::Checkpoint::open(&ckpt.join("step-00000010")).unwrap();
+    assert!(ckpt.join("step-00000012.incomplete").is_dir());
+}
+
+#[test]
+fn a_stop_asked_for_during_a_save_stops_at_that_save() {
+    let dir = scratch("rs-stop-in-save");
+    let a = args(2, &sets(&dir, 30, 5));
+    let o = run(&a, &[("ZRUN_TEST_SIGNAL_IN_SAVE", "1:10")]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert_eq!(steps_in(&dir.join("ckpt")), vec![5, 10], "{err}");
+    assert!(err.contains("(step 10)"), "{err}");
+    // The same through a signal from outside during an evaluation: one save, at that step.
+    let dir = scratch("rs-stop-in-eval");
+    let mut s = sets(&dir, 400, 0);
+    s.extend(set("train.eval_every=1".into()));
+    s.extend(set("train.eval_batches=200".into()));
+    let a = args(2, &s);
+    let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+    let mut job = Job::start(&refs, &[]);
+    assert!(
+        job.wait_for(Duration::from_secs(60), |t| t.contains("step 3/400 ")),
+        "{}",
+        job.text()
+    );
+    signal(job.pid(), libc::SIGTERM);
+    let status = job.exit_within(Duration::from_secs(60));
+    assert_eq!(status.code(), Some(3), "{}", job.text());
+    assert_eq!(steps_in(&dir.join("ckpt")).len(), 1, "{}", job.text());
+}
