@@ -22,8 +22,10 @@
 #include <c10/core/StorageImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -55,6 +57,33 @@ void* volatile torch_cuda_anchor = reinterpret_cast<void*>(&at::cuda::warp_size)
 constexpr int ZR_OK = 0;
 constexpr int ZR_TORCH = 1;    // libtorch raised an exception
 constexpr int ZR_REFUSED = 2;  // the shim refused the request (message says why)
+
+// Counts the allocations libtorch's allocators report for the profiler's memory events (the
+// CPU allocator and CUDA's caching allocator call this hook for every block they hand out,
+// and for every request they fail), on the threads that carry this debug info: the one that
+// pushed it, and those that inherit it (autograd's, at::launch's).
+class AllocationCounter final : public c10::MemoryReportingInfoBase {
+ public:
+  void reportMemoryUsage(void* /*ptr*/, int64_t alloc_size, size_t /*total_allocated*/,
+                         size_t /*total_reserved*/, c10::Device /*device*/) override {
+    if (alloc_size > 0) {
+      count_.fetch_add(1);
+      bytes_.fetch_add(alloc_size);
+    }
+  }
+  void reportOutOfMemory(int64_t alloc_size, size_t /*total_allocated*/,
+                         size_t /*total_reserved*/, c10::Device /*device*/) override {
+    count_.fetch_add(1);
+    bytes_.fetch_add(alloc_size);
+  }
+  bool memoryProfilingEnabled() const override { return true; }
+  int64_t count() const { return count_.load(); }
+  int64_t bytes() const { return bytes_.load(); }
+
+ private:
+  std::atomic<int64_t> count_{0};
+  std::atomic<int64_t> bytes_{0};
+};
 
 char* dup_message(const std::string& msg) {
   char* out = static_cast<char*>(std::malloc(msg.size() + 1));
@@ -532,6 +561,33 @@ int zrun_ext_copy_to_host_on_side_stream(const at::Tensor* dst, const at::Tensor
     auto done = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
     done->record(side);
     *out = done.release();
+    return ZR_OK;
+  });
+}
+
+// Starts counting the calling thread's libtorch allocations (see AllocationCounter); ends
+// with zrun_ext_count_allocations_end on the same thread. A profiler recording memory on
+// this thread does not see the allocations made meanwhile.
+int zrun_ext_count_allocations_begin(char** err) {
+  return guard(err, [&] {
+    c10::ThreadLocalDebugInfo::_push(c10::DebugInfoKind::PROFILER_STATE,
+                                     std::make_shared<AllocationCounter>());
+    return ZR_OK;
+  });
+}
+
+// Stops the count begun last on this thread: *count allocations (failed requests included)
+// of *bytes in all. Refuses when the thread's innermost profiler state is not that count.
+int zrun_ext_count_allocations_end(int64_t* count, int64_t* bytes, char** err) {
+  return guard(err, [&] {
+    auto* top = c10::ThreadLocalDebugInfo::get(c10::DebugInfoKind::PROFILER_STATE);
+    auto* counter = dynamic_cast<AllocationCounter*>(top);
+    if (counter == nullptr) {
+      return refuse(err, "no allocation count was begun on this thread");
+    }
+    *count = counter->count();
+    *bytes = counter->bytes();
+    c10::ThreadLocalDebugInfo::_pop(c10::DebugInfoKind::PROFILER_STATE);
     return ZR_OK;
   });
 }

@@ -109,6 +109,12 @@ extern "C" {
         out: *mut *mut c_void,
         err: *mut *mut c_char,
     ) -> c_int;
+    pub(crate) fn zrun_ext_count_allocations_begin(err: *mut *mut c_char) -> c_int;
+    pub(crate) fn zrun_ext_count_allocations_end(
+        count: *mut i64,
+        bytes: *mut i64,
+        err: *mut *mut c_char,
+    ) -> c_int;
 }
 
 /// Turns a shim status and its message into a `Result`, freeing the message.

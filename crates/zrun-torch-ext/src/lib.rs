@@ -10,11 +10,14 @@
 //! - [`fused_adam`] / [`sum_of_squares`]: multi-tensor optimizer kernels (one launch for
 //!   many tensors, nothing read back);
 //! - [`rng::state`] / [`rng::set_state`]: the default CPU / CUDA generators' state, for
-//!   checkpoints that resume with the same random draws.
+//!   checkpoints that resume with the same random draws;
+//! - [`count_allocations`]: libtorch's allocations made by a piece of code (tests that check
+//!   a path allocates nothing).
 //!
 //! No C++ exception crosses into Rust: the shim turns each into an [`Error`].
 
 mod autograd;
+mod count;
 mod cuda;
 mod error;
 mod ffi;
@@ -23,6 +26,7 @@ pub mod rng;
 mod storage;
 
 pub use autograd::grad;
+pub use count::{count_allocations, Allocations};
 pub use cuda::{
     copy_async, cuda_mem_info, cuda_memory, current_cuda_device, empty_pinned, pinned_bytes,
     reset_cuda_peak, set_allocator_settings, set_cuda_device, CudaEvent, CudaMemory,
