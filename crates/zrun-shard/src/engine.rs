@@ -137,6 +137,9 @@ pub struct Engine {
     pub(crate) master: Option<Tensor>,
     /// Reduce dtype. Stages 0-1: full gradients. Stages 2-3: this rank's reduced shard.
     pub(crate) grads: Tensor,
+    /// Stages 2-3: bytes reserved for the stand-in collectives of a micro-step that ran out
+    /// of memory (see `recover.rs`), so that recovering allocates nothing.
+    pub(crate) reserve: Option<Tensor>,
     pub(crate) optimizer: Optimizer,
     pub(crate) scaler: LossScaler,
     pub(crate) early: EarlyStep,
@@ -203,6 +206,15 @@ impl Engine {
         };
         let grads = Tensor::f_zeros([grad_numel], (cfg.reduce_dtype.kind(), dev))
             .ctx("allocate gradients", "-")?;
+        let reserve_bytes =
+            crate::recover::reserve_bytes(&layout, cfg.stage, cfg.precision, cfg.reduce_dtype);
+        let reserve = match reserve_bytes {
+            0 => None,
+            n => Some(
+                Tensor::f_zeros([n], (Kind::Uint8, dev))
+                    .ctx("allocate the out-of-memory reserve", "-")?,
+            ),
+        };
         let (opt_numel, decay) = match master_extent {
             Extent::Full => (layout.full_numel(), layout.full_decay_ranges()),
             Extent::Shard => (layout.shard_numel(), layout.shard_decay_ranges()),
@@ -236,6 +248,7 @@ impl Engine {
             params,
             master,
             grads,
+            reserve,
             optimizer,
             scaler,
             early: EarlyStep::Off,
@@ -271,6 +284,12 @@ impl Engine {
     /// ledger's `buffers`).
     pub fn gathered_peak(&self) -> i64 {
         self.mover.peak_gathered
+    }
+
+    /// Bytes reserved for recovering from an out-of-memory without allocating (stages 2-3;
+    /// part of the ledger's `buffers`).
+    pub fn oom_reserve_bytes(&self) -> i64 {
+        self.reserve.as_ref().map_or(0, |t| t.numel() as i64)
     }
 
     /// Where this rank's time went since the last call (forward, backward, waits for
@@ -336,7 +355,7 @@ impl Engine {
             master: self.master.as_ref().map_or(0, bytes),
             optimizer,
             host,
-            buffers: scratch + host_buffers + self.mover.peak_in_flight,
+            buffers: scratch + host_buffers + self.oom_reserve_bytes() + self.mover.peak_in_flight,
         }
     }
 

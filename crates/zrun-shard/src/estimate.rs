@@ -82,10 +82,11 @@ pub struct Estimate {
 
 impl MemoryLedger {
     /// What [`Engine::new`] allocates for `layout`'s rank under `cfg`: the model states where
-    /// they live and the fixed buffers (AdamW scratch, host gradient staging), computed
-    /// without allocating.
+    /// they live and the fixed buffers (AdamW scratch, host gradient staging, the
+    /// out-of-memory reserve of stages 2-3), computed without allocating.
     pub fn planned(layout: &ShardLayout, cfg: &EstimateConfig) -> MemoryLedger {
         let mut m = MemoryLedger::plan(layout, cfg.stage, cfg.precision, cfg.reduce_dtype);
+        let reserve = oom_reserve(layout, cfg);
         let shard = layout.shard_numel();
         if cfg.offload == Offload::Cpu {
             let moments = match cfg.state_dtype {
@@ -106,17 +107,24 @@ impl MemoryLedger {
             } else {
                 0
             };
-            m.buffers = grads + staging;
+            m.buffers = grads + staging + reserve;
         } else {
             let owned = if cfg.stage == Stage::Zero0 {
                 layout.full_numel()
             } else {
                 shard
             };
-            m.buffers = AdamW::scratch_bytes_for(owned);
+            m.buffers = AdamW::scratch_bytes_for(owned) + reserve;
         }
         m
     }
+}
+
+/// The device buffer kept for the stand-in collectives of a micro-step that ran out of
+/// memory: the largest padded unit in the wider of the reduce dtype and (stage 3) the
+/// compute dtype; nothing at stages 0-1.
+fn oom_reserve(layout: &ShardLayout, cfg: &EstimateConfig) -> i64 {
+    crate::recover::reserve_bytes(layout, cfg.stage, cfg.precision, cfg.reduce_dtype)
 }
 
 /// Running sum of one phase's terms, and the largest seen.
@@ -156,18 +164,14 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
     let sharded_grads = matches!(cfg.stage, Stage::Zero2 | Stage::Zero3);
 
     // Held for the whole run: the model states on the device, and on CPU the host's too.
-    let host = ledger.host
-        + if cfg.offload == Offload::Cpu {
-            ledger.buffers
-        } else {
-            0
-        };
-    let device_buffers = ledger.buffers
-        - if cfg.offload == Offload::Cpu {
-            ledger.buffers
-        } else {
-            0
-        };
+    // With offload the fixed buffers are host staging, except the out-of-memory reserve.
+    let host_buffers = if cfg.offload == Offload::Cpu {
+        ledger.buffers - oom_reserve(layout, cfg)
+    } else {
+        0
+    };
+    let host = ledger.host + host_buffers;
+    let device_buffers = ledger.buffers - host_buffers;
     let host_on_device = if cfg.cuda { 0 } else { host };
     let states = ledger.device_model_states() + device_buffers + host_on_device;
     let heap = if cfg.cuda { 0 } else { HEAP_BYTES };

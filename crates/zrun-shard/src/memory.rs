@@ -15,7 +15,8 @@ pub struct MemoryLedger {
     pub optimizer: i64,
     /// fp32 master and AdamW state offloaded to host memory.
     pub host: i64,
-    /// Scratch and in-flight buffers (gathers, optimizer scratch).
+    /// Scratch and in-flight buffers (gathers, optimizer scratch, and at stages 2-3 the
+    /// reserve for recovering from an out-of-memory without allocating).
     pub buffers: i64,
 }
 

@@ -2,11 +2,47 @@
 //! other ranks: the failed rank issues the rest of the micro-step's collectives, in the order
 //! every rank issues them, with stand-in buffers, so the others' collectives complete; then
 //! every rank abandons the step with nothing applied.
+//!
+//! The stand-ins allocate nothing: right after an out-of-memory a second allocation may fail
+//! too, and the other ranks would then wait in their collectives until the timeout. They use
+//! a reserve the engine allocates with the model states at stages 2-3 (the only stages whose
+//! micro-step has collectives), one buffer of the largest padded unit in the wider of the
+//! reduce dtype and (stage 3) the compute dtype: a stand-in gather fills a slice of it, a
+//! stand-in reduce-scatter reads a zeroed slice of it and writes this rank's reduced slice
+//! into its own gradient shard, which [`Engine::abandon_step`] clears. The collectives run
+//! one at a time, so one unit's room serves them all.
 
 use crate::engine::{EarlyStep, Engine};
+use crate::layout::ShardLayout;
 use crate::state::Collective;
-use crate::{Context, Result, Stage};
-use tch::Tensor;
+use crate::{Context, Precision, ReduceDtype, Result, Stage};
+use tch::{Kind, Tensor};
+
+/// Bytes of the stand-in reserve at `stage`: the largest padded unit in the wider of the
+/// reduce dtype and, at stage 3 (which gathers), the compute dtype; none at stages 0-1.
+pub(crate) fn reserve_bytes(
+    layout: &ShardLayout,
+    stage: Stage,
+    precision: Precision,
+    reduce: ReduceDtype,
+) -> i64 {
+    let rb = reduce.kind().elt_size_in_bytes() as i64;
+    let widest = match stage {
+        Stage::Zero0 | Stage::Zero1 => return 0,
+        Stage::Zero2 => rb,
+        Stage::Zero3 => rb.max(precision.bytes()),
+    };
+    layout.units.iter().map(|l| l.padded).max().unwrap_or(0) * widest
+}
+
+/// The first `numel` elements of `kind` of the byte buffer `reserve`.
+fn reserve_view(reserve: &Tensor, numel: i64, kind: Kind, unit: &str) -> Result<Tensor> {
+    let bytes = numel * kind.elt_size_in_bytes() as i64;
+    reserve
+        .f_narrow(0, 0, bytes)
+        .and_then(|t| t.f_view_dtype(kind))
+        .ctx("view the out-of-memory reserve", unit)
+}
 
 /// The collectives of one micro-step in the order the engine issues them, for a model whose
 /// units read the tied parameters `ties[u]` (the owning unit), at `stage` with stage-3
@@ -62,8 +98,9 @@ pub(crate) fn ties(model: &dyn zrun_models::Model) -> Vec<Option<usize>> {
 impl Engine {
     /// After `forward_backward` failed on this rank only: issues, with stand-in buffers, the
     /// collectives of the micro-step this rank had not issued yet, and waits for each, so
-    /// the other ranks' collectives complete. The gradients are left for
-    /// [`Engine::abandon_step`] to clear.
+    /// the other ranks' collectives complete. Allocates no tensor: the stand-ins are slices
+    /// of the reserve made with the engine, and the reduced stand-ins land in this rank's
+    /// gradient shard, which is left for [`Engine::abandon_step`] to clear.
     pub fn finish_failed_micro_step(&mut self) -> Result<()> {
         let all = schedule(
             self.cfg.stage,
@@ -76,24 +113,35 @@ impl Engine {
                 "the failed micro-step issued {done:?}, which is not how every rank's micro-step begins ({all:?}): the ranks cannot be kept in step"
             )));
         }
-        let rest = all[done.len()..].to_vec();
+        let rest = &all[done.len()..];
+        if rest.is_empty() {
+            return Ok(());
+        }
+        let Some(reserve) = self.reserve.as_ref() else {
+            return Err(crate::Error::Unsupported(format!(
+                "stage {} keeps no out-of-memory reserve for the stand-ins of {rest:?}",
+                self.cfg.stage
+            )));
+        };
         let _guard = tch::no_grad_guard();
-        for (op, u) in rest {
-            match op {
-                Collective::Gather => {
-                    let p = self.mover.start_gather(&self.params, u)?;
-                    let full = self.mover.finish_gather(p)?;
-                    self.mover.free(&full)?;
-                }
+        for &(op, u) in rest {
+            let l = &self.mover.layout.units[u];
+            let (input, output) = match op {
+                Collective::Gather => (
+                    self.mover.shard_of(&self.params, u)?,
+                    reserve_view(reserve, l.padded, self.params.kind(), &l.unit)?,
+                ),
                 Collective::ReduceScatter => {
-                    let l = &self.mover.layout.units[u];
-                    let kind = self.cfg.reduce_dtype.kind();
-                    let zeros = Tensor::f_zeros([l.padded], (kind, self.cfg.device))
-                        .ctx("stand-in gradient", &l.unit.clone())?;
-                    let p = self.mover.start_reduce_scatter(zeros, u)?;
-                    drop(self.mover.finish_reduce_scatter(p)?);
+                    // Zeroed each time: a gather or the collective itself may have written it.
+                    let mut zeros =
+                        reserve_view(reserve, l.padded, self.cfg.reduce_dtype.kind(), &l.unit)?;
+                    zeros
+                        .f_zero_()
+                        .done("zero the stand-in gradient", &l.unit)?;
+                    (zeros, self.mover.shard_of(&self.grads, u)?)
                 }
-            }
+            };
+            self.mover.stand_in(op, u, &input, &output)?;
         }
         self.mover.issued.clear();
         Ok(())

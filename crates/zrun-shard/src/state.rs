@@ -8,9 +8,12 @@ use std::time::{Duration, Instant};
 use tch::{Kind, Tensor};
 use zrun_comm::{Communicator, ReduceOp, Work};
 
-/// A collective in flight with the buffers it uses (kept alive until it completes).
+/// A collective in flight with the buffers it uses (kept alive until it completes: one
+/// dropped unwaited, on an error path, is waited for first, since the communication thread
+/// and the peers still read and write its buffers).
 pub(crate) struct Pending {
-    work: Work,
+    /// `None` once waited for.
+    work: Option<Work>,
     unit: usize,
     /// Source of the collective.
     input: Tensor,
@@ -19,9 +22,32 @@ pub(crate) struct Pending {
 }
 
 impl Pending {
-    fn wait(self) -> Result<(usize, Tensor, Tensor)> {
-        self.work.wait().map_err(Error::Comm)?;
-        Ok((self.unit, self.input, self.output))
+    fn new(work: Work, unit: usize, input: Tensor, output: Tensor) -> Pending {
+        Pending {
+            work: Some(work),
+            unit,
+            input,
+            output,
+        }
+    }
+
+    fn wait(mut self) -> Result<(usize, Tensor, Tensor)> {
+        if let Some(w) = self.work.take() {
+            w.wait().map_err(Error::Comm)?;
+        }
+        let input = std::mem::replace(&mut self.input, Tensor::new());
+        let output = std::mem::replace(&mut self.output, Tensor::new());
+        Ok((self.unit, input, output))
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some(w) = self.work.take() {
+            // An error is already on its way to the caller; this wait only keeps the
+            // buffers alive until the collective no longer uses them.
+            let _ = w.wait();
+        }
     }
 }
 
@@ -114,12 +140,7 @@ impl Mover {
         let input = self.shard_of(shard, u)?;
         let work = self.comm.all_gather(&input, &full).map_err(Error::Comm)?;
         self.issued.push((Collective::Gather, u));
-        Ok(Pending {
-            work,
-            unit: u,
-            input,
-            output: full,
-        })
+        Ok(Pending::new(work, u, input, full))
     }
 
     /// Waits for a gather and returns the full unit buffer (still counted until `done_with`).
@@ -153,12 +174,7 @@ impl Mover {
         let output = full.data();
         let work = self.comm.all_gather(&input, &output).map_err(Error::Comm)?;
         self.issued.push((Collective::Gather, u));
-        Ok(Pending {
-            work,
-            unit: u,
-            input,
-            output,
-        })
+        Ok(Pending::new(work, u, input, output))
     }
 
     /// Releases a gathered buffer's memory now, even while autograd holds views of it.
@@ -184,12 +200,27 @@ impl Mover {
             .reduce_scatter(&grad, &shard, ReduceOp::Avg)
             .map_err(Error::Comm)?;
         self.issued.push((Collective::ReduceScatter, u));
-        Ok(Pending {
-            work,
-            unit: u,
-            input: grad,
-            output: shard,
-        })
+        Ok(Pending::new(work, u, grad, shard))
+    }
+
+    /// Issues collective `op` of unit `u` with buffers the caller holds (`input`: this rank's
+    /// shard for a gather, the full gradient for a reduce-scatter; `output` the other), and
+    /// waits for it: a stand-in that keeps the other ranks' collectives in step. Allocates
+    /// no tensor and counts nothing in flight: the buffers are the caller's.
+    pub(crate) fn stand_in(
+        &mut self,
+        op: Collective,
+        u: usize,
+        input: &Tensor,
+        output: &Tensor,
+    ) -> Result<()> {
+        let work = match op {
+            Collective::Gather => self.comm.all_gather(input, output),
+            Collective::ReduceScatter => self.comm.reduce_scatter(input, output, ReduceOp::Avg),
+        }
+        .map_err(Error::Comm)?;
+        self.issued.push((op, u));
+        self.timed(|| work.wait()).map_err(Error::Comm)
     }
 
     /// Waits for a reduce-scatter; returns the unit and its reduced shard (count released).
@@ -252,12 +283,7 @@ impl Mover {
                 .ctx("copy owned slice", &self.layout.units[u].unit)?;
             let full = self.unit_full(params, u)?;
             let work = self.comm.all_gather(&mine, &full).map_err(Error::Comm)?;
-            pending.push(Pending {
-                work,
-                unit: u,
-                input: mine,
-                output: full,
-            });
+            pending.push(Pending::new(work, u, mine, full));
         }
         self.timed(|| pending.into_iter().try_for_each(|p| p.wait().map(drop)))
     }

@@ -287,7 +287,11 @@ fn offloaded_optimizer_bytes_are_on_the_host_and_none_on_the_device() {
             // Stage 1 stages the owned slices of its full gradient buffer on the host; at
             // stages 2-3 on the host the gradient shard itself is read in place, no copy.
             let staged = if stage == Stage::Zero1 { 4 * s } else { 0 };
-            assert_eq!(m.buffers, staged, "{what}: host gradient staging");
+            assert_eq!(
+                m.buffers,
+                staged + e.oom_reserve_bytes(),
+                "{what}: host gradient staging and the out-of-memory reserve"
+            );
         }
     }
     // Stage 0 has nothing sharded to offload: a clear error.
@@ -298,6 +302,51 @@ fn offloaded_optimizer_bytes_are_on_the_host_and_none_on_the_device() {
     };
     let err = Engine::new(model, comm, cfg).err().unwrap().to_string();
     assert!(err.contains("zero.stage to 1, 2 or 3"), "{err}");
+}
+
+#[test]
+fn stages_2_and_3_reserve_the_largest_unit_for_out_of_memory_recovery() {
+    let model = tiny();
+    for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+        for (precision, reduce_dtype) in [
+            (Precision::Fp32, ReduceDtype::Fp32),
+            (Precision::Bf16, ReduceDtype::Fp32),
+            (Precision::Bf16, ReduceDtype::Bf16),
+        ] {
+            let comm = Arc::new(Placement { rank: 1, world: 3 });
+            let cfg = EngineConfig {
+                precision,
+                reduce_dtype,
+                ..EngineConfig::fp32(stage, Device::Cpu, 1, adamw())
+            };
+            let e = Engine::new(model.clone(), comm, cfg).unwrap();
+            let largest = e.layout().units.iter().map(|l| l.padded).max().unwrap();
+            // Stand-in reduce-scatters read the reduce dtype; stage 3's gathers write the
+            // compute dtype; one at a time, so one buffer of the wider serves both.
+            let rb = if reduce_dtype == ReduceDtype::Fp32 {
+                4
+            } else {
+                2
+            };
+            let want = match stage {
+                Stage::Zero0 | Stage::Zero1 => 0,
+                Stage::Zero2 => largest * rb,
+                Stage::Zero3 => largest * rb.max(precision.bytes()),
+            };
+            let what = format!("stage {stage} {precision} reduce {reduce_dtype}");
+            assert_eq!(e.oom_reserve_bytes(), want, "{what}");
+            let owned = if stage == Stage::Zero0 {
+                e.layout().full_numel()
+            } else {
+                e.layout().shard_numel()
+            };
+            assert_eq!(
+                e.memory().buffers,
+                zrun_optim::AdamW::scratch_bytes_for(owned) + want,
+                "{what}: AdamW scratch and the reserve"
+            );
+        }
+    }
 }
 
 #[test]
