@@ -272,3 +272,179 @@ fn bad_model_directories_are_one_line_errors() {
         &["model.safetensors.index.json", "part-2.safetensors"],
     );
 }
+
+/// A checkpoint of the demo's tiny GPT after 2 steps on 1 rank (trained once, copied for
+/// each caller into `scratch(name)`): the checkpoint directory.
+fn tiny_checkpoint(name: &str) -> PathBuf {
+    static BASE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    let base = BASE.get_or_init(|| {
+        let dir = scratch("hf-untrusted-base");
+        let sets = [
+            format!("log.dir=\"{}\"", dir.display()),
+            "train.steps=2".into(),
+            "checkpoint.every=2".into(),
+            "train.eval_every=0".into(),
+            "train.micro_batch=2".into(),
+            "train.threads=1".into(),
+        ];
+        let mut a = vec!["configs/tiny-cpu.toml".to_string()];
+        a.extend(sets.into_iter().flat_map(|s| ["--set".to_string(), s]));
+        let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+        let o = zrun(&refs);
+        assert!(o.status.success(), "{}", stderr(&o));
+        dir.join("ckpt/step-00000002")
+    });
+    let dir = scratch(name).join("step-00000002");
+    let o = Command::new("cp")
+        .args([
+            "-r",
+            &base.display().to_string(),
+            &dir.display().to_string(),
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    dir
+}
+
+/// The one error line of a refused command: exit code 2, exactly one line saying `error`.
+fn one_error_line(o: &std::process::Output) -> String {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(lines[0].contains("error"), "{err}");
+    lines[0].to_string()
+}
+
+/// Entries of `dir` whose names start with `prefix`.
+fn entries_like(dir: &Path, prefix: &str) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(prefix))
+        .collect()
+}
+
+/// Rewrites `ckpt`'s manifest after `edit`, as format version 1 (before manifests carried
+/// their own hash), so only the edited tables stand between the reader and the files.
+fn edit_manifest(ckpt: &Path, edit: impl FnOnce(&mut Value)) {
+    let path = ckpt.join("manifest.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    v.as_object_mut().unwrap().remove("manifest_hash");
+    v["format_version"] = json!(1);
+    edit(&mut v);
+    std::fs::write(&path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+}
+
+#[test]
+fn export_verifies_every_hash_before_its_directory_appears() {
+    let ckpt = tiny_checkpoint("hf-flipped");
+    let base = ckpt.parent().unwrap().to_path_buf();
+    let f = ckpt.join("rank-00000.safetensors");
+    let good = std::fs::read(&f).unwrap();
+    let mut bad = good.clone();
+    let at = bad.len() - 100;
+    bad[at] ^= 0x04;
+    std::fs::write(&f, &bad).unwrap();
+    let out = base.join("export");
+    let (c, o) = (ckpt.display().to_string(), out.display().to_string());
+    let line = one_error_line(&zrun(&["export", &c, "--hf", &o]));
+    assert!(
+        line.contains("rank-00000.safetensors") && line.contains("hash"),
+        "{line}"
+    );
+    assert!(!out.exists(), "a damaged checkpoint left {o}");
+    assert!(
+        entries_like(&base, "export").is_empty(),
+        "temporary files left"
+    );
+    // Sampling from the damaged checkpoint is refused the same way.
+    let line = one_error_line(&zrun(&[
+        "sample",
+        &c,
+        "--prompt-ids",
+        "1,2",
+        "--max-new-tokens",
+        "2",
+    ]));
+    assert!(line.contains("hash"), "{line}");
+    // Repaired: the export appears whole; a second export into it is refused, it untouched.
+    std::fs::write(&f, &good).unwrap();
+    let ok = zrun(&["export", &c, "--hf", &o]);
+    assert!(ok.status.success(), "{}", stderr(&ok));
+    assert!(out.join("model.safetensors").is_file() && out.join("config.json").is_file());
+    let before = std::fs::read(out.join("model.safetensors")).unwrap();
+    let line = one_error_line(&zrun(&["export", &c, "--hf", &o]));
+    assert!(line.contains("already exists"), "{line}");
+    assert_eq!(
+        std::fs::read(out.join("model.safetensors")).unwrap(),
+        before
+    );
+    assert_eq!(entries_like(&base, "export"), vec!["export".to_string()]);
+}
+
+#[test]
+fn consolidate_refuses_a_rank_file_outside_the_checkpoint() {
+    let ckpt = tiny_checkpoint("hf-outside");
+    let base = ckpt.parent().unwrap().to_path_buf();
+    // The rank file moved next to the checkpoint, size and hash intact, and named there.
+    std::fs::rename(
+        ckpt.join("rank-00000.safetensors"),
+        base.join("outside.safetensors"),
+    )
+    .unwrap();
+    edit_manifest(&ckpt, |v| {
+        v["ranks"][0]["file"] = json!("../outside.safetensors");
+        v["files"][0]["name"] = json!("../outside.safetensors");
+    });
+    let out = base.join("model.safetensors");
+    let (c, o) = (ckpt.display().to_string(), out.display().to_string());
+    let line = one_error_line(&zrun(&["consolidate", &c, "-o", &o]));
+    assert!(
+        line.contains("ranks[0].file") && line.contains("../outside.safetensors"),
+        "{line}"
+    );
+    assert!(!out.exists());
+    assert!(entries_like(&base, "model.safetensors").is_empty());
+}
+
+#[test]
+fn a_recorded_tokenizer_that_is_not_one_is_not_exported() {
+    for (i, name) in ["secret.json", "notes.txt"].iter().enumerate() {
+        let ckpt = tiny_checkpoint(&format!("hf-tokenizer-{i}"));
+        let base = ckpt.parent().unwrap().to_path_buf();
+        let secrets = base.join("private");
+        std::fs::create_dir_all(&secrets).unwrap();
+        let secret = secrets.join(name);
+        std::fs::write(&secret, br#"{"password": "hunter2"}"#).unwrap();
+        std::fs::write(
+            secrets.join("tokenizer_config.json"),
+            br#"{"password": "hunter2"}"#,
+        )
+        .unwrap();
+        edit_manifest(&ckpt, |v| {
+            v["model"]["tokenizer"] = json!(secret.display().to_string());
+        });
+        let out = base.join("export");
+        let o = zrun(&[
+            "export",
+            &ckpt.display().to_string(),
+            "--hf",
+            &out.display().to_string(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(
+            stderr(&o).contains(&secret.display().to_string()),
+            "the skipped tokenizer is named: {}",
+            stderr(&o)
+        );
+        assert!(stdout(&o).contains("no tokenizer"), "{}", stdout(&o));
+        for e in std::fs::read_dir(&out).unwrap() {
+            let p = e.unwrap().path();
+            let text = String::from_utf8_lossy(&std::fs::read(&p).unwrap()).into_owned();
+            assert!(!text.contains("hunter2"), "{} was copied", p.display());
+        }
+        assert!(!out.join("tokenizer.json").exists());
+    }
+}

@@ -1,12 +1,17 @@
 //! `zrun export CKPT_DIR --hf OUT_DIR [--dtype bf16|fp32|fp16] [--max-shard-size 5GB]`: a
 //! directory `transformers.AutoModelForCausalLM.from_pretrained` loads, streamed parameter by
 //! parameter from a sharded checkpoint of any world size.
+//!
+//! The checkpoint is validated and every rank file verified against its hash before the
+//! export is renamed into place (written first into `OUT_DIR.tmp-<pid>` beside it); an
+//! `OUT_DIR` that exists and is not empty is refused. A damaged or inconsistent checkpoint is
+//! one line and exit code 2, and leaves no `OUT_DIR`.
 
 use std::path::PathBuf;
 
 use zrun_ckpt::OutDtype;
 
-use crate::launch::BadInput;
+use crate::launch::{output, BadInput, Level};
 
 /// Flags of `zrun export`.
 #[derive(clap::Args, Debug, Clone)]
@@ -38,6 +43,15 @@ pub fn run(args: &ExportArgs) -> anyhow::Result<u8> {
         }
     }
     let e = zrun_train::hf::export(&dir, &args.hf, dtype, max)?;
+    if let Some(why) = &e.tokenizer_skipped {
+        output::say(
+            Level::Warn,
+            &format!(
+                "warning: {why}; exported without a tokenizer: copy a tokenizer.json into {} yourself",
+                args.hf.display()
+            ),
+        );
+    }
     let tokenizer = if e.tokenizer.is_empty() {
         "no tokenizer".to_string()
     } else {

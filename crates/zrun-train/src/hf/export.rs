@@ -1,9 +1,17 @@
 //! `zrun export CKPT --hf OUT`: a Hugging Face directory from a checkpoint of any world size,
 //! streamed parameter by parameter; and whole models (a checkpoint or a Hugging Face
 //! directory) read into memory for `zrun sample`.
+//!
+//! A checkpoint is untrusted input: its manifest is validated when it is opened, every rank
+//! file is opened (sizes and headers checked) before a buffer is sized from the manifest, its
+//! views must be the parameters of the model its `hf_config` describes, and every rank file's
+//! hash is verified after reading and before anything read is used or becomes visible. An
+//! export is written into `OUT.tmp-<pid>` beside `OUT` and renamed to `OUT` only when complete
+//! and verified; on any error the temporary directory is removed and no `OUT` appears.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::io::Write;
+use std::path::{Component, Path, PathBuf};
 
 use tch::Tensor;
 use zrun_ckpt::{Checkpoint, Dtype, HfDir, HfWriter, OutDtype, Part, TensorSpec};
@@ -11,6 +19,10 @@ use zrun_models::{ArchConfig, Model};
 
 use super::{bad, sources};
 use crate::Error;
+
+/// Largest tokenizer file (and tokenizer_config.json, special_tokens_map.json) an export
+/// copies; a 256k-token vocabulary's tokenizer.json is about 35 MB.
+const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
 
 /// What an export wrote.
 #[derive(Clone, Debug)]
@@ -23,6 +35,8 @@ pub struct Exported {
     pub params: u64,
     /// Tokenizer files copied.
     pub tokenizer: Vec<String>,
+    /// Why the tokenizer the checkpoint records was not copied, when it was not.
+    pub tokenizer_skipped: Option<String>,
     /// The checkpoint's step.
     pub step: u64,
 }
@@ -43,9 +57,115 @@ pub fn checkpoint_arch(ckpt: &Checkpoint) -> Result<ArchConfig, Error> {
     Ok(arch)
 }
 
-/// The tokenizer file a checkpoint's run used, if it recorded one.
+/// The manifest's view tables must be exactly the parameters of `model` (the model its
+/// `hf_config` describes), name for name and shape for shape: otherwise the tables were
+/// altered, and reshaping or transposing by them would go wrong.
+fn check_views(ckpt: &Checkpoint, model: &dyn Model) -> Result<(), Error> {
+    let manifest = ckpt.dir.join(zrun_ckpt::MANIFEST);
+    let mut shapes: HashMap<&str, &[i64]> = model
+        .units()
+        .iter()
+        .flat_map(|u| u.params())
+        .map(|p| (p.name.as_str(), p.shape.as_slice()))
+        .collect();
+    for v in ckpt.manifest.units.iter().flat_map(|u| &u.views) {
+        let Some(want) = shapes.remove(v.name.as_str()) else {
+            return Err(bad(
+                &manifest,
+                format!(
+                    "parameter `{}` is not one of the model its hf_config describes; the manifest is damaged: use another checkpoint",
+                    v.name
+                ),
+            ));
+        };
+        if !want.iter().map(|&d| d as u64).eq(v.shape.iter().copied()) {
+            return Err(bad(
+                &manifest,
+                format!(
+                    "parameter `{}` has shape {:?} but its hf_config implies {want:?}; the manifest is damaged: use another checkpoint",
+                    v.name, v.shape
+                ),
+            ));
+        }
+    }
+    if let Some(missing) = shapes.keys().min() {
+        return Err(bad(
+            &manifest,
+            format!(
+                "parameter `{missing}` of the model its hf_config describes is not in the manifest; the manifest is damaged: use another checkpoint"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A tokenizer file a checkpoint records, read and checked: the bytes to copy and the path.
+struct RecordedTokenizer {
+    path: PathBuf,
+    bytes: Vec<u8>,
+}
+
+/// The tokenizer a checkpoint records (`model.tokenizer`, an absolute path taken when it was
+/// saved), if it is safe and usable; otherwise why not.
+///
+/// The manifest is untrusted, so the path is used only when it is absolute without `..`, a
+/// regular file (not a link: the path was recorded with links resolved), named `*.json`, at
+/// most [`MAX_TOKENIZER_BYTES`], and parses as a Hugging Face tokenizer. So no other file
+/// (`/etc/shadow`, a key) can travel into an export whatever a manifest names.
+fn recorded_tokenizer(ckpt: &Checkpoint) -> Result<Option<RecordedTokenizer>, String> {
+    let value = &ckpt.manifest.model["tokenizer"];
+    if value.is_null() {
+        return Ok(None);
+    }
+    let Some(s) = value.as_str() else {
+        return Err(format!("model.tokenizer {value} is not a path"));
+    };
+    let path = PathBuf::from(s);
+    let refuse = |why: &str| Err(format!("the recorded tokenizer {s} {why}"));
+    if !path.is_absolute() || path.components().any(|c| c == Component::ParentDir) {
+        return refuse("is not an absolute path without `..`");
+    }
+    if path.extension().and_then(|e| e.to_str()) != Some("json") {
+        return refuse("is not a .json file");
+    }
+    let bytes = match read_regular(&path) {
+        Ok(b) => b,
+        Err(why) => return refuse(&why),
+    };
+    if tokenizers::Tokenizer::from_bytes(&bytes).is_err() {
+        return refuse("is not a Hugging Face tokenizer.json");
+    }
+    Ok(Some(RecordedTokenizer { path, bytes }))
+}
+
+/// The bytes of `path` when it is a regular file (not a link) of at most
+/// [`MAX_TOKENIZER_BYTES`]; otherwise why not.
+fn read_regular(path: &Path) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    let meta = std::fs::symlink_metadata(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => "is gone".to_string(),
+        _ => format!("cannot be read ({e})"),
+    })?;
+    if !meta.file_type().is_file() {
+        return Err("is not a regular file".into());
+    }
+    if meta.len() > MAX_TOKENIZER_BYTES {
+        return Err(format!("is larger than {MAX_TOKENIZER_BYTES} bytes"));
+    }
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_TOKENIZER_BYTES + 1).read_to_end(&mut bytes))
+        .map_err(|e| format!("cannot be read ({e})"))?;
+    if bytes.len() as u64 > MAX_TOKENIZER_BYTES {
+        return Err(format!("is larger than {MAX_TOKENIZER_BYTES} bytes"));
+    }
+    Ok(bytes)
+}
+
+/// The tokenizer file a checkpoint's run used, if it recorded one that passes the checks of
+/// [`recorded_tokenizer`].
 pub fn checkpoint_tokenizer(ckpt: &Checkpoint) -> Option<PathBuf> {
-    ckpt.manifest.model["tokenizer"].as_str().map(PathBuf::from)
+    recorded_tokenizer(ckpt).ok().flatten().map(|t| t.path)
 }
 
 /// `[rows, cols]` values of a 2-D tensor, transposed to `[cols, rows]`.
@@ -59,10 +179,30 @@ fn transposed(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     out
 }
 
+/// `OUT.tmp-<pid>` beside `out`: where an export is written before it is renamed to `out`.
+fn tmp_beside(out: &Path) -> Result<PathBuf, Error> {
+    let name = out.file_name().ok_or_else(|| {
+        bad(
+            out,
+            "is not a directory name to export into; give one such as out/model".into(),
+        )
+    })?;
+    let mut tmp = name.to_owned();
+    tmp.push(format!(".tmp-{}", std::process::id()));
+    Ok(out.with_file_name(tmp))
+}
+
 /// Writes the checkpoint `dir` as a Hugging Face model directory `out`: `config.json`, the
 /// weights in `dtype` in shards of at most `max_shard_bytes` (with an index when there are
-/// several), and the tokenizer files of the run when it recorded a tokenizer. Every rank file
-/// is verified first.
+/// several), and the run's tokenizer files when the checkpoint records a tokenizer that passes
+/// [`recorded_tokenizer`]'s checks (otherwise the export goes on without it and says why in
+/// [`Exported::tokenizer_skipped`]).
+///
+/// Everything is written into `OUT.tmp-<pid>` beside `out`; every rank file's hash is verified
+/// after the weights are read, and only then is the directory renamed to `out`. On any error
+/// the temporary directory is removed and `out` does not appear. An `out` that exists and is
+/// not an empty directory is refused before anything is read: an export never writes over or
+/// into an earlier one.
 pub fn export(
     dir: &Path,
     out: &Path,
@@ -70,10 +210,64 @@ pub fn export(
     max_shard_bytes: u64,
 ) -> Result<Exported, Error> {
     let ckpt = Checkpoint::open(dir)?;
-    let arch = checkpoint_arch(&ckpt)?;
+    let empty = match std::fs::read_dir(out) {
+        Ok(mut entries) => entries.next().is_none(),
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+    };
+    if !empty {
+        return Err(bad(
+            out,
+            "already exists; an export never writes over one: remove it or give another --hf directory".into(),
+        ));
+    }
+    let tmp = tmp_beside(out)?;
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| Error::Io {
+            path: tmp.clone(),
+            source: e,
+        })?;
+    }
+    let done = write_export(&ckpt, &tmp, dtype, max_shard_bytes).and_then(|e| {
+        std::fs::rename(&tmp, out).map_err(|source| Error::Io {
+            path: out.to_path_buf(),
+            source,
+        })?;
+        if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+            let _ = std::fs::File::open(parent).and_then(|f| f.sync_all());
+        }
+        Ok(e)
+    });
+    match done {
+        Ok(mut e) => {
+            for f in &mut e.files {
+                if let Some(name) = f.file_name() {
+                    *f = out.join(name);
+                }
+            }
+            Ok(e)
+        }
+        Err(err) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            Err(err)
+        }
+    }
+}
+
+/// The export of `ckpt` into the directory `tmp`, verified.
+fn write_export(
+    ckpt: &Checkpoint,
+    tmp: &Path,
+    dtype: OutDtype,
+    max_shard_bytes: u64,
+) -> Result<Exported, Error> {
+    let dir = &ckpt.dir;
+    let arch = checkpoint_arch(ckpt)?;
     let model = arch.build()?;
+    check_views(ckpt, model.as_ref())?;
+    let recorded = recorded_tokenizer(ckpt);
     let mut reader = ckpt.reader();
-    reader.verify()?;
+    // Sizes and headers of every rank file before any buffer is sized from the manifest.
+    reader.open_all()?;
     let names: HashMap<String, (String, bool)> = model
         .hf_params()
         .into_iter()
@@ -104,7 +298,7 @@ pub fn export(
             shape,
         });
     }
-    let mut writer = HfWriter::create(out, specs, max_shard_bytes)?;
+    let mut writer = HfWriter::create(tmp, specs, max_shard_bytes)?;
     let (mut buf, mut params, mut tensors) = (Vec::<f32>::new(), 0u64, 0usize);
     for (i, u) in units.iter().enumerate() {
         for v in &u.views {
@@ -122,6 +316,8 @@ pub fn export(
             tensors += 1;
         }
     }
+    // Every rank file against its hash, read or not, before the weights count as written.
+    reader.verify_all()?;
     let files = writer.finish()?;
     let mut config = arch.to_hf_config();
     config["torch_dtype"] = serde_json::json!(match dtype {
@@ -134,38 +330,50 @@ pub fn export(
             config[k] = v.clone();
         }
     }
-    zrun_ckpt::write_json(out, "config.json", &config)?;
-    let tokenizer = match checkpoint_tokenizer(&ckpt) {
-        Some(t) => copy_tokenizer(&t, out)?,
-        None => Vec::new(),
+    zrun_ckpt::write_json(tmp, "config.json", &config)?;
+    let (tokenizer, tokenizer_skipped) = match recorded {
+        Ok(Some(t)) => (copy_tokenizer(&t, tmp)?, None),
+        Ok(None) => (Vec::new(), None),
+        Err(why) => (Vec::new(), Some(why)),
     };
     Ok(Exported {
         files,
         tensors,
         params,
         tokenizer,
+        tokenizer_skipped,
         step: ckpt.manifest.step,
     })
 }
 
-/// Copies the tokenizer file `t` into `out` as `tokenizer.json`, with the tokenizer files
-/// beside it (`tokenizer_config.json`, `special_tokens_map.json`).
-fn copy_tokenizer(t: &Path, out: &Path) -> Result<Vec<String>, Error> {
-    if !t.is_file() {
-        return Err(bad(
-            t,
-            "the run's tokenizer file is gone; export without it by moving it back, or copy a tokenizer.json into the export yourself".into(),
-        ));
-    }
-    let from = t.parent().unwrap_or(Path::new("."));
-    let mut copied = zrun_ckpt::copy_tokenizer_files(from, out)?;
-    if t.file_name() != Some(std::ffi::OsStr::new("tokenizer.json")) {
-        let dst = out.join("tokenizer.json");
-        std::fs::copy(t, &dst).map_err(|e| Error::Io {
-            path: dst.clone(),
-            source: e,
-        })?;
-        copied.push("tokenizer.json".into());
+/// Writes `bytes` to `dir/name`, fsynced.
+fn write_file(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), Error> {
+    let path = dir.join(name);
+    std::fs::File::create(&path)
+        .and_then(|mut f| {
+            f.write_all(bytes)?;
+            f.sync_all()
+        })
+        .map_err(|source| Error::Io { path, source })
+}
+
+/// Writes the checked tokenizer into `out` as `tokenizer.json`, with `tokenizer_config.json`
+/// and `special_tokens_map.json` from beside it when each is a regular file of bounded size
+/// holding a JSON object. The bytes written are the bytes checked.
+fn copy_tokenizer(t: &RecordedTokenizer, out: &Path) -> Result<Vec<String>, Error> {
+    write_file(out, "tokenizer.json", &t.bytes)?;
+    let mut copied = vec!["tokenizer.json".to_string()];
+    let from = t.path.parent().unwrap_or(Path::new("/"));
+    for name in ["tokenizer_config.json", "special_tokens_map.json"] {
+        let Ok(bytes) = read_regular(&from.join(name)) else {
+            continue;
+        };
+        let is_object =
+            serde_json::from_slice::<serde_json::Value>(&bytes).is_ok_and(|v| v.is_object());
+        if is_object {
+            write_file(out, name, &bytes)?;
+            copied.push(name.to_string());
+        }
     }
     Ok(copied)
 }
@@ -186,7 +394,10 @@ pub struct Loaded {
 }
 
 /// Reads a whole model from `path`: a Hugging Face directory (an export included), a
-/// checkpoint directory, or a `checkpoint.dir` (its newest complete checkpoint).
+/// checkpoint directory, or a `checkpoint.dir` (its newest complete checkpoint). A
+/// checkpoint is validated and every rank file verified against its hash before the model is
+/// returned; its tokenizer is the one it records when that passes [`recorded_tokenizer`]'s
+/// checks.
 pub fn load_full(path: &Path) -> Result<Loaded, Error> {
     if path.join("config.json").is_file() {
         return load_hf(path);
@@ -205,7 +416,10 @@ pub fn load_full(path: &Path) -> Result<Loaded, Error> {
     let ckpt = Checkpoint::open(&dir)?;
     let arch = checkpoint_arch(&ckpt)?;
     let model = arch.build()?;
+    check_views(&ckpt, model.as_ref())?;
     let mut reader = ckpt.reader();
+    // Sizes and headers of every rank file before any buffer is sized from the manifest.
+    reader.open_all()?;
     let mut params = Vec::new();
     for (i, u) in ckpt.manifest.units.iter().enumerate() {
         let mut unit = Vec::new();
@@ -216,7 +430,8 @@ pub fn load_full(path: &Path) -> Result<Loaded, Error> {
         }
         params.push(unit);
     }
-    reader.verify()?;
+    // Nothing read is used before every rank file matches its hash.
+    reader.verify_all()?;
     Ok(Loaded {
         arch,
         model,
