@@ -75,12 +75,12 @@ NAMES = {
     "kill_rank": ["sigkill", "killed", "connection", "closed", "reset", "lost", "peer"],
     "kill_launcher": ["lost", "heartbeat", "rendezvous", "store", "did not restart",
                       "connection", "closed", "reset", "peer", "sigkill"],
-    "stop_rank": ["timed out", "timeout", "sigstop", "stopped", "sigkill"],
+    "stop_rank": ["timed out", "timeout", "did not answer", "stopped answering", "sigkill"],
     "preempt": ["sigterm", "sigusr1", "received", "stopped"],
     "flip_ckpt": ["damaged", "hash", "checksum", "sigkill", "killed", "connection", "closed", "reset"],
     "disk_full": ["no space", "disk is full", "enospc", "os error 28"],
-    "link_down": ["timed out", "timeout", "lost", "heartbeat", "connection", "unreachable",
-                  "closed", "reset", "rendezvous", "did not restart"],
+    "link_down": ["timed out", "timeout", "did not answer", "stopped answering", "lost", "heartbeat",
+                  "connection", "unreachable", "closed", "reset", "rendezvous", "did not restart"],
 }
 
 
@@ -788,7 +788,8 @@ every = 1
         if ckpt_dir in self.mounts:
             sh("umount", "-l", str(ckpt_dir))
             self.mounts.remove(ckpt_dir)
-        if not self.args.keep and result["outcome"] == "bitwise_equal" and not result["orphans"]:
+        clean = all(a["verdict"] != "error_unnamed" for a in result["attempts"])
+        if not self.args.keep and result["outcome"] == "bitwise_equal" and not result["orphans"] and clean:
             shutil.rmtree(run_dir, ignore_errors=True)
         self.results.append(result)
         return result
