@@ -1,6 +1,8 @@
 //! `zrun consolidate CKPT_DIR -o model.safetensors [--dtype fp32|bf16|fp16]`: one
 //! safetensors file of full parameters named as the model names them, streamed parameter by
-//! parameter from a sharded checkpoint of any world size (every file verified first).
+//! parameter from a sharded checkpoint of any world size. The manifest is validated before any
+//! rank file is read and every rank file is verified before `FILE.tmp` is renamed to `FILE`;
+//! a damaged or inconsistent checkpoint is one line, exit code 2, and leaves `FILE` as it was.
 
 use std::path::PathBuf;
 
