@@ -55,6 +55,8 @@ pub struct Diagnosis<'a> {
     pub bytes: Option<i64>,
     /// What the rank held, by kind (none before its engine was built).
     pub held: Option<MemoryByKind>,
+    /// Of the held buffers: the reserve for recovering from an out-of-memory (stages 2-3).
+    pub oom_reserve: i64,
     /// The rank's prediction for this config.
     pub predicted: Estimate,
     /// The runtime's fixed cost (the resident memory before the model was built on CPU).
@@ -99,7 +101,7 @@ impl Diagnosis<'_> {
         match &self.held {
             Some(h) => {
                 out.push(format!(
-                    "  held by kind: parameters {}, gradients {}, fp32 master {}, AdamW m+v {}, host {}, buffers {} (stage-3 gathers {}), activations and temporaries {}",
+                    "  held by kind: parameters {}, gradients {}, fp32 master {}, AdamW m+v {}, host {}, buffers {} (stage-3 gathers {}, out-of-memory reserve {}), activations and temporaries {}",
                     human(h.params),
                     human(h.grads),
                     human(h.master),
@@ -107,6 +109,7 @@ impl Diagnosis<'_> {
                     human(h.host),
                     human(h.buffers),
                     human(h.gathered),
+                    human(self.oom_reserve),
                     human(h.activations)
                 ));
                 let allocator = match (h.cuda_allocated_peak, h.cuda_reserved_peak) {
@@ -210,6 +213,7 @@ pub fn at_startup(
             phase,
             bytes,
             held: None,
+            oom_reserve: 0,
             predicted,
             fixed,
             budget,

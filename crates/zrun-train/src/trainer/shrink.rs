@@ -151,6 +151,7 @@ impl Run {
                 phase,
                 bytes,
                 held: Some(report::MemoryByKind::of(&self.engine, self.base_rss)),
+                oom_reserve: self.engine.oom_reserve_bytes(),
                 predicted: self.estimate(),
                 fixed,
                 budget,
