@@ -677,27 +677,33 @@ every = 1
         return left
 
     def read_errors(self, run_dir, att):
-        """The launchers' error lines (the last one of each node, with the failing rank's last
-        lines, is what ended the attempt) and the ranks' error lines."""
+        """The launchers' error lines, the ranks' error lines, and for each node still alive
+        the errors of its last round (after its last "restarting the group"), each with the
+        failing rank's last lines: what ended the attempt there."""
         att.final_errors = []
         for node in (0, 1):
             path = run_dir / f"attempt-{att.index}-node{node}.log"
-            last = None
+            final = []
             for line in path.read_text(errors="replace").splitlines():
                 try:
                     obj = json.loads(line)
                 except ValueError:
                     continue
-                if not isinstance(obj, dict) or str(obj.get("level", "")).lower() != "error":
+                if not isinstance(obj, dict):
                     continue
                 msg = str(obj.get("message", ""))
+                level = str(obj.get("level", "")).lower()
                 if "rank" in obj:
-                    att.rank_errors.append(f"node {node} rank {obj['rank']}: {msg}")
+                    if level == "error":
+                        att.rank_errors.append(f"node {node} rank {obj['rank']}: {msg}")
                     continue
-                att.errors.append(f"node {node}: {msg.splitlines()[0] if msg else msg}")
-                last = "\n".join([msg] + [str(x) for x in obj.get("last_lines", [])])
-            if last and node not in att.killed:
-                att.final_errors.append(last)
+                if "restarting the group" in msg:
+                    final = []
+                if level == "error":
+                    att.errors.append(f"node {node}: {msg.splitlines()[0] if msg else msg}")
+                    final.append("\n".join([msg] + [str(x) for x in obj.get("last_lines", [])]))
+            if node not in att.killed:
+                att.final_errors.append("\n".join(final))
 
     def judge(self, att):
         """The attempt's verdict: ok, preempted, error_named, error_unnamed, hang."""
@@ -837,6 +843,38 @@ every = 1
         log(f"  run {plan.index}: {res['outcome']}" + (f" ({res.get('why')})" if res.get("why") else ""))
         return res
 
+    def rejudge(self):
+        """Judges again the attempts of `--workdir`'s report that had an unexplained error,
+        from their logs (kept for exactly those runs), and rewrites the report."""
+        rep = json.loads((self.work / "report.json").read_text())
+        self.results, self.skipped = rep["results"], rep["skipped_kinds"]
+        self.args.seed = rep["seed"]
+        self.findings = [f for f in rep["findings"] if f["what"] != "unexplained error"]
+        for res in self.results:
+            run_dir = Path(res["dir"])
+            for i, a in enumerate(res["attempts"]):
+                if a["verdict"] != "error_unnamed":
+                    continue
+                att = Attempt(i, codes=a["codes"])
+                att.faults = [Fault(f["kind"], f["step"], 0.0, f["params"]) for f in res["faults"]
+                              if f["injected"] and f["attempt"] == i]
+                att.killed = {f.params["node"] for f in att.faults if f.kind == "kill_launcher"}
+                self.read_errors(run_dir, att)
+                a["verdict"] = self.judge(att)
+                if a["verdict"] == "error_unnamed":
+                    self.findings.append({"what": "unexplained error", "run": res["run"], "attempt": i,
+                                          "faults": [f.label() for f in att.faults], "codes": att.codes,
+                                          "errors": att.errors[:6], "rank_errors": att.rank_errors[:6],
+                                          "dir": str(run_dir)})
+            last = res["attempts"][-1]["verdict"]
+            if res["outcome"] == "wrong_error" and last != "error_unnamed":
+                res["outcome"] = "correct_error"
+                self.findings = [f for f in self.findings
+                                 if not (f["what"] == "wrong_error" and f["run"] == res["run"])]
+        new = self.report(rep["wall_s"])
+        new["rejudged"] = True
+        return new
+
     # -- report
 
     def report(self, wall):
@@ -891,6 +929,11 @@ every = 1
             print(f"finding: {json.dumps(f)}")
 
 
+def verdict_bad(rep):
+    """How many hangs, divergences, orphans and unnamed errors the report counts."""
+    return rep["hangs"] + rep["divergences"] + rep["orphans"] + rep["wrong_error"] + rep["unexplained_errors"]
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group()
@@ -904,6 +947,8 @@ def parse_args(argv):
     ap.add_argument("--kinds", help="comma-separated fault kinds to use [default: all]")
     ap.add_argument("--deadline", type=float, default=150.0, help="seconds an attempt may take before it counts as a hang")
     ap.add_argument("--keep", action="store_true", help="keep the directories of runs that passed")
+    ap.add_argument("--rejudge", action="store_true",
+                    help="judge again the unexplained errors of --workdir's finished soak from their logs")
     args = ap.parse_args(argv)
     if args.long:
         args.faults = 200
@@ -923,6 +968,19 @@ def main(argv):
     if args.short:
         global STEPS
         STEPS = SHORT_STEPS
+    if args.rejudge:
+        if not args.workdir:
+            print("chaos: --rejudge needs --workdir", file=sys.stderr)
+            return 2
+        soak = Soak(args)
+        rep = soak.rejudge()
+        rep["workdir"] = args.workdir
+        (Path(args.workdir) / "report.json").write_text(json.dumps(rep, indent=1))
+        if args.json:
+            print(json.dumps(rep, indent=1))
+        else:
+            soak.print_table(rep)
+        return 1 if verdict_bad(rep) else 0
     own_dir = args.workdir is None
     if own_dir:
         args.workdir = tempfile.mkdtemp(prefix="zrun-chaos-")
@@ -969,7 +1027,7 @@ def main(argv):
         print(json.dumps(rep, indent=1))
     else:
         soak.print_table(rep)
-    bad = rep["hangs"] + rep["divergences"] + rep["orphans"] + rep["wrong_error"] + rep["unexplained_errors"]
+    bad = verdict_bad(rep)
     if own_dir and not bad and not args.keep:
         shutil.rmtree(args.workdir, ignore_errors=True)
     return 1 if bad else 0
