@@ -53,6 +53,10 @@ pub struct EngineConfig {
     pub seed: u64,
     /// AdamW hyper-parameters.
     pub adamw: AdamWConfig,
+    /// Whether a micro-step that runs out of memory is recovered from
+    /// ([`Engine::finish_failed_micro_step`]): stages 2-3 then keep a reserve for its
+    /// stand-in collectives.
+    pub oom_recovery: bool,
 }
 
 impl EngineConfig {
@@ -72,6 +76,7 @@ impl EngineConfig {
             device,
             seed,
             adamw,
+            oom_recovery: true,
         }
     }
 }
@@ -206,8 +211,13 @@ impl Engine {
         };
         let grads = Tensor::f_zeros([grad_numel], (cfg.reduce_dtype.kind(), dev))
             .ctx("allocate gradients", "-")?;
-        let reserve_bytes =
-            crate::recover::reserve_bytes(&layout, cfg.stage, cfg.precision, cfg.reduce_dtype);
+        let reserve_bytes = crate::recover::reserve_bytes(
+            &layout,
+            cfg.stage,
+            cfg.precision,
+            cfg.reduce_dtype,
+            cfg.oom_recovery,
+        );
         let reserve = match reserve_bytes {
             0 => None,
             n => Some(

@@ -35,6 +35,8 @@ pub struct EstimateConfig {
     pub eval_batch: i64,
     /// Whether compute runs on a CUDA device (then host memory is not device memory).
     pub cuda: bool,
+    /// Whether a micro-step that runs out of memory is recovered from (its reserve counts).
+    pub oom_recovery: bool,
 }
 
 /// Small allocations the allocator keeps in its heap rather than returning them (LayerNorm
@@ -124,7 +126,13 @@ impl MemoryLedger {
 /// memory: the largest padded unit in the wider of the reduce dtype and (stage 3) the
 /// compute dtype; nothing at stages 0-1.
 fn oom_reserve(layout: &ShardLayout, cfg: &EstimateConfig) -> i64 {
-    crate::recover::reserve_bytes(layout, cfg.stage, cfg.precision, cfg.reduce_dtype)
+    crate::recover::reserve_bytes(
+        layout,
+        cfg.stage,
+        cfg.precision,
+        cfg.reduce_dtype,
+        cfg.oom_recovery,
+    )
 }
 
 /// Running sum of one phase's terms, and the largest seen.
@@ -398,6 +406,7 @@ impl Engine {
             micro_batch,
             seq_len,
             eval_batch: micro_batch,
+            oom_recovery: c.oom_recovery,
             cuda: c.device.is_cuda(),
         }
     }

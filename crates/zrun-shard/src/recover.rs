@@ -19,13 +19,19 @@ use crate::{Context, Precision, ReduceDtype, Result, Stage};
 use tch::{Kind, Tensor};
 
 /// Bytes of the stand-in reserve at `stage`: the largest padded unit in the wider of the
-/// reduce dtype and, at stage 3 (which gathers), the compute dtype; none at stages 0-1.
+/// reduce dtype and, at stage 3 (which gathers), the compute dtype; none at stages 0-1, and
+/// none when the run does not recover from an out-of-memory (`recovery` false: a failed
+/// micro-step then ends the run, and no stand-in collective is issued).
 pub(crate) fn reserve_bytes(
     layout: &ShardLayout,
     stage: Stage,
     precision: Precision,
     reduce: ReduceDtype,
+    recovery: bool,
 ) -> i64 {
+    if !recovery {
+        return 0;
+    }
     let rb = reduce.kind().elt_size_in_bytes() as i64;
     let widest = match stage {
         Stage::Zero0 | Stage::Zero1 => return 0,
@@ -119,7 +125,7 @@ impl Engine {
         }
         let Some(reserve) = self.reserve.as_ref() else {
             return Err(crate::Error::Unsupported(format!(
-                "stage {} keeps no out-of-memory reserve for the stand-ins of {rest:?}",
+                "stage {} keeps no out-of-memory reserve for the stand-ins of {rest:?} (EngineConfig::oom_recovery is off)",
                 self.cfg.stage
             )));
         };

@@ -335,6 +335,14 @@ fn stages_2_and_3_reserve_the_largest_unit_for_out_of_memory_recovery() {
             };
             let what = format!("stage {stage} {precision} reduce {reduce_dtype}");
             assert_eq!(e.oom_reserve_bytes(), want, "{what}");
+            // A run that stops at an out-of-memory issues no stand-ins: nothing reserved.
+            let stop = EngineConfig {
+                oom_recovery: false,
+                ..cfg
+            };
+            let comm = Arc::new(Placement { rank: 1, world: 3 });
+            let e0 = Engine::new(model.clone(), comm, stop).unwrap();
+            assert_eq!(e0.oom_reserve_bytes(), 0, "{what}");
             let owned = if stage == Stage::Zero0 {
                 e.layout().full_numel()
             } else {

@@ -170,6 +170,7 @@ pub fn estimate_config(cfg: &Config) -> Result<EstimateConfig, Error> {
         micro_batch: cfg.train.micro_batch as i64,
         seq_len: arch.seq_len(),
         eval_batch: cfg.train.micro_batch as i64,
+        oom_recovery: cfg.train.on_oom == crate::config::OnOom::Shrink,
         cuda: match cfg.dist.device {
             DeviceChoice::Cuda => true,
             DeviceChoice::Cpu => false,

@@ -178,6 +178,7 @@ impl Run {
                     eps: t.eps,
                     weight_decay: t.weight_decay,
                 },
+                oom_recovery: t.on_oom == crate::config::OnOom::Shrink,
             },
         )
         .map_err(|e| match e.out_of_memory() {
