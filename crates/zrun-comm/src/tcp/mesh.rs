@@ -264,3 +264,46 @@ pub(crate) fn listen_on(ip: IpAddr, rank: usize) -> Result<TcpListener, Error> {
         detail: format!("listening on {ip}: {e}"),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Three ranks on loopback; before they start, rank 0's listener gets more silent
+    /// connections than it entertains plus one that trickles a greeting. The real peers must
+    /// still connect at once (each greeting is read on its own, with its own deadline).
+    #[test]
+    fn silent_connections_do_not_delay_the_real_peers() {
+        let world = 3;
+        let listeners: Vec<TcpListener> = (0..world)
+            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
+        let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+        let silent: Vec<TcpStream> = (0..MAX_UNKNOWN + 10)
+            .map(|_| TcpStream::connect(addrs[0]).unwrap())
+            .collect();
+        let mut trickle = TcpStream::connect(addrs[0]).unwrap();
+        trickle.write_all(b"ZR").unwrap();
+        let t = Instant::now();
+        let (tx, rx) = std::sync::mpsc::channel();
+        for (rank, l) in listeners.into_iter().enumerate() {
+            let (addrs, tx) = (addrs.clone(), tx.clone());
+            std::thread::spawn(move || {
+                let got = connect_mesh(rank, l, &addrs, "tok", Duration::from_secs(30));
+                let _ = tx.send((rank, got.map(|p| p.iter().filter(|s| s.is_some()).count())));
+            });
+        }
+        for _ in 0..world {
+            let (rank, got) = rx
+                .recv_timeout(Duration::from_secs(3))
+                .expect("a rank did not finish its mesh within 3 s");
+            assert_eq!(got.unwrap(), world - 1, "rank {rank}");
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "mesh took {:?}",
+            t.elapsed()
+        );
+        drop((silent, trickle));
+    }
+}
