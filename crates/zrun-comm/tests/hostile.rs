@@ -353,3 +353,23 @@ fn a_wrong_token_is_told_how_to_share_one() {
     }
     assert!(!msg.contains('\n'));
 }
+
+/// Authenticated clients past `max_clients` are answered "full" (retried until the client's
+/// deadline, then reported), and admitted once a place is free.
+#[test]
+fn clients_past_the_cap_are_told_the_store_is_full() {
+    let limits = StoreLimits {
+        max_clients: 2,
+        ..StoreLimits::default()
+    };
+    let server = StoreServer::start_with("127.0.0.1:0", TOKEN, limits).unwrap();
+    let addr = format!("127.0.0.1:{}", server.port());
+    let short = Duration::from_millis(300);
+    let a = StoreClient::connect(&addr, TOKEN, short).unwrap();
+    let _b = StoreClient::connect(&addr, TOKEN, short).unwrap();
+    let e = StoreClient::connect(&addr, TOKEN, short).unwrap_err();
+    assert!(e.to_string().contains("maximum of clients"), "{e}");
+    drop(a);
+    let c = StoreClient::connect(&addr, TOKEN, Duration::from_secs(2)).unwrap();
+    c.set("k", b"v").unwrap();
+}
