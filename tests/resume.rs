@@ -347,3 +347,52 @@ fn a_stop_asked_for_during_a_save_stops_at_that_save() {
     assert_eq!(status.code(), Some(3), "{}", job.text());
     assert_eq!(steps_in(&dir.join("ckpt")).len(), 1, "{}", job.text());
 }
+
+/// `ZRUN_RUN_ID` as each rank of a two-node `zrun exec` job (one rank a node) on `port`
+/// sees it, with no run id given.
+fn default_run_ids(port: u16, secret: &Path) -> Vec<String> {
+    let start = |node: usize| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_zrun"));
+        cmd.current_dir(root())
+            .env("RUST_BACKTRACE", "0")
+            .env_remove("ZRUN_RUN_ID")
+            .env_remove("ZRUN_JOB_TOKEN")
+            .env("ZRUN_SECRET_FILE", secret)
+            .args(["exec", "--nnodes", "2", "--node-rank", &node.to_string()])
+            .args([
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                &port.to_string(),
+            ])
+            .args(["--nproc", "1", "--", "sh", "-c", "echo id=$ZRUN_RUN_ID"]);
+        Job::spawn(cmd)
+    };
+    let mut jobs = [start(0), start(1)];
+    jobs.iter_mut()
+        .map(|j| {
+            let status = j.exit_within(Duration::from_secs(60));
+            assert_eq!(status.code(), Some(0), "{}", j.text());
+            let text = j.stdout();
+            let line = text.lines().find_map(|l| l.split("id=").nth(1));
+            line.unwrap_or_else(|| panic!("{text}")).trim().to_string()
+        })
+        .collect()
+}
+
+#[test]
+fn a_default_multi_node_run_id_is_the_jobs_own() {
+    let dir = scratch("rs-run-id");
+    let secret = dir.join("secret");
+    let port = free_port();
+    let first = default_run_ids(port, &secret);
+    assert_eq!(first[0], first[1], "both nodes run one job");
+    assert!(
+        first[0].starts_with(&format!("127.0.0.1-{port}-")),
+        "{first:?}"
+    );
+    // Another job on the same address and port is another run.
+    let second = default_run_ids(port, &secret);
+    assert_eq!(second[0], second[1]);
+    assert_ne!(first[0], second[0]);
+}

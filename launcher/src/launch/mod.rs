@@ -127,7 +127,7 @@ pub struct Options {
 /// Runs `program` as this node's ranks and supervises them, restarting the group up to
 /// `--max-restarts` times; returns the exit code.
 pub fn run(flags: &LaunchFlags, program: &Program, opts: &Options) -> anyhow::Result<u8> {
-    let plan = Plan::new(flags)?;
+    let mut plan = Plan::new(flags)?;
     // A second back: file times may be coarser than the clock.
     let started = std::time::SystemTime::now() - Duration::from_secs(1);
     signals::install().context("installing the SIGINT/SIGTERM/SIGHUP/SIGUSR1 handler")?;
@@ -136,6 +136,12 @@ pub fn run(flags: &LaunchFlags, program: &Program, opts: &Options) -> anyhow::Re
     } else {
         Rendezvous::join(&plan)?
     };
+    // A made-up multi-node run id (`addr-port`) is the same for every job on that address:
+    // node 0's word makes it this job's own, on every node and across its restarts (the
+    // token was derived from it before, which every node did alike).
+    if let (false, Some(word)) = (plan.run_id_given, &rdzv.instance) {
+        plan.run_id = format!("{}-{word}", plan.run_id);
+    }
     let style = output::style();
     let mut env = style.worker_env();
     for (k, v) in &opts.env {

@@ -29,6 +29,8 @@ pub struct Plan {
     pub log_dir: Option<PathBuf>,
     /// Identifies the job to its workers (`ZRUN_RUN_ID`).
     pub run_id: String,
+    /// Whether the run id was given (`--run-id`, `ZRUN_RUN_ID`) rather than made here.
+    pub run_id_given: bool,
     /// Secret shared by the store and every worker (`ZRUN_JOB_TOKEN`).
     pub token: String,
     /// How long the nodes of a multi-node job wait for each other.
@@ -121,11 +123,12 @@ impl Plan {
                 ))
             })?;
         }
-        let run_id = f
+        let given = f
             .run_id
             .clone()
-            .or_else(|| std::env::var("ZRUN_RUN_ID").ok().filter(|s| !s.is_empty()))
-            .unwrap_or_else(|| default_run_id(nnodes, &master_addr, master_port));
+            .or_else(|| std::env::var("ZRUN_RUN_ID").ok().filter(|s| !s.is_empty()));
+        let run_id_given = given.is_some();
+        let run_id = given.unwrap_or_else(|| default_run_id(nnodes, &master_addr, master_port));
         let token = match std::env::var(zrun_comm::TOKEN_ENV)
             .ok()
             .filter(|t| !t.is_empty())
@@ -145,6 +148,7 @@ impl Plan {
             grace: Duration::from_secs_f64(f.grace_s),
             log_dir: f.log_dir.clone(),
             run_id,
+            run_id_given,
             token,
             rdzv_timeout: Duration::from_secs(f.rdzv_timeout_s.max(1)),
             max_restarts: f.max_restarts,

@@ -87,6 +87,8 @@ pub struct Rendezvous {
     stop: Arc<AtomicBool>,
     watcher: Option<JoinHandle<()>>,
     news: Option<Receiver<Watched>>,
+    /// Node 0's random word for this job, the same on every node (several nodes only).
+    pub instance: Option<String>,
 }
 
 fn key(name: &str) -> String {
@@ -106,6 +108,20 @@ fn nodes_of(keys: &[String]) -> String {
         .map(|m| m.rsplit('/').next().unwrap_or(m))
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// 64 random bits as hex (the time and pid when /dev/urandom cannot be read).
+fn instance_word() -> String {
+    use std::io::Read;
+    let mut b = [0u8; 8];
+    let read = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b));
+    if read.is_err() {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        b = (t ^ u64::from(std::process::id()).rotate_left(32)).to_le_bytes();
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 /// Starts the store on `addr:port`; a port that is taken is bad input.
@@ -179,6 +195,7 @@ impl Rendezvous {
             stop: Arc::new(AtomicBool::new(false)),
             watcher: None,
             news: None,
+            instance: None,
         })
     }
 
@@ -200,6 +217,11 @@ impl Rendezvous {
                 "--node-rank {k}: another zrun already joined this job as node {k}; give each node its own --node-rank"
             ))
             .into());
+        }
+        // Node 0's random word tells this job from another on the same address and port
+        // (their default run ids are equal): set before node 0 registers, read by the rest.
+        if k == 0 {
+            client.set(&key("instance"), instance_word().as_bytes())?;
         }
         client.set(
             &key(&format!("restarts/{k}")),
@@ -232,6 +254,7 @@ impl Rendezvous {
                 Err(e) => return Err(e).context("waiting for the other nodes"),
             }
         }
+        let instance = String::from_utf8_lossy(&client.get(&key("instance"))?).into_owned();
         let mut counts = Vec::with_capacity(plan.nnodes);
         for name in &names {
             let v = client.get(name)?;
@@ -280,6 +303,7 @@ impl Rendezvous {
             stop,
             watcher: Some(watcher),
             news: Some(rx),
+            instance: Some(instance),
         })
     }
 
