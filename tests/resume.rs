@@ -396,3 +396,15 @@ fn a_default_multi_node_run_id_is_the_jobs_own() {
     assert_eq!(second[0], second[1]);
     assert_ne!(first[0], second[0]);
 }
+
+#[test]
+fn identical_runs_write_identical_checkpoints() {
+    // Every byte of a rank file (random-generator states included) follows from the config.
+    let files = |name: &str| {
+        let dir = scratch(name);
+        let o = run(&args(2, &sets(&dir, 4, 4)), &[]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        common::read_json(&dir.join("ckpt/step-00000004/manifest.json"))["files"].clone()
+    };
+    assert_eq!(files("rs-same-a"), files("rs-same-b"));
+}

@@ -137,6 +137,9 @@ impl Run {
                 tracing::info!("CUDA caching allocator: {set}");
             }
         }
+        // libtorch's default generators (CPU, and CUDA on a GPU) from train.seed and the rank:
+        // a checkpoint saves their state, which is then a function of the config too.
+        tch::manual_seed(cfg.train.seed.wrapping_add(rank.rank as u64) as i64);
         crate::memory::warm_up(device, cfg.zero.precision.kind())?;
         let base_rss = rss_bytes().0;
         let cfg = &resolve_auto(cfg, comm.as_ref(), device, base_rss, rank)?;

@@ -160,6 +160,24 @@ fn special_tokens(cfg: &Config) -> serde_json::Value {
     serde_json::Value::Object(out)
 }
 
+/// Why `dir` cannot be written: a full disk, a quota or a file-size limit is a failure a
+/// restart may get past (exit 1: `--max-restarts` tries again); anything else (permissions,
+/// a read-only file system, a path through a file) is the config's (exit 2).
+fn unwritable(dir: &Path, e: std::io::Error) -> Error {
+    let place = format!("checkpoint.dir {}: cannot write there ({e})", dir.display());
+    match e.raw_os_error() {
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) => Error::Save(format!(
+            "{place}; the disk is full: free space or point checkpoint.dir at a larger disk"
+        )),
+        Some(libc::EFBIG) => Error::Save(format!(
+            "{place}; a file-size limit was hit (ulimit -f): raise it or free space"
+        )),
+        _ => Error::Config(crate::config::ConfigError(format!(
+            "{place}; give a writable directory"
+        ))),
+    }
+}
+
 impl Checkpointer {
     /// The schedule of `cfg` for `engine`'s rank.
     pub fn new(cfg: &Config, engine: &Engine) -> Result<Checkpointer, Error> {
@@ -304,12 +322,7 @@ impl Checkpointer {
     }
 
     fn prepare_dir(&mut self) -> Result<(), Error> {
-        let unwritable = |e: std::io::Error| {
-            Error::Config(crate::config::ConfigError(format!(
-                "checkpoint.dir {}: cannot write there ({e}); give a writable directory",
-                self.dir.display()
-            )))
-        };
+        let unwritable = |e: std::io::Error| unwritable(&self.dir, e);
         std::fs::create_dir_all(&self.dir).map_err(unwritable)?;
         if self.lock.is_none() {
             let owner = zrun_ckpt::LockOwner::this_process(&self.run_id);
@@ -426,5 +439,29 @@ impl Checkpointer {
 impl Drop for Checkpointer {
     fn drop(&mut self) {
         self.join_pruner();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_disk_is_restartable_and_a_forbidden_directory_is_bad_input() {
+        let dir = Path::new("/ckpt");
+        let code = |errno: i32| unwritable(dir, std::io::Error::from_raw_os_error(errno));
+        for errno in [libc::ENOSPC, libc::EDQUOT, libc::EFBIG] {
+            let e = code(errno);
+            assert_eq!(e.exit_code(), 1, "{e}");
+            assert!(
+                e.to_string()
+                    .starts_with("checkpoint.dir /ckpt: cannot write there"),
+                "{e}"
+            );
+        }
+        assert!(code(libc::ENOSPC).to_string().contains("the disk is full"));
+        for errno in [libc::EACCES, libc::EROFS, libc::ENOTDIR] {
+            assert_eq!(code(errno).exit_code(), 2, "{}", code(errno));
+        }
     }
 }
