@@ -39,8 +39,6 @@ import os
 import random
 import shutil
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -48,27 +46,37 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from chaos_env import (
+    children,
+    job_processes,
+    kill_all,
+    free_port,
+    sh,
+    Netns,
+    can_mount_tmpfs,
+    complete_checkpoints,
+    flip_byte,
+    compare_tensors,
+)
+
+from chaos_plan import (
+    EVERY,
+    GRACE_S,
+    Fault,
+    KINDS,
+    MAX_ATTEMPTS,
+    MAX_RESTARTS,
+    RDZV_TIMEOUT_S,
+    SHORT_STEPS,
+    SIGNAL_DEADLINE_S,
+    STEPS,
+    TIMEOUT_S,
+    VARIANTS,
+    plan_run,
+    short_schedule,
+)
+
 ROOT = Path(__file__).resolve().parent.parent
-
-# The job: a 137k-parameter GPT, one rank per node; a few seconds of training on 2 cores.
-STEPS = 240
-SHORT_STEPS = 160  # --short: shorter jobs
-EVERY = 20  # checkpoint.every
-TIMEOUT_S = 4  # dist.timeout_s: a stopped rank trips it quickly
-SIGNAL_DEADLINE_S = 20
-GRACE_S = 3
-RDZV_TIMEOUT_S = 20
-MAX_RESTARTS = 2
-MAX_ATTEMPTS = 6  # launches of one run (the first and its requeues)
-
-# Variants of the job: the stage, async saves and `keep` change what a fault can break.
-VARIANTS = {
-    "s1": {"stage": 1, "async": False, "keep": 3, "grad_accum": 1},
-    "s3-async": {"stage": 3, "async": True, "keep": 2, "grad_accum": 1},
-    "s2-accum": {"stage": 2, "async": False, "keep": 0, "grad_accum": 2},
-}
-
-KINDS = ["kill_rank", "kill_launcher", "stop_rank", "preempt", "flip_ckpt", "disk_full", "link_down"]
 
 # Words an error line must contain to name each fault (lower case).
 NAMES = {
@@ -86,265 +94,6 @@ NAMES = {
 
 def log(msg):
     print(f"chaos: {msg}", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------------------
-# Schedule
-
-
-@dataclass
-class Fault:
-    kind: str
-    step: int  # fires once the job has reached this step ...
-    delay: float  # ... and this many seconds more
-    params: dict = field(default_factory=dict)
-    injected: bool = False
-    attempt: int = -1
-    detail: str = ""
-
-    def label(self):
-        p = " ".join(f"{k}={v}" for k, v in sorted(self.params.items()))
-        return f"{self.kind}({p}) at step>={self.step}+{self.delay:.2f}s"
-
-
-@dataclass
-class RunPlan:
-    index: int
-    variant: str
-    netns: bool
-    faults: list
-
-
-def fault_params(rng, kind):
-    """The random choices of one fault of `kind`."""
-    if kind in ("kill_rank", "kill_launcher", "stop_rank"):
-        p = {"node": rng.randrange(2)}
-        if kind == "stop_rank":
-            p["hold_s"] = round(TIMEOUT_S + rng.uniform(1.0, 4.0), 2)
-        return p
-    if kind == "preempt":
-        return {
-            "target": rng.choice(["node0", "node1", "both", "rank0", "rank1"]),
-            "sig": rng.choice(["SIGTERM", "SIGUSR1"]),
-        }
-    if kind == "flip_ckpt":
-        return {"when": rng.choice(["requeue", "live"]), "rank": rng.randrange(2),
-                "node": rng.randrange(2)}
-    if kind == "disk_full":
-        persist = rng.random() < 0.4
-        return {"hold_s": None if persist else round(rng.uniform(1.0, 5.0), 2)}
-    if kind == "link_down":
-        return {"hold_s": round(rng.uniform(0.5, 2 * TIMEOUT_S + 3), 2)}
-    raise ValueError(kind)
-
-
-def plan_run(rng, index, n_faults, kinds, variants, netns_ok):
-    """One run: a variant and `n_faults` faults, in firing order."""
-    chosen = [rng.choice(kinds) for _ in range(n_faults)]
-    netns = netns_ok and "link_down" in chosen
-    groups = []
-    for kind in chosen:
-        step = rng.randrange(0, STEPS - EVERY)
-        if rng.random() < 0.3:
-            step = (step // EVERY) * EVERY  # at a save
-        group = [Fault(kind, step, round(rng.uniform(0.0, 0.6), 3), fault_params(rng, kind))]
-        if kind == "preempt" and "flip_ckpt" in kinds and rng.random() < 0.5:
-            # A byte flipped while the job is down, before the requeue resumes from it.
-            flip = Fault("flip_ckpt", 0, 0.0, fault_params(rng, "flip_ckpt"))
-            flip.params["when"] = "requeue"
-            group.append(flip)
-        groups.append(group)
-    groups.sort(key=lambda g: g[0].step)
-    ordered = [f for g in groups for f in g]
-    return RunPlan(index, rng.choice(variants), netns, ordered)
-
-
-def short_schedule(rng, kinds):
-    """`--short`: two runs that cover the main kinds with 6 faults."""
-    def f(kind, step, **kw):
-        p = fault_params(rng, kind)
-        p.update(kw)
-        return Fault(kind, step, round(rng.uniform(0.0, 0.4), 3), p)
-
-    runs = [
-        [f("kill_rank", 30), f("preempt", 80), f("flip_ckpt", 0, when="requeue")],
-        [f("stop_rank", 50, hold_s=TIMEOUT_S + 1.5), f("flip_ckpt", 90, when="live"),
-         f("disk_full", 130, hold_s=2.0)],
-    ]
-    plans = []
-    for i, faults in enumerate(runs):
-        faults = [x for x in faults if x.kind in kinds]
-        plans.append(RunPlan(i, "s1", False, faults))
-    return plans
-
-
-# ---------------------------------------------------------------------------------------
-# Processes
-
-
-def proc_ids():
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-
-
-def read_proc(pid, name):
-    try:
-        with open(f"/proc/{pid}/{name}", "rb") as fh:
-            return fh.read()
-    except OSError:
-        return b""
-
-
-def proc_stat(pid):
-    """(state, ppid, session) of `pid`, or None."""
-    raw = read_proc(pid, "stat").decode(errors="replace")
-    if not raw:
-        return None
-    fields = raw[raw.rfind(")") + 2:].split()
-    return fields[0], int(fields[1]), int(fields[3])
-
-
-def children(pid):
-    return [p for p in proc_ids() if (s := proc_stat(p)) and s[1] == pid]
-
-
-def job_processes(marker, sessions):
-    """Live processes of a job: in one of its sessions, or with `marker` (the run's config
-    path) in their command line or ZRUN_RUN_ID in their environment."""
-    found = []
-    me = os.getpid()
-    for pid in proc_ids():
-        if pid == me:
-            continue
-        st = proc_stat(pid)
-        if st is None or st[0] == "Z":
-            continue
-        cmd = read_proc(pid, "cmdline")
-        if st[2] in sessions or marker.encode() in cmd:
-            found.append((pid, cmd.replace(b"\0", b" ").decode(errors="replace").strip()))
-    return found
-
-
-def kill_all(marker, sessions):
-    for pid, _ in job_processes(marker, sessions):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def sh(*cmd):
-    return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-# ---------------------------------------------------------------------------------------
-# Capabilities: a small filesystem, network namespaces
-
-
-class Netns:
-    """Two namespaces joined by a veth pair: node 0 at 10.213.0.1, node 1 at 10.213.0.2."""
-
-    def __init__(self):
-        tag = f"{os.getpid() % 100000}"
-        self.ns = [f"zchaos{tag}a", f"zchaos{tag}b"]
-        self.dev = [f"zc{tag}a", f"zc{tag}b"]
-        self.addr = ["10.213.0.1", "10.213.0.2"]
-        self.up = False
-
-    def create(self):
-        steps = [
-            ["ip", "netns", "add", self.ns[0]],
-            ["ip", "netns", "add", self.ns[1]],
-            ["ip", "link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1]],
-        ]
-        for i in range(2):
-            steps += [
-                ["ip", "link", "set", self.dev[i], "netns", self.ns[i]],
-                ["ip", "-n", self.ns[i], "addr", "add", f"{self.addr[i]}/24", "dev", self.dev[i]],
-                ["ip", "-n", self.ns[i], "link", "set", "lo", "up"],
-                ["ip", "-n", self.ns[i], "link", "set", self.dev[i], "up"],
-            ]
-        self.up = True
-        for cmd in steps:
-            r = sh(*cmd)
-            if r.returncode != 0:
-                self.destroy()
-                return f"`{' '.join(cmd)}` failed: {r.stdout.strip()}"
-        return None
-
-    def link(self, up):
-        sh("ip", "-n", self.ns[0], "link", "set", self.dev[0], "up" if up else "down")
-
-    def destroy(self):
-        if self.up:
-            for ns in self.ns:
-                sh("ip", "netns", "del", ns)
-            self.up = False
-
-
-def can_mount_tmpfs(base):
-    d = Path(tempfile.mkdtemp(prefix="tmpfs-probe-", dir=base))
-    try:
-        r = sh("mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d))
-        if r.returncode != 0:
-            return f"cannot mount a tmpfs: {r.stdout.strip() or 'mount failed'}"
-        sh("umount", str(d))
-        return None
-    except OSError as e:
-        return f"cannot mount a tmpfs: {e}"
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------------------------
-# Checkpoints and results
-
-
-def complete_checkpoints(ckpt_dir):
-    """Complete checkpoints (with a manifest), oldest first."""
-    try:
-        names = sorted(os.listdir(ckpt_dir))
-    except OSError:
-        return []
-    return [ckpt_dir / n for n in names
-            if n.startswith("step-") and n[5:].isdigit() and (ckpt_dir / n / "manifest.json").exists()]
-
-
-def flip_byte(ckpt, rank, rng):
-    """Flips one byte of `ckpt`'s rank file; returns a description."""
-    path = ckpt / f"rank-{rank:05d}.safetensors"
-    size = path.stat().st_size
-    off = rng.randrange(size)
-    with open(path, "r+b") as fh:
-        fh.seek(off)
-        b = fh.read(1)[0]
-        fh.seek(off)
-        fh.write(bytes([b ^ (1 << rng.randrange(8))]))
-        fh.flush()
-        os.fsync(fh.fileno())
-    return f"{path.parent.name}/{path.name} byte {off} of {size}"
-
-
-def safetensors_tensors(path):
-    """{name: raw bytes} of a safetensors file (its metadata left out)."""
-    data = path.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
-    base = 8 + n
-    return {k: data[base + v["data_offsets"][0]:base + v["data_offsets"][1]]
-            for k, v in header.items() if k != "__metadata__"}
-
-
-def compare_tensors(a, b, skip=()):
-    """Names of tensors that differ between two safetensors files (or are in only one),
-    leaving out names that start with one of `skip`."""
-    ta, tb = safetensors_tensors(a), safetensors_tensors(b)
-    return sorted(k for k in set(ta) | set(tb) if ta.get(k) != tb.get(k) and not k.startswith(tuple(skip)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -831,7 +580,7 @@ every = 1
                     name = f"rank-{r:05d}.safetensors"
                     # The generator state is left out: two uninterrupted runs differ in it.
                     theirs = base_ckpt / last_ckpt.name / name
-                    diff += [f"{name}:{t}" for t in compare_tensors(last_ckpt / name, theirs, ["rng."])]
+                    diff += [f"{name}:{t}" for t in compare_tensors(last_ckpt / name, theirs)]
                 res["outcome"] = "divergence" if diff else "bitwise_equal"
                 if diff:
                     res["why"] = "tensors differ from the uninterrupted run: " + ", ".join(diff[:8])
