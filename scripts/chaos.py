@@ -140,6 +140,12 @@ class Soak:
                      "MASTER_PORT", "GROUP_RANK", "ZRUN_RUN_ID") or k.startswith(("SLURM_", "OMPI_", "PMI_")):
                 del env[k]
         env.update({"OMP_NUM_THREADS": "1", "RUST_BACKTRACE": "0", "RUST_LOG": env.get("RUST_LOG", "info")})
+        # libtorch of the project's .venv, as scripts/env.sh sets it, so the script runs
+        # from a plain shell too.
+        libs = sorted(ROOT.glob(".venv/lib/python3*/site-packages/torch/lib"))
+        have = env.get("LD_LIBRARY_PATH", "")
+        extra = [str(p) for p in libs[:1] + [ROOT / ".venv/zrun-lib"] if str(p) not in have.split(":")]
+        env["LD_LIBRARY_PATH"] = ":".join(extra + ([have] if have else []))
         return env
 
     def probe(self):
