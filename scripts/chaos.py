@@ -689,6 +689,16 @@ def verdict_bad(rep):
     return rep["hangs"] + rep["divergences"] + rep["orphans"] + rep["wrong_error"] + rep["unexplained_errors"]
 
 
+def publish(soak, rep, args):
+    """Writes the report into the workdir and prints it (JSON or a table)."""
+    rep["workdir"] = args.workdir
+    (Path(args.workdir) / "report.json").write_text(json.dumps(rep, indent=1))
+    if args.json:
+        print(json.dumps(rep, indent=1))
+    else:
+        soak.print_table(rep)
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group()
@@ -729,12 +739,7 @@ def main(argv):
             return 2
         soak = Soak(args)
         rep = soak.rejudge()
-        rep["workdir"] = args.workdir
-        (Path(args.workdir) / "report.json").write_text(json.dumps(rep, indent=1))
-        if args.json:
-            print(json.dumps(rep, indent=1))
-        else:
-            soak.print_table(rep)
+        publish(soak, rep, args)
         return 1 if verdict_bad(rep) else 0
     own_dir = args.workdir is None
     if own_dir:
@@ -776,12 +781,7 @@ def main(argv):
     finally:
         soak.cleanup()
     rep = soak.report(time.monotonic() - start)
-    rep["workdir"] = args.workdir
-    (Path(args.workdir) / "report.json").write_text(json.dumps(rep, indent=1))
-    if args.json:
-        print(json.dumps(rep, indent=1))
-    else:
-        soak.print_table(rep)
+    publish(soak, rep, args)
     bad = verdict_bad(rep)
     if own_dir and not bad and not args.keep:
         shutil.rmtree(args.workdir, ignore_errors=True)

@@ -11,28 +11,10 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use common::{rank_pid, scratch, signal, stderr, zrun, Job};
+use common::{demo_sets as sets, rank_pid, scratch, signal, stderr, zrun, Job};
 use zrun_ckpt::Checkpoint;
 
 const CONFIG: &str = "configs/tiny-cpu.toml";
-
-/// The overrides of every run here: `steps` steps of the demo model, a line per step.
-fn sets(dir: &Path, steps: u64, every: u64) -> Vec<String> {
-    [
-        format!("log.dir=\"{}\"", dir.display()),
-        format!("train.steps={steps}"),
-        format!("checkpoint.every={every}"),
-        "train.eval_every=0".into(),
-        "train.eval_batches=2".into(),
-        "train.micro_batch=8".into(),
-        "train.warmup_steps=4".into(),
-        "log.every=1".into(),
-        "dist.timeout_s=60".into(),
-    ]
-    .into_iter()
-    .flat_map(|s| ["--set".to_string(), s])
-    .collect()
-}
 
 /// `zrun --nproc 2 CONFIG` with `sets` and `extra` arguments before the config.
 fn args(extra: &[&str], sets: &[String]) -> Vec<String> {

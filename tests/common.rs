@@ -345,3 +345,22 @@ pub fn read_json(path: &Path) -> serde_json::Value {
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
+
+/// `--set` overrides of the checkpoint tests' runs of configs/tiny-cpu.toml: `steps` steps
+/// logged each step, a save every `every`, no evaluation, a micro-batch of 8, logs in `dir`.
+pub fn demo_sets(dir: &Path, steps: u64, every: u64) -> Vec<String> {
+    [
+        format!("log.dir=\"{}\"", dir.display()),
+        format!("train.steps={steps}"),
+        format!("checkpoint.every={every}"),
+        "train.eval_every=0".into(),
+        "train.eval_batches=2".into(),
+        "train.micro_batch=8".into(),
+        "train.warmup_steps=4".into(),
+        "log.every=1".into(),
+        "dist.timeout_s=60".into(),
+    ]
+    .into_iter()
+    .flat_map(|s| ["--set".to_string(), s])
+    .collect()
+}

@@ -12,27 +12,9 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use common::{free_port, root, scratch, signal, stderr, zrun, Job};
+use common::{demo_sets as sets, free_port, root, scratch, signal, stderr, zrun, Job};
 
 const CONFIG: &str = "configs/tiny-cpu.toml";
-
-/// The overrides of every run here: `steps` steps of the demo model, saving every `every`.
-fn sets(dir: &Path, steps: u64, every: u64) -> Vec<String> {
-    [
-        format!("log.dir=\"{}\"", dir.display()),
-        format!("train.steps={steps}"),
-        format!("checkpoint.every={every}"),
-        "train.eval_every=0".into(),
-        "train.eval_batches=2".into(),
-        "train.micro_batch=8".into(),
-        "train.warmup_steps=4".into(),
-        "log.every=1".into(),
-        "dist.timeout_s=60".into(),
-    ]
-    .into_iter()
-    .flat_map(|s| ["--set".to_string(), s])
-    .collect()
-}
 
 /// `zrun --nproc N CONFIG` with `sets`.
 fn args(nproc: usize, sets: &[String]) -> Vec<String> {
@@ -222,6 +204,10 @@ fn an_explicit_resume_is_not_replaced_by_another_runs_newer_checkpoint() {
 /// Starts node `node` of a two-node job (one rank each) in `cwd`, where the relative
 /// `checkpoint.dir = "ckpt"` is that node's own directory.
 fn node(node: usize, port: u16, cwd: &Path, sets: &[String]) -> Job {
+    Job::spawn(node_command(node, port, cwd, sets))
+}
+
+fn node_command(node: usize, port: u16, cwd: &Path, sets: &[String]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_zrun"));
     cmd.current_dir(cwd)
         .env("RUST_BACKTRACE", "0")
@@ -237,7 +223,7 @@ fn node(node: usize, port: u16, cwd: &Path, sets: &[String]) -> Job {
         .arg(root().join(CONFIG))
         .args(sets)
         .args(["--set", "checkpoint.dir=\"ckpt\""]);
-    Job::spawn(cmd)
+    cmd
 }
 
 /// Copies the base run's checkpoints into `to/ckpt`.
@@ -407,4 +393,46 @@ fn identical_runs_write_identical_checkpoints() {
         common::read_json(&dir.join("ckpt/step-00000004/manifest.json"))["files"].clone()
     };
     assert_eq!(files("rs-same-a"), files("rs-same-b"));
+}
+
+#[test]
+fn a_disk_full_at_the_start_stops_every_node_alike() {
+    // Node 0's rank cannot write a byte into checkpoint.dir (a file-size limit of 0, as a
+    // full disk): it fails with exit 1, which a restart may get past, and node 1's rank,
+    // which only learns of it, must stop with the same code, not as bad input (2), or the
+    // nodes would disagree on restarting.
+    use std::os::unix::process::CommandExt;
+    let dir = scratch("rs-full-start");
+    for n in ["node0", "node1"] {
+        std::fs::create_dir_all(dir.join(n)).unwrap();
+    }
+    let s = sets(&dir, 6, 2);
+    let port = free_port();
+    let mut full = node_command(0, port, &dir.join("node0"), &s);
+    // SAFETY: setrlimit is async-signal-safe and touches only the child being started.
+    unsafe {
+        full.pre_exec(|| {
+            let none = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: libc::RLIM_INFINITY,
+            };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &none) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+    let mut jobs = [Job::spawn(full), node(1, port, &dir.join("node1"), &s)];
+    let codes: Vec<Option<i32>> = jobs
+        .iter_mut()
+        .map(|j| j.exit_within(Duration::from_secs(60)).code())
+        .collect();
+    let text = format!("{}\n{}", jobs[0].text(), jobs[1].text());
+    assert_eq!(codes, [Some(1), Some(1)], "{text}");
+    assert!(text.contains("file-size limit"), "{text}");
+    assert!(
+        jobs[1].text().contains("rank 0 cannot use checkpoint.dir"),
+        "{text}"
+    );
 }

@@ -70,6 +70,16 @@ pub enum Error {
     /// The run cannot resume from the checkpoint it was given or found.
     #[error("{0}")]
     Resume(String),
+    /// Another rank failed at a point every rank passes together, and this one stops with
+    /// it, with that rank's exit code: every node's launcher then treats the failure alike
+    /// (restarts it, or not for bad input).
+    #[error("{message}")]
+    Follows {
+        /// The failing rank's exit code.
+        code: u8,
+        /// What happened there, for this rank's line.
+        message: String,
+    },
     /// An allocation failed for want of memory (exit code 4); it carries the diagnosis.
     #[error("{0}")]
     OutOfMemory(Box<oom::OutOfMemory>),
@@ -92,6 +102,7 @@ impl Error {
                 | Error::Data(_)
                 | Error::Unsupported(_)
                 | Error::Resume(_)
+                | Error::Follows { code: 2, .. }
                 | Error::Engine(zrun_shard::Error::Unsupported(_))
                 | Error::Ckpt(
                     zrun_ckpt::Error::Damaged { .. }
@@ -109,6 +120,7 @@ impl Error {
         match self {
             Error::Stopped(_) => 3,
             Error::OutOfMemory(_) => 4,
+            Error::Follows { code, .. } => *code,
             e if e.is_bad_input() => 2,
             _ => 1,
         }

@@ -155,7 +155,8 @@ impl Checkpointer {
     ) -> Result<Vec<(PathBuf, bool)>, Error> {
         let listed = self.candidates(spec);
         let (n, newest, digest) = listed.as_ref().map_or((0, 0, [0; 16]), |l| fingerprint(l));
-        let mut record = vec![u8::from(listed.is_err())];
+        // 0, or this rank's exit code: the others stop with the same one.
+        let mut record = vec![listed.as_ref().err().map_or(0, Error::exit_code)];
         record.extend(n.to_le_bytes());
         record.extend(newest.to_le_bytes());
         record.extend(digest);
@@ -163,10 +164,13 @@ impl Checkpointer {
         let failed: Vec<usize> = (0..all.len()).filter(|&r| all[r][0] != 0).collect();
         let listed = listed?;
         if !failed.is_empty() {
-            return Err(Error::Resume(format!(
-                "rank(s) {failed:?} cannot resume from checkpoint.dir {} (see their errors)",
-                self.dir.display()
-            )));
+            return Err(Error::Follows {
+                code: all[failed[0]][0],
+                message: format!(
+                    "rank(s) {failed:?} cannot resume from checkpoint.dir {} (see their errors)",
+                    self.dir.display()
+                ),
+            });
         }
         let seen = |r: usize| {
             let w = |i: usize| u64::from_le_bytes(all[r][i..i + 8].try_into().unwrap_or_default());

@@ -305,18 +305,24 @@ impl Checkpointer {
         } else {
             Ok(())
         };
-        let failed = reduce(
+        // Rank 0's exit code (0: it can), so that every rank stops alike: a full disk may be
+        // retried by a restart, a forbidden directory not.
+        let code = local.as_ref().err().map_or(0, Error::exit_code);
+        let agreed = reduce(
             engine.comm().as_ref(),
             self.device,
-            &[f64::from(u8::from(local.is_err()))],
+            &[f64::from(code)],
             zrun_comm::ReduceOp::Sum,
         )?;
         local?;
-        if failed[0] > 0.0 {
-            return Err(Error::Resume(format!(
-                "rank 0 cannot use checkpoint.dir {} (see its error)",
-                self.dir.display()
-            )));
+        if agreed[0] > 0.0 {
+            return Err(Error::Follows {
+                code: agreed[0] as u8,
+                message: format!(
+                    "rank 0 cannot use checkpoint.dir {} (see its error)",
+                    self.dir.display()
+                ),
+            });
         }
         Ok(())
     }
