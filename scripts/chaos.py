@@ -25,7 +25,7 @@ After the last attempt the final checkpoint, consolidated, must equal an uninter
 run's bit for bit (else: a silent divergence), and so must every rank's optimizer state.
 
   scripts/chaos.py --short               # a handful of faults, well under a minute
-  scripts/chaos.py --long                # >= 200 faults (about 25 minutes on 2 cores)
+  scripts/chaos.py --long                # >= 200 faults (15-25 minutes on 2 cores)
   scripts/chaos.py --faults 60 --seed 7 --json
 
 Exit status: 0 when there was no hang, divergence, orphan or unexplained error; 1
