@@ -201,6 +201,11 @@ fn main() -> ExitCode {
             ExitCode::from(3)
         }
         Err(e) => {
+            if worker::follows(&e) {
+                // Another rank failed and this one only learnt of it: let that rank's own
+                // error be printed and reaped first, so the launcher names the cause.
+                std::thread::sleep(worker::FOLLOW_DELAY);
+            }
             output::say(
                 Level::Error,
                 &format!("error: {}", without_cpp_backtrace(&format!("{e:#}"))),

@@ -130,6 +130,17 @@ pub fn dry_run(config: &Path, overrides: &[String], world_size: usize) -> Result
 #[error(transparent)]
 struct BadInput(#[from] zrun_comm::Error);
 
+/// How long a rank that stops because another failed waits before it exits.
+pub const FOLLOW_DELAY: std::time::Duration = std::time::Duration::from_millis(1500);
+
+/// Whether `e` says another rank failed and this one stops with it.
+pub fn follows(e: &anyhow::Error) -> bool {
+    matches!(
+        e.downcast_ref::<zrun_train::Error>(),
+        Some(zrun_train::Error::Follows { .. })
+    )
+}
+
 /// The exit code of a rank that ended with `e`: 3 when a stop signal ended it after a
 /// checkpoint, 2 for bad input, else 1.
 pub fn exit_code(e: &anyhow::Error) -> u8 {
