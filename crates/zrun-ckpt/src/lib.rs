@@ -32,10 +32,7 @@ use std::path::{Path, PathBuf};
 
 pub use consolidate::{consolidate, Consolidated, OutDtype};
 pub use dir::{complete, remove_leftovers, step_dir, tmp_dir, MANIFEST};
-pub use hf::{
-    copy_tokenizer_files, parse_size, write_json, HfDir, HfDtype, HfWriter, TensorInfo,
-    TOKENIZER_FILES,
-};
+pub use hf::{parse_size, write_json, HfDir, HfDtype, HfWriter, TensorInfo};
 pub use lock::{hostname, Acquired, DirLock, LockOwner, LEASE, LOCK_FILE};
 pub use manifest::{
     DataOrder, DataPosition, FileEntry, Manifest, OptimizerState, RankEntry, RunRecord,

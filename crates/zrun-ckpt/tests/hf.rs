@@ -5,10 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use zrun_ckpt::{
-    copy_tokenizer_files, write_json, Dtype, Error, HfDir, HfDtype, HfWriter, TensorSpec,
-    TOKENIZER_FILES,
-};
+use zrun_ckpt::{write_json, Dtype, Error, HfDir, HfDtype, HfWriter, TensorSpec};
 
 fn spec(name: &str, dtype: Dtype, shape: &[usize]) -> TensorSpec {
     TensorSpec {
@@ -233,27 +230,15 @@ fn a_new_export_replaces_an_older_one() {
 }
 
 #[test]
-fn json_and_tokenizer_files() {
+fn json_files_are_written_whole() {
     let root = tempfile::tempdir().unwrap();
-    let (from, to) = (root.path().join("from"), root.path().join("to"));
-    std::fs::create_dir_all(&from).unwrap();
-    std::fs::write(from.join("tokenizer.json"), b"{\"model\": {}}").unwrap();
-    std::fs::write(from.join("special_tokens_map.json"), b"{}").unwrap();
-    let copied = copy_tokenizer_files(&from, &to).unwrap();
-    assert_eq!(copied, [TOKENIZER_FILES[0], TOKENIZER_FILES[2]]);
-    assert_eq!(
-        std::fs::read(to.join("tokenizer.json")).unwrap(),
-        b"{\"model\": {}}"
-    );
+    let to = root.path().join("to");
     let path = write_json(&to, "generation_config.json", &serde_json::json!({"a": 1})).unwrap();
     assert_eq!(
         std::fs::read_to_string(&path).unwrap(),
         "{\n  \"a\": 1\n}\n"
     );
-    assert_eq!(std::fs::read_dir(&to).unwrap().count(), 3, "no .tmp left");
-    assert!(copy_tokenizer_files(&root.path().join("none"), &to)
-        .unwrap()
-        .is_empty());
+    assert_eq!(std::fs::read_dir(&to).unwrap().count(), 1, "no .tmp left");
 }
 
 /// A safetensors file by hand: `tensors` as (name, dtype, shape, bytes), back to back.

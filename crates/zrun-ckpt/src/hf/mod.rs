@@ -11,7 +11,7 @@ mod read;
 mod write;
 
 pub use read::{HfDir, HfDtype, TensorInfo};
-pub use write::{copy_tokenizer_files, parse_size, write_json, HfWriter, TOKENIZER_FILES};
+pub use write::{parse_size, write_json, HfWriter};
 
 /// The single weights file of an unsharded model.
 const WEIGHTS: &str = "model.safetensors";

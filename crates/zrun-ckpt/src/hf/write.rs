@@ -13,13 +13,6 @@ use crate::dir::sync_dir;
 use crate::write::{header, Dtype, TensorSpec};
 use crate::{Error, Result};
 
-/// The tokenizer files [`copy_tokenizer_files`] copies when they exist.
-pub const TOKENIZER_FILES: [&str; 3] = [
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-];
-
 /// Elements converted per write when the file's type is not the values' own.
 const CHUNK: usize = 1 << 16;
 
@@ -385,31 +378,6 @@ pub fn write_json<T: serde::Serialize + ?Sized>(
     std::fs::rename(&tmp, &path).map_err(|e| Error::io("rename into place", &tmp, e))?;
     sync_dir(dir)?;
     Ok(path)
-}
-
-/// Copies whichever of [`TOKENIZER_FILES`] exist in `from` into `to` (each through a
-/// temporary file, fsynced, then renamed). Returns the names copied.
-pub fn copy_tokenizer_files(from: &Path, to: &Path) -> Result<Vec<String>> {
-    let mut copied = Vec::new();
-    for name in TOKENIZER_FILES {
-        let src = from.join(name);
-        if !src.is_file() {
-            continue;
-        }
-        std::fs::create_dir_all(to).map_err(|e| Error::io("create", to, e))?;
-        let tmp = to.join(format!("{name}{TMP}"));
-        std::fs::copy(&src, &tmp).map_err(|e| Error::io("copy", &src, e))?;
-        File::open(&tmp)
-            .and_then(|f| f.sync_all())
-            .map_err(|e| Error::io("sync", &tmp, e))?;
-        let path = to.join(name);
-        std::fs::rename(&tmp, &path).map_err(|e| Error::io("rename into place", &tmp, e))?;
-        copied.push(name.to_string());
-    }
-    if !copied.is_empty() {
-        sync_dir(to)?;
-    }
-    Ok(copied)
 }
 
 /// Parses a shard size as transformers' `max_shard_size` does: an integer with an optional
