@@ -30,6 +30,30 @@ pub(crate) enum Progress {
     Bad,
 }
 
+/// Feeds the greetings of `pending` that `ready` flags (by position); those still arriving
+/// stay in `pending`. Returns the finished ones: `Ok` when complete (token not yet checked),
+/// `Err` when bad.
+pub(crate) fn advance(
+    pending: &mut Vec<Greeting>,
+    ready: &[bool],
+) -> Vec<std::result::Result<Greeting, Greeting>> {
+    let mut finished = Vec::new();
+    let mut keep = Vec::with_capacity(pending.len());
+    for (i, mut g) in std::mem::take(pending).into_iter().enumerate() {
+        if !ready.get(i).copied().unwrap_or(false) {
+            keep.push(g);
+            continue;
+        }
+        match g.feed() {
+            Progress::More => keep.push(g),
+            Progress::Done => finished.push(Ok(g)),
+            Progress::Bad => finished.push(Err(g)),
+        }
+    }
+    *pending = keep;
+    finished
+}
+
 /// One accepted connection whose greeting is still arriving.
 #[derive(Debug)]
 pub(crate) struct Greeting {

@@ -15,10 +15,8 @@ pub(crate) struct Pending {
     /// `None` once waited for.
     work: Option<Work>,
     unit: usize,
-    /// Source of the collective.
-    input: Tensor,
-    /// Destination of the collective.
-    output: Tensor,
+    /// Source and destination of the collective; taken by [`Pending::wait`].
+    buffers: Option<(Tensor, Tensor)>,
 }
 
 impl Pending {
@@ -26,8 +24,7 @@ impl Pending {
         Pending {
             work: Some(work),
             unit,
-            input,
-            output,
+            buffers: Some((input, output)),
         }
     }
 
@@ -35,8 +32,9 @@ impl Pending {
         if let Some(w) = self.work.take() {
             w.wait().map_err(Error::Comm)?;
         }
-        let input = std::mem::replace(&mut self.input, Tensor::new());
-        let output = std::mem::replace(&mut self.output, Tensor::new());
+        let (input, output) = self.buffers.take().ok_or_else(|| {
+            Error::Unsupported("a collective's buffers were taken before it was waited for".into())
+        })?;
         Ok((self.unit, input, output))
     }
 }

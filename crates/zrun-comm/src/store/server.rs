@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use super::{put_bytes, read_bytes, read_str, read_u32, read_u64, StoreLimits};
 use super::{ANS_BUSY, ANS_OK, ANS_REFUSED, MAGIC, OP_ADD, OP_GET, OP_SET, OP_WAIT};
-use crate::greet::{self, Greeting, Progress};
+use crate::greet::{self, Greeting};
 use crate::Error;
 
 type Shared = Arc<(Mutex<HashMap<String, Vec<u8>>>, Condvar)>;
@@ -197,23 +197,16 @@ impl Acceptor {
 
     /// Reads what arrived on the handshakes flagged `ready`; finished ones are answered.
     fn advance_handshakes(&mut self, ready: &[bool]) {
-        let mut keep = Vec::with_capacity(self.pending.len());
-        for (i, mut g) in std::mem::take(&mut self.pending).into_iter().enumerate() {
-            if !ready.get(i).copied().unwrap_or(false) {
-                keep.push(g);
-                continue;
-            }
-            match g.feed() {
-                Progress::More => keep.push(g),
-                Progress::Bad => refuse(g.stream),
-                Progress::Done if greet::same_token(g.token(), &self.token) => self.admit(g),
-                Progress::Done => {
+        for finished in greet::advance(&mut self.pending, ready) {
+            match finished {
+                Err(g) => refuse(g.stream),
+                Ok(g) if greet::same_token(g.token(), &self.token) => self.admit(g),
+                Ok(g) => {
                     tracing::debug!(from = %g.from, "rendezvous store: refused a wrong token");
                     refuse(g.stream);
                 }
             }
         }
-        self.pending = keep;
     }
 
     /// Serves an authenticated connection on its own thread, within the client limit.

@@ -5,7 +5,7 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use crate::greet::{self, Greeting, Progress};
+use crate::greet::{self, Greeting};
 use crate::Error;
 
 /// What a running collective is, for error messages.
@@ -225,15 +225,9 @@ impl Greetings<'_> {
     /// made blocking again).
     fn advance(&mut self, ready: &[bool]) -> Vec<(usize, TcpStream)> {
         let mut done = Vec::new();
-        let mut keep = Vec::with_capacity(self.pending.len());
-        for (i, mut g) in std::mem::take(&mut self.pending).into_iter().enumerate() {
-            if !ready.get(i).copied().unwrap_or(false) {
-                keep.push(g);
-                continue;
-            }
-            match g.feed() {
-                Progress::More => keep.push(g),
-                Progress::Done => {
+        for finished in greet::advance(&mut self.pending, ready) {
+            match finished {
+                Ok(g) => {
                     let q = g.head_fields()[..4]
                         .try_into()
                         .map_or(usize::MAX, |b| u32::from_le_bytes(b) as usize);
@@ -247,12 +241,11 @@ impl Greetings<'_> {
                         }
                     }
                 }
-                Progress::Bad => {
+                Err(g) => {
                     tracing::warn!(rank = self.rank, from = %g.from, "refused a peer connection: bad greeting")
                 }
             }
         }
-        self.pending = keep;
         done
     }
 }
