@@ -448,3 +448,21 @@ fn a_recorded_tokenizer_that_is_not_one_is_not_exported() {
         assert!(stdout(&o).contains("no tokenizer"), "{}", stdout(&o));
     }
 }
+
+#[test]
+fn an_export_refuses_view_tables_that_are_not_its_models() {
+    // A view renamed in the manifest: the tables no longer describe the model its hf_config
+    // does, so reading or transposing by them would go wrong.
+    let ckpt = tiny_checkpoint("hf-views");
+    edit_manifest(&ckpt, |v| {
+        v["units"][1]["views"][0]["name"] = json!("h.0.renamed.weight");
+    });
+    let out = ckpt.parent().unwrap().join("export");
+    let c = ckpt.display().to_string();
+    let line = one_error_line(&zrun(&["export", &c, "--hf", &out.display().to_string()]));
+    assert!(
+        line.contains("does not fit this model") && line.contains("h.0.renamed.weight"),
+        "{line}"
+    );
+    assert!(!out.exists());
+}

@@ -21,8 +21,6 @@ pub struct Resumed {
     pub step: u64,
     /// The first sample of the next step.
     pub next_sample: u64,
-    /// Samples per step of the run that wrote it.
-    pub global_batch: u64,
     /// Ranks that wrote it.
     pub world_size: usize,
     /// Their ZeRO stage.
@@ -279,8 +277,8 @@ impl Checkpointer {
         record.extend(digest);
         let comm = engine.comm().clone();
         let all = gather_bytes(comm.as_ref(), self.device, &record)?;
-        let count = |s: u8| all.iter().filter(|r| r[0] == s).count() as f64;
-        let agreed = [count(1), count(2)];
+        let anywhere = |status: u8| all.iter().any(|r| r[0] == status);
+        let (damaged_somewhere, fatal_somewhere) = (anywhere(1), anywhere(2));
         let here = format!("rank {}", self.rank);
         let usable: Vec<usize> = (0..all.len()).filter(|&r| all[r][0] == 0).collect();
         let other: Vec<usize> = usable
@@ -301,13 +299,13 @@ impl Checkpointer {
             Verdict::Damaged(e) => tracing::error!("{here}: {e}"),
             Verdict::Usable => {}
         }
-        if agreed[1] > 0.0 || (explicit && agreed[0] > 0.0) {
+        if fatal_somewhere || (explicit && damaged_somewhere) {
             return Err(Error::Resume(format!(
                 "checkpoint {}: another rank cannot use it (see its error)",
                 dir.display()
             )));
         }
-        if agreed[0] > 0.0 {
+        if damaged_somewhere {
             damaged.push(dir.display().to_string());
             if self.rank == 0 {
                 // Out of the way of the saves to come (this run will save that step again),
@@ -346,7 +344,6 @@ impl Checkpointer {
             dir: dir.to_path_buf(),
             step: m.step,
             next_sample: m.data.next_sample,
-            global_batch: m.data.global_batch,
             world_size: m.world_size,
             stage: m.stage,
             precision: m.precision.clone(),

@@ -58,45 +58,13 @@ pub fn checkpoint_arch(ckpt: &Checkpoint) -> Result<ArchConfig, Error> {
 }
 
 /// The manifest's view tables must be exactly the parameters of `model` (the model its
-/// `hf_config` describes), name for name and shape for shape: otherwise the tables were
-/// altered, and reshaping or transposing by them would go wrong.
+/// `hf_config` describes), as a resume checks them ([`zrun_ckpt::Manifest::check_units`]):
+/// otherwise the tables were altered, and reshaping or transposing by them would go wrong.
 fn check_views(ckpt: &Checkpoint, model: &dyn Model) -> Result<(), Error> {
-    let manifest = ckpt.dir.join(zrun_ckpt::MANIFEST);
-    let mut shapes: HashMap<&str, &[i64]> = model
-        .units()
-        .iter()
-        .flat_map(|u| u.params())
-        .map(|p| (p.name.as_str(), p.shape.as_slice()))
-        .collect();
-    for v in ckpt.manifest.units.iter().flat_map(|u| &u.views) {
-        let Some(want) = shapes.remove(v.name.as_str()) else {
-            return Err(bad(
-                &manifest,
-                format!(
-                    "parameter `{}` is not one of the model its hf_config describes; the manifest is damaged: use another checkpoint",
-                    v.name
-                ),
-            ));
-        };
-        if !want.iter().map(|&d| d as u64).eq(v.shape.iter().copied()) {
-            return Err(bad(
-                &manifest,
-                format!(
-                    "parameter `{}` has shape {:?} but its hf_config implies {want:?}; the manifest is damaged: use another checkpoint",
-                    v.name, v.shape
-                ),
-            ));
-        }
-    }
-    if let Some(missing) = shapes.keys().min() {
-        return Err(bad(
-            &manifest,
-            format!(
-                "parameter `{missing}` of the model its hf_config describes is not in the manifest; the manifest is damaged: use another checkpoint"
-            ),
-        ));
-    }
-    Ok(())
+    let w = ckpt.manifest.world_size as i64;
+    let layout = zrun_shard::ShardLayout::new(model.units(), 0, w);
+    let units = crate::checkpoint::unit_entries(&layout);
+    Ok(ckpt.manifest.check_units(&ckpt.dir, &units)?)
 }
 
 /// A tokenizer file a checkpoint records, read and checked: the bytes to copy and the path.
