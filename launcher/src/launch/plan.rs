@@ -134,7 +134,7 @@ impl Plan {
             .filter(|t| !t.is_empty())
         {
             Some(t) => t,
-            None if nnodes == 1 => random_token(),
+            None if nnodes == 1 => random_hex(16),
             // Every node must derive the same token without talking first, and nobody else
             // may: the run id is keyed with a secret only this user's files hold.
             None => shared_token(secret, &run_id)?,
@@ -246,8 +246,9 @@ fn default_run_id(nnodes: usize, addr: &str, port: u16) -> String {
     format!("{secs}-{}", std::process::id())
 }
 
-/// 128 random bits as hex, from the kernel (time and pid when /dev/urandom is unreadable).
-fn random_token() -> String {
+/// `n` random bytes (at most 16) as hex, from the kernel (time and pid when /dev/urandom
+/// is unreadable).
+pub(super) fn random_hex(n: usize) -> String {
     use std::io::Read;
     let mut b = [0u8; 16];
     let ok = std::fs::File::open("/dev/urandom")
@@ -259,7 +260,7 @@ fn random_token() -> String {
             .map_or(0, |d| d.as_nanos());
         b = (t ^ (u128::from(std::process::id()) << 64)).to_le_bytes();
     }
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    b[..n.min(16)].iter().map(|x| format!("{x:02x}")).collect()
 }
 
 #[cfg(test)]
@@ -430,7 +431,7 @@ mod tests {
 
     #[test]
     fn tokens_are_random_hex() {
-        let (a, b) = (random_token(), random_token());
+        let (a, b) = (random_hex(16), random_hex(16));
         assert_eq!(a.len(), 32);
         assert!(a.chars().all(|c| c.is_ascii_hexdigit()));
         assert_ne!(a, b);

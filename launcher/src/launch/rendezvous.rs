@@ -110,20 +110,6 @@ fn nodes_of(keys: &[String]) -> String {
         .join(", ")
 }
 
-/// 64 random bits as hex (the time and pid when /dev/urandom cannot be read).
-fn instance_word() -> String {
-    use std::io::Read;
-    let mut b = [0u8; 8];
-    let read = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b));
-    if read.is_err() {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
-        b = (t ^ u64::from(std::process::id()).rotate_left(32)).to_le_bytes();
-    }
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
 /// Starts the store on `addr:port`; a port that is taken is bad input.
 fn host(plan: &Plan) -> anyhow::Result<StoreServer> {
     let loopback = plan.master_addr == "localhost"
@@ -221,7 +207,7 @@ impl Rendezvous {
         // Node 0's random word tells this job from another on the same address and port
         // (their default run ids are equal): set before node 0 registers, read by the rest.
         if k == 0 {
-            client.set(&key("instance"), instance_word().as_bytes())?;
+            client.set(&key("instance"), super::plan::random_hex(8).as_bytes())?;
         }
         client.set(
             &key(&format!("restarts/{k}")),
