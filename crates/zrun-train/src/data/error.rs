@@ -120,6 +120,17 @@ pub enum DataError {
         /// What the header says against what the file holds.
         problem: String,
     },
+    /// A token-shard directory's `index.json` that breaks the format (index.rs).
+    #[error(
+        "data.path {}: {problem}; prepare the directory again with zrun prepare",
+        path.display()
+    )]
+    Index {
+        /// The index file.
+        path: PathBuf,
+        /// The field and what is wrong with it.
+        problem: String,
+    },
     /// A `tokenizer.json` that cannot be read or parsed.
     #[error(
         "{key} {}: cannot load the tokenizer: {reason}; give a Hugging Face tokenizer.json \

@@ -16,6 +16,7 @@
 
 mod corpus;
 mod error;
+mod index;
 mod loader;
 mod prepare;
 mod rng;
@@ -30,6 +31,7 @@ use std::path::PathBuf;
 use tch::Tensor;
 
 pub use error::DataError;
+pub use index::{InputRecord, ShardIndex, ShardRecord, TokenizerRecord, INDEX_FILE};
 pub use loader::Loader;
 pub use prepare::{prepare, PrepareOptions, Prepared};
 pub use token_file::{TokenDtype, TokenWriter};

@@ -1,0 +1,339 @@
+//! The index of a token-shard directory, `DIR/index.json`, as `zrun prepare` writes it and
+//! the loader reads it.
+//!
+//! ```text
+//! {
+//!   "format": "zrun-token-shards", "version": 1,
+//!   "dtype": "uint16" | "uint32", "vocab_size": 50257,
+//!   "tokenizer": { "name": "tokenizer.json", "sha256": "<64 hex digits>" },
+//!   "eos": "<|endoftext|>" | null,
+//!   "inputs": [ { "name": "corpus/a.jsonl.zst", "bytes": 123456 }, ... ],
+//!   "train": [ { "file": "train-00000.bin", "tokens": 100000000, "documents": 81234,
+//!                "bytes": 200001024, "xxh3": "<32 hex digits>" }, ... ],
+//!   "val":   [ ... the same, "val-00000.bin", ... ]
+//! }
+//! ```
+//!
+//! Shards are token files in llm.c's header format (token_file.rs), named `train-NNNNN.bin` and
+//! `val-NNNNN.bin` in order; every shard but the last of a split holds exactly the prepare's
+//! `--shard-tokens` tokens. `bytes` is the file's size and `xxh3` the XXH3-128 of its whole
+//! content (header included), so a shard that was replaced, truncated or written by another
+//! tokenizer is found before training. The index is untrusted input: [`ShardIndex::read`]
+//! checks every field before anything is opened (names are plain file names inside the
+//! directory, sizes agree with token counts, totals fit in u64).
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::token_file::{TokenDtype, HEADER_BYTES};
+use super::DataError;
+
+/// The index's file name inside a shard directory.
+pub const INDEX_FILE: &str = "index.json";
+/// The `format` field's value.
+pub const FORMAT: &str = "zrun-token-shards";
+/// The `version` this build writes and reads.
+pub const VERSION: u32 = 1;
+/// The largest index read (bytes): about a million shards.
+const MAX_INDEX_BYTES: u64 = 256 << 20;
+
+/// The tokenizer the shards were written with.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenizerRecord {
+    /// The tokenizer file's name as given to `zrun prepare` (for messages).
+    pub name: String,
+    /// SHA-256 of the tokenizer file's bytes, 64 lowercase hex digits.
+    pub sha256: String,
+}
+
+/// One input file of the prepare.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InputRecord {
+    /// The path as given to `zrun prepare`.
+    pub name: String,
+    /// Its size in bytes.
+    pub bytes: u64,
+}
+
+/// One shard file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardRecord {
+    /// The file's name inside the directory (`train-00000.bin`).
+    pub file: String,
+    /// Tokens in it.
+    pub tokens: u64,
+    /// Documents that start in it.
+    pub documents: u64,
+    /// The file's size: the 1024-byte header plus the tokens.
+    pub bytes: u64,
+    /// XXH3-128 of the whole file, 32 lowercase hex digits.
+    pub xxh3: String,
+}
+
+/// `DIR/index.json`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardIndex {
+    /// Always [`FORMAT`].
+    pub format: String,
+    /// Always [`VERSION`] for this build.
+    pub version: u32,
+    /// "uint16" or "uint32": every shard's token type.
+    pub dtype: String,
+    /// The tokenizer's vocabulary size (largest id + 1).
+    pub vocab_size: u64,
+    /// The tokenizer the shards were written with.
+    pub tokenizer: TokenizerRecord,
+    /// The token appended after every document, if any.
+    pub eos: Option<String>,
+    /// The inputs, in the order they were read.
+    pub inputs: Vec<InputRecord>,
+    /// The training shards, in order.
+    pub train: Vec<ShardRecord>,
+    /// The validation shards, in order (may be empty).
+    pub val: Vec<ShardRecord>,
+}
+
+impl ShardIndex {
+    /// The shards' token type.
+    pub fn token_dtype(&self) -> TokenDtype {
+        if self.dtype == "uint32" {
+            TokenDtype::U32
+        } else {
+            TokenDtype::U16
+        }
+    }
+
+    /// Tokens of a split's shards.
+    pub fn tokens(shards: &[ShardRecord]) -> u64 {
+        shards.iter().map(|s| s.tokens).sum()
+    }
+
+    /// Reads and checks `dir/index.json`: one line naming the index and the field on any
+    /// problem. Does not open the shards.
+    pub fn read(dir: &Path) -> Result<ShardIndex, DataError> {
+        let path = dir.join(INDEX_FILE);
+        let bad = |problem: String| DataError::Index {
+            path: path.clone(),
+            problem,
+        };
+        let meta = std::fs::metadata(&path).map_err(|source| DataError::Io {
+            key: "data.path",
+            path: path.clone(),
+            op: "read",
+            source,
+        })?;
+        if meta.len() > MAX_INDEX_BYTES {
+            return Err(bad(format!(
+                "{} bytes is larger than any index zrun writes ({} MiB at most)",
+                meta.len(),
+                MAX_INDEX_BYTES >> 20
+            )));
+        }
+        let text = std::fs::read(&path).map_err(|source| DataError::Io {
+            key: "data.path",
+            path: path.clone(),
+            op: "read",
+            source,
+        })?;
+        let index: ShardIndex =
+            serde_json::from_slice(&text).map_err(|e| bad(format!("not a shard index: {e}")))?;
+        index.check().map_err(bad)?;
+        Ok(index)
+    }
+
+    /// Writes `dir/index.json` through a temporary file and a rename, synced.
+    pub fn write(&self, dir: &Path) -> Result<PathBuf, DataError> {
+        let path = dir.join(INDEX_FILE);
+        let tmp = dir.join(format!("{INDEX_FILE}.tmp"));
+        let io = |op: &'static str, p: &Path| {
+            let p = p.to_path_buf();
+            move |source| DataError::Io {
+                key: "--output",
+                path: p,
+                op,
+                source,
+            }
+        };
+        let mut text = serde_json::to_vec_pretty(self).expect("an index serialises");
+        text.push(b'\n');
+        {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&tmp).map_err(io("create", &tmp))?;
+            f.write_all(&text).map_err(io("write", &tmp))?;
+            f.sync_all().map_err(io("sync", &tmp))?;
+        }
+        std::fs::rename(&tmp, &path).map_err(io("rename", &path))?;
+        Ok(path)
+    }
+
+    /// Every rule of the format; the problem in words.
+    fn check(&self) -> Result<(), String> {
+        if self.format != FORMAT {
+            return Err(format!("format is {:?}, want {FORMAT:?}", self.format));
+        }
+        if self.version != VERSION {
+            return Err(format!(
+                "version {} is not {VERSION}, the one this zrun reads; prepare the data again \
+                 with this zrun",
+                self.version
+            ));
+        }
+        let width = match self.dtype.as_str() {
+            "uint16" => 2u64,
+            "uint32" => 4,
+            other => {
+                return Err(format!(
+                    "dtype {other:?} is neither \"uint16\" nor \"uint32\""
+                ))
+            }
+        };
+        if self.vocab_size == 0 || self.vocab_size > u64::from(u32::MAX) {
+            return Err(format!(
+                "vocab_size {} is outside 1..=4294967295",
+                self.vocab_size
+            ));
+        }
+        if width == 2 && self.vocab_size > 1 << 16 {
+            return Err(format!(
+                "vocab_size {} does not fit dtype uint16",
+                self.vocab_size
+            ));
+        }
+        let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+        if !hex(&self.tokenizer.sha256, 64) {
+            return Err(format!(
+                "tokenizer.sha256 {:?} is not 64 hex digits",
+                self.tokenizer.sha256
+            ));
+        }
+        if self.train.is_empty() {
+            return Err("it lists no train shards".into());
+        }
+        let mut names = std::collections::HashSet::new();
+        for (split, shards) in [("train", &self.train), ("val", &self.val)] {
+            let mut total: u64 = 0;
+            for (i, s) in shards.iter().enumerate() {
+                let at = format!("{split}[{i}] ({:?})", s.file);
+                let plain = Path::new(&s.file)
+                    .file_name()
+                    .is_some_and(|n| n == s.file.as_str())
+                    && s.file != INDEX_FILE
+                    && !s.file.starts_with('.');
+                if !plain {
+                    return Err(format!(
+                        "{at}: a shard must be a plain file name inside the directory"
+                    ));
+                }
+                if !names.insert(s.file.as_str()) {
+                    return Err(format!("{at}: the file is listed twice"));
+                }
+                let want = s
+                    .tokens
+                    .checked_mul(width)
+                    .and_then(|b| b.checked_add(HEADER_BYTES as u64));
+                if want != Some(s.bytes) {
+                    return Err(format!(
+                        "{at}: {} bytes do not hold the header and {} {} tokens",
+                        s.bytes, s.tokens, self.dtype
+                    ));
+                }
+                if s.tokens > i32::MAX as u64 {
+                    return Err(format!(
+                        "{at}: {} tokens are more than llm.c's header can count",
+                        s.tokens
+                    ));
+                }
+                if !hex(&s.xxh3, 32) {
+                    return Err(format!("{at}: xxh3 {:?} is not 32 hex digits", s.xxh3));
+                }
+                total = total
+                    .checked_add(s.tokens)
+                    .ok_or_else(|| format!("{at}: the token total overflows"))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn index() -> ShardIndex {
+        let shard = |file: &str, tokens: u64| ShardRecord {
+            file: file.into(),
+            tokens,
+            documents: 3,
+            bytes: HEADER_BYTES as u64 + 2 * tokens,
+            xxh3: "0".repeat(32),
+        };
+        ShardIndex {
+            format: FORMAT.into(),
+            version: VERSION,
+            dtype: "uint16".into(),
+            vocab_size: 50257,
+            tokenizer: TokenizerRecord {
+                name: "tokenizer.json".into(),
+                sha256: "a".repeat(64),
+            },
+            eos: Some("<|endoftext|>".into()),
+            inputs: vec![InputRecord {
+                name: "a.jsonl".into(),
+                bytes: 10,
+            }],
+            train: vec![shard("train-00000.bin", 100), shard("train-00001.bin", 7)],
+            val: vec![shard("val-00000.bin", 5)],
+        }
+    }
+
+    #[test]
+    fn an_index_round_trips_and_bad_fields_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let ix = index();
+        ix.write(dir.path()).unwrap();
+        assert_eq!(ShardIndex::read(dir.path()).unwrap(), ix);
+        assert_eq!(ShardIndex::tokens(&ix.train), 107);
+
+        let cases: Vec<(Box<dyn Fn(&mut ShardIndex)>, &str)> = vec![
+            (
+                Box::new(|i| i.train[0].file = "../x.bin".into()),
+                "plain file name",
+            ),
+            (
+                Box::new(|i| i.val[0].file = "train-00001.bin".into()),
+                "listed twice",
+            ),
+            (
+                Box::new(|i| i.train[1].bytes += 1),
+                "do not hold the header",
+            ),
+            (Box::new(|i| i.dtype = "int8".into()), "dtype \"int8\""),
+            (
+                Box::new(|i| i.vocab_size = 70000),
+                "does not fit dtype uint16",
+            ),
+            (Box::new(|i| i.version = 9), "version 9"),
+            (Box::new(|i| i.train.clear()), "no train shards"),
+            (
+                Box::new(|i| i.tokenizer.sha256 = "xyz".into()),
+                "tokenizer.sha256",
+            ),
+        ];
+        for (edit, needle) in cases {
+            let mut bad = index();
+            edit(&mut bad);
+            bad.write(dir.path()).unwrap();
+            let e = ShardIndex::read(dir.path()).unwrap_err().to_string();
+            assert!(
+                e.contains(needle) && e.contains("index.json"),
+                "{needle}: {e}"
+            );
+            assert!(!e.contains('\n'), "{e}");
+        }
+        std::fs::write(dir.path().join(INDEX_FILE), b"{\"format\": 1}").unwrap();
+        let e = ShardIndex::read(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("not a shard index"), "{e}");
+    }
+}
