@@ -134,6 +134,16 @@ pub trait Communicator: Send + Sync {
     fn barrier(&self) -> Result<Work, Error>;
 }
 
+/// The launcher's restart round of this process's group (`TORCHELASTIC_RESTART_COUNT`, 0 for
+/// the first start or without a launcher). The rendezvous store outlives a restarted group, so
+/// the keys each round's communicators meet under are scoped by it.
+pub fn restart_round() -> u64 {
+    std::env::var("TORCHELASTIC_RESTART_COUNT")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// Element counts of the `world` chunks of an `n`-element buffer: `n / world` each, the first
 /// `n % world` chunks one element longer.
 pub fn chunk_sizes(n: usize, world: usize) -> Vec<usize> {

@@ -366,9 +366,10 @@ pub(crate) fn init(
     let id = match &store {
         None => fresh()?,
         Some(s) => {
-            let bytes = nccl_rendezvous::meet(s, rank, world, timeout, || {
-                Ok(fresh()?.internal.iter().map(|&c| c as u8).collect())
-            })?;
+            let bytes =
+                nccl_rendezvous::meet(s, crate::restart_round(), rank, world, timeout, || {
+                    Ok(fresh()?.internal.iter().map(|&c| c as u8).collect())
+                })?;
             let mut id = ncsys::ncclUniqueId {
                 internal: [0; ID_BYTES],
             };

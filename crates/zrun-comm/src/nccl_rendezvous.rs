@@ -16,7 +16,8 @@ pub(crate) const ID_BYTES: usize = 128;
 
 /// What the store's keys of one meeting are called.
 struct Keys {
-    gen: i64,
+    /// The restart round ([`crate::restart_round`]) and the communicator's number within it.
+    gen: String,
 }
 
 impl Keys {
@@ -44,19 +45,22 @@ impl Keys {
     }
 }
 
-/// Meets the other ranks of this communicator: marks `rank` as arrived (rank 0 first
+/// Meets the other ranks of this communicator in restart round `round`: marks `rank` as arrived (rank 0 first
 /// publishes the id `make_id` returns), waits up to `timeout` for all `world` ranks and
 /// rank 0's id, and returns that id. A rank that did not arrive in time is named in the error.
 pub(crate) fn meet(
     store: &StoreClient,
+    round: u64,
     rank: usize,
     world: usize,
     timeout: Duration,
     make_id: impl FnOnce() -> Result<Vec<u8>, Error>,
 ) -> Result<Vec<u8>, Error> {
-    // The n-th NCCL communicator of this job on every rank (a restarted group keeps the store).
+    // The n-th NCCL communicator of this round on every rank: a restarted group keeps the
+    // store, and a rank that died before counting must not shift the next round's numbers.
+    let n = store.add(&format!("zrun/nccl/gen/{round}/{rank}"), 1)?;
     let keys = Keys {
-        gen: store.add(&format!("zrun/nccl/gen/{rank}"), 1)?,
+        gen: format!("{round}.{n}"),
     };
     if rank == 0 {
         store.set(&keys.id(), &make_id()?)?;
@@ -112,12 +116,12 @@ mod tests {
 
     #[test]
     fn missing_keys_name_ranks_and_the_id_is_rank_zeros() {
-        let k = Keys { gen: 3 };
+        let k = Keys { gen: "0.3".into() };
         let missing = vec![
-            "zrun/nccl/3/arrived/5".to_string(),
-            "zrun/nccl/3/id".to_string(),
-            "zrun/nccl/3/arrived/2".to_string(),
-            "zrun/nccl/3/arrived/0".to_string(),
+            "zrun/nccl/0.3/arrived/5".to_string(),
+            "zrun/nccl/0.3/id".to_string(),
+            "zrun/nccl/0.3/arrived/2".to_string(),
+            "zrun/nccl/0.3/arrived/0".to_string(),
         ];
         assert_eq!(k.ranks(&missing), vec![0, 2, 5]);
     }
@@ -130,7 +134,7 @@ mod tests {
             .map(|r| {
                 let addr = addr.clone();
                 std::thread::spawn(move || {
-                    meet(&client(&addr), r, world, Duration::from_secs(10), || {
+                    meet(&client(&addr), 0, r, world, Duration::from_secs(10), || {
                         Ok(vec![7u8; ID_BYTES])
                     })
                     .unwrap()
@@ -152,7 +156,7 @@ mod tests {
                 let addr = addr.clone();
                 std::thread::spawn(move || {
                     let t = std::time::Instant::now();
-                    let e = meet(&client(&addr), r, 4, Duration::from_millis(300), || {
+                    let e = meet(&client(&addr), 0, r, 4, Duration::from_millis(300), || {
                         unreachable!("only rank 0 makes the id")
                     })
                     .unwrap_err();
@@ -180,7 +184,7 @@ mod tests {
                 .map(|r| {
                     let addr = addr.clone();
                     std::thread::spawn(move || {
-                        meet(&client(&addr), r, 2, Duration::from_secs(10), || {
+                        meet(&client(&addr), 0, r, 2, Duration::from_secs(10), || {
                             Ok(vec![round; ID_BYTES])
                         })
                         .unwrap()
@@ -190,6 +194,31 @@ mod tests {
             for t in threads {
                 assert_eq!(t.join().unwrap(), vec![round; ID_BYTES]);
             }
+        }
+    }
+
+    #[test]
+    fn a_round_after_a_rank_died_before_meeting_meets_under_one_generation() {
+        let (_s, addr) = store();
+        // Round 0: rank 0 counts its meeting and waits; rank 1 dies before it counts.
+        let e = meet(&client(&addr), 0, 0, 2, Duration::from_millis(200), || {
+            Ok(vec![1u8; ID_BYTES])
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("rank(s) [1] of 2"), "{e}");
+        // Round 1, the restarted group: both ranks meet again on the same store.
+        let threads: Vec<_> = (0..2)
+            .map(|r| {
+                let addr = addr.clone();
+                std::thread::spawn(move || {
+                    meet(&client(&addr), 1, r, 2, Duration::from_secs(5), || {
+                        Ok(vec![2u8; ID_BYTES])
+                    })
+                })
+            })
+            .collect();
+        for t in threads {
+            assert_eq!(t.join().unwrap().unwrap(), vec![2u8; ID_BYTES]);
         }
     }
 }

@@ -158,6 +158,46 @@ fn rank_with_a_wrong_token_is_refused() {
     assert_all_ok(NAME, &outs);
 }
 
+/// A restarted group meets on the launcher's store, which outlives the rounds: in round 0
+/// rank 1 dies before it connects while rank 0 gives up waiting for it; in round 1 both
+/// connect (before the count of communicators was kept per round, rank 0 looked for its
+/// peers under the job's second communicator and rank 1 under the first, until the timeout).
+#[test]
+fn a_restarted_group_connects_after_a_rank_died_before_connecting() {
+    const NAME: &str = "a_restarted_group_connects_after_a_rank_died_before_connecting";
+    if is_worker(NAME) {
+        return worker(|| {
+            let topo = Topology::from_env()?;
+            let round = zrun_comm::restart_round();
+            match init(
+                &topo,
+                Backend::Tcp,
+                Duration::from_secs(if round == 0 { 1 } else { 20 }),
+            ) {
+                Err(e) if round == 0 => {
+                    anyhow::ensure!(e.to_string().contains("peer/1"), "{e}");
+                    Ok(())
+                }
+                Err(e) => Err(e.into()),
+                Ok(c) if round == 0 => bail!("connected without rank 1 ({})", c.world_size()),
+                Ok(c) => {
+                    let t = Tensor::ones([8], (Kind::Float, Device::Cpu));
+                    c.all_reduce(&t, ReduceOp::Sum)?.wait()?;
+                    anyhow::ensure!(t.double_value(&[0]) == 2.0, "sum {t}");
+                    Ok(())
+                }
+            }
+        });
+    }
+    let token = common::test_token();
+    let server = zrun_comm::StoreServer::start("127.0.0.1:0", &token).expect("store");
+    let first = common::spawn_on(&server, &token, NAME, &[0], 2, &[], LIMIT);
+    assert_all_ok(NAME, &first);
+    let env = [("TORCHELASTIC_RESTART_COUNT", "1")];
+    let second = common::spawn_on(&server, &token, NAME, &[0, 1], 2, &env, LIMIT);
+    assert_all_ok(NAME, &second);
+}
+
 #[test]
 fn single_rank_needs_no_store() {
     let c = init(&Topology::single(), Backend::Tcp, Duration::from_secs(1)).unwrap();

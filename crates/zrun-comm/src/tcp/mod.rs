@@ -183,9 +183,12 @@ impl TcpComm {
     ) -> Result<TcpComm, Error> {
         let (rank, world) = (topo.rank, topo.world_size);
         let cerr = |detail: String| Error::Connect { rank, detail };
-        // Keys of the n-th communicator of this job: every rank creates them in one order.
-        let gen = store.add(&format!("zrun/comm/gen/{rank}"), 1)?;
-        let key = |what: &str, r: usize| format!("zrun/comm/{gen}/{what}/{r}");
+        // Keys of the n-th communicator of this round of the job: every rank creates them in
+        // one order. The count is kept per round, as the store outlives a restarted group: a
+        // rank that died before counting must not leave the next round's ranks disagreeing.
+        let round = crate::restart_round();
+        let gen = store.add(&format!("zrun/comm/gen/{round}/{rank}"), 1)?;
+        let key = |what: &str, r: usize| format!("zrun/comm/{round}.{gen}/{what}/{r}");
         let ip = store
             .local_ip()
             .ok_or_else(|| cerr("cannot tell which interface reaches the store".into()))?;

@@ -104,11 +104,31 @@ pub fn spawn_ranks(
     env: &[(&str, &str)],
     limit: Duration,
 ) -> Vec<Outcome> {
-    let token = format!("test-token-{}", std::process::id());
+    let token = test_token();
     let server = StoreServer::start("127.0.0.1:0", &token).expect("store");
+    let all: Vec<usize> = (0..world).collect();
+    spawn_on(&server, &token, name, &all, world, env, limit)
+}
+
+/// The job token of the stores these tests host.
+pub fn test_token() -> String {
+    format!("test-token-{}", std::process::id())
+}
+
+/// Starts `ranks` of a `world`-rank job of test `name` against `server` (token `token`).
+pub fn spawn_on(
+    server: &StoreServer,
+    token: &str,
+    name: &str,
+    ranks: &[usize],
+    world: usize,
+    env: &[(&str, &str)],
+    limit: Duration,
+) -> Vec<Outcome> {
     let exe = std::env::current_exe().expect("test binary");
-    let children: Vec<Child> = (0..world)
-        .map(|r| {
+    let children: Vec<Child> = ranks
+        .iter()
+        .map(|&r| {
             let mut c = Command::new(&exe);
             c.args([name, "--exact", "--nocapture", "--test-threads=1"])
                 .env(ROLE, name)
@@ -118,7 +138,7 @@ pub fn spawn_ranks(
                 .env("LOCAL_WORLD_SIZE", world.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", server.port().to_string())
-                .env("ZRUN_JOB_TOKEN", &token)
+                .env("ZRUN_JOB_TOKEN", token)
                 .env("ZRUN_STORE_EXTERNAL", "1")
                 .env("OMP_NUM_THREADS", "1")
                 .stdout(Stdio::piped())
@@ -129,9 +149,7 @@ pub fn spawn_ranks(
             c.spawn().expect("spawn rank")
         })
         .collect();
-    let out = wait_all(children, limit, name);
-    drop(server);
-    out
+    wait_all(children, limit, name)
 }
 
 /// Starts test `name` under `mpirun -np world`.
