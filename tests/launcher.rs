@@ -150,6 +150,35 @@ fn workers_see_the_env_contract_and_log_files() {
     assert!(!o.contains(&tokens[0]), "tokens must differ between jobs");
 }
 
+/// ZRUN_NCCL_SHARE_GPU=1: each rank gets its own NCCL host id (NCCL's duplicate-GPU check
+/// keys on it) with sockets over loopback; without it the ranks get no NCCL variables.
+#[test]
+fn ranks_sharing_one_gpu_over_nccl_get_a_host_id_each() {
+    let script =
+        "echo \"nccl $RANK ${NCCL_HOSTID:-none} ${NCCL_NET:-none} ${NCCL_SOCKET_IFNAME:-none}\"";
+    let run = |env: &[(&str, &str)]| {
+        let mut c = zrun_child(&["exec", "--nproc", "2", "--", "sh", "-c", script], env);
+        let mut o = String::new();
+        c.stdout.take().unwrap().read_to_string(&mut o).unwrap();
+        assert!(c.wait().unwrap().success(), "{o}");
+        o
+    };
+    let o = run(&[("ZRUN_NCCL_SHARE_GPU", "1")]);
+    let ids: Vec<&str> = (0..2)
+        .map(|r| {
+            let line = o
+                .lines()
+                .find(|l| l.starts_with(&format!("[rank {r}] nccl {r} ")))
+                .unwrap_or_else(|| panic!("no line of rank {r}: {o}"));
+            assert!(line.ends_with(" Socket lo"), "{line}");
+            line.split_whitespace().nth(4).unwrap()
+        })
+        .collect();
+    assert!(ids[0] != "none" && ids[0] != ids[1], "{o}");
+    let o = run(&[]);
+    assert_eq!(o.matches(" none none none").count(), 2, "{o}");
+}
+
 #[test]
 fn sigkill_to_a_worker_mid_training_ends_the_job() {
     let d = scratch("kill");

@@ -62,12 +62,19 @@ fn setting(a: &FitArgs) -> anyhow::Result<Setting> {
         None => cfg.dist.memory_limit_bytes()?,
     };
     let cuda = memory::estimate_config(&cfg)?.cuda;
+    let world = a.nproc * a.nnodes;
     let fixed = if cuda {
+        // More than one rank on GPUs talk over NCCL unless the config says tcp.
+        let tcp = cfg.dist.backend == zrun_train::config::BackendChoice::Tcp;
         memory::CUDA_FIXED_BYTES
+            + if world > 1 && !tcp {
+                memory::NCCL_FIXED_BYTES
+            } else {
+                0
+            }
     } else {
         memory::fixed_bytes(Device::Cpu, cfg.zero.precision.kind())?
     };
-    let world = a.nproc * a.nnodes;
     let mut cfg = cfg;
     if cfg.auto.stage || cfg.auto.micro_batch {
         let budget = match limit {

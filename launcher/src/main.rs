@@ -156,6 +156,9 @@ More: zrun --help, zrun COMMAND --help
 ";
 
 fn main() -> ExitCode {
+    // ZRUN_NCCL_SHARE_GPU=1 in a rank that no zrun launcher started (mpirun, srun): its own
+    // NCCL host id, set while this process has no other thread.
+    zrun_comm::share::apply_to_this_process();
     // Output piped into `head` ends zrun quietly, as it ends other tools (Rust ignores
     // SIGPIPE, so a print would panic instead).
     // SAFETY: setting a signal's disposition to the default has no memory-safety
@@ -296,7 +299,7 @@ fn train(cli: &Cli) -> anyhow::Result<u8> {
     let nproc = cli.launch.nproc.unwrap_or(caps.gpus.max(1));
     let dist = cfg.dist.resolve_for(caps, nproc)?;
     if dist.device == zrun_train::config::DeviceKind::Cuda {
-        dist.check_node(nproc, caps.gpus)?;
+        dist.check_node(nproc, cli.launch.world_size()?, caps)?;
     }
     let mut set = cli.set.clone();
     if dist.device == zrun_train::config::DeviceKind::Cuda

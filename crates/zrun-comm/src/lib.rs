@@ -18,6 +18,7 @@ mod nccl;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod nccl_rendezvous;
 mod secret;
+pub mod share;
 mod single;
 mod store;
 mod tcp;

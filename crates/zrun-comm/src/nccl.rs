@@ -193,7 +193,15 @@ fn this_rank_gpu(topo: &Topology) -> Result<usize, Error> {
     let rank = topo.rank;
     cu::init().map_err(cuerr(rank, "cuInit"))?;
     let visible = cu::device::get_count().map_err(cuerr(rank, "count CUDA devices"))?;
-    topo.gpu_index(usize::try_from(visible).unwrap_or(0))
+    let visible = usize::try_from(visible).unwrap_or(0);
+    crate::share::check(
+        crate::share::requested(),
+        rank,
+        topo.local_world_size,
+        topo.world_size,
+        visible,
+    )?;
+    topo.gpu_index(visible)
 }
 
 /// Runs on the communication thread: makes `gpu`'s primary context current there (so every

@@ -12,14 +12,24 @@ use zrun_shard::{estimate, Estimate, EstimateConfig, Offload, ShardLayout, Stage
 /// allocates anything: an assumption until measured on a GPU (docs/memory.md).
 pub const CUDA_FIXED_BYTES: i64 = 1 << 30;
 
+/// NCCL's buffers between a rank and its peers (per channel and protocol), which NCCL
+/// allocates itself, outside libtorch's caching allocator and its per-process fraction: an
+/// assumption until measured on a GPU (docs/memory.md). None with one rank.
+pub const NCCL_FIXED_BYTES: i64 = 512 << 20;
+
 /// The runtime's fixed cost of a rank on `device` whose resident memory before its model
-/// was `base_rss`.
-pub fn fixed_cost(device: Device, base_rss: i64) -> i64 {
+/// was `base_rss`; `nccl_peers`: its communicator is NCCL with other ranks.
+pub fn fixed_cost(device: Device, base_rss: i64, nccl_peers: bool) -> i64 {
     if device.is_cuda() {
-        CUDA_FIXED_BYTES
+        CUDA_FIXED_BYTES + if nccl_peers { NCCL_FIXED_BYTES } else { 0 }
     } else {
         base_rss
     }
+}
+
+/// Whether a rank of `world` ranks over `backend` holds NCCL's peer buffers.
+pub fn nccl_peers(backend: zrun_comm::Backend, world: usize) -> bool {
+    backend == zrun_comm::Backend::Nccl && world > 1
 }
 
 /// The share of the predicted peak kept free when judging whether a config fits: the
@@ -393,16 +403,12 @@ pub fn budget(cfg: &Config, device: Device, local_ranks: usize) -> Result<(i64, 
         Device::Cuda(i) => zrun_torch_ext::cuda_mem_info(i),
         _ => None,
     } {
-        // Over tcp the node's ranks may share GPUs (zrun --nproc 2 on one GPU); nccl gives
-        // each rank its own.
+        // The node's ranks may share GPUs, over any backend: tcp (zrun --nproc 2 on one GPU)
+        // or nccl (ZRUN_NCCL_SHARE_GPU=1); each then has its share of the memory.
         let gpus = usize::try_from(tch::Cuda::device_count())
             .unwrap_or(1)
             .max(1);
-        let sharing = if cfg.dist.backend == crate::config::BackendChoice::Tcp {
-            local_ranks.div_ceil(gpus).max(1)
-        } else {
-            1
-        };
+        let sharing = local_ranks.div_ceil(gpus).max(1);
         if sharing > 1 {
             let per = total / sharing as i64;
             return Ok((

@@ -188,10 +188,9 @@ pub fn at_startup(
     cfg: &Config,
     rank: crate::trainer::RankInfo,
     device: tch::Device,
-    base_rss: i64,
+    fixed: i64,
     bytes: Option<i64>,
 ) -> Error {
-    let fixed = crate::memory::fixed_cost(device, base_rss);
     let phase = "building the engine (allocating the model states)".to_string();
     let parts = (|| -> Result<(Estimate, (i64, String)), Error> {
         let model = cfg.build_model()?;

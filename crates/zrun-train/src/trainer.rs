@@ -142,7 +142,9 @@ impl Run {
         tch::manual_seed(cfg.train.seed.wrapping_add(rank.rank as u64) as i64);
         crate::memory::warm_up(device, cfg.zero.precision.kind())?;
         let base_rss = rss_bytes().0;
-        let cfg = &resolve_auto(cfg, comm.as_ref(), device, base_rss, rank)?;
+        let nccl_peers = crate::memory::nccl_peers(comm.backend(), rank.world_size);
+        let fixed = crate::memory::fixed_cost(device, base_rss, nccl_peers);
+        let cfg = &resolve_auto(cfg, comm.as_ref(), device, fixed, rank)?;
         if let Some(l) = crate::memory::apply_memory_limit(cfg, device, base_rss)? {
             if rank.rank == 0 {
                 tracing::info!(
@@ -185,7 +187,7 @@ impl Run {
             },
         )
         .map_err(|e| match e.out_of_memory() {
-            Some(bytes) => crate::oom::at_startup(cfg, rank, device, base_rss, bytes),
+            Some(bytes) => crate::oom::at_startup(cfg, rank, device, fixed, bytes),
             None => e.into(),
         })?;
         let ckpt = Checkpointer::new(cfg, &engine)?;

@@ -184,7 +184,12 @@ impl Plan {
         if let Some(n) = omp_threads {
             env.push(("OMP_NUM_THREADS", n.to_string()));
         }
-        env.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+        let mut env: Vec<(String, String)> =
+            env.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        if zrun_comm::share::requested() {
+            env.extend(zrun_comm::share::rank_env(layout.rank_offset + local));
+        }
+        env
     }
 }
 

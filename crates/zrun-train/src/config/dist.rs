@@ -94,6 +94,8 @@ pub struct Capabilities {
     pub cuda_built: bool,
     /// Built with zrun's `mpi` feature (the mpi backend).
     pub mpi_built: bool,
+    /// `ZRUN_NCCL_SHARE_GPU=1`: NCCL ranks may share one GPU (a test mode, zrun_comm::share).
+    pub nccl_share: bool,
 }
 
 impl Capabilities {
@@ -107,6 +109,7 @@ impl Capabilities {
             },
             cuda_built: zrun_comm::compiled(Backend::Nccl),
             mpi_built: zrun_comm::compiled(Backend::Mpi),
+            nccl_share: zrun_comm::share::requested(),
         }
     }
 }
@@ -153,13 +156,25 @@ impl ResolvedDist {
     /// Checks, in the launcher, that the `nproc` ranks it starts on this node (which inherit
     /// its `CUDA_VISIBLE_DEVICES`, so each sees the `visible` devices it sees) can each have
     /// a GPU: refuses more ranks than GPUs ([`zrun_comm::gpu_index`]'s rule), and with nccl
-    /// several ranks on one GPU, which NCCL refuses at its init. Nothing to check on CPU.
-    pub fn check_node(&self, nproc: usize, visible: usize) -> Result<(), ConfigError> {
+    /// several ranks on one GPU, which NCCL refuses at its init, unless `caps.nccl_share`
+    /// (`ZRUN_NCCL_SHARE_GPU=1`, refused in turn where the ranks have GPUs of their own or
+    /// the job spans nodes: `world` ranks in all). Nothing to check on CPU.
+    pub fn check_node(
+        &self,
+        nproc: usize,
+        world: usize,
+        caps: Capabilities,
+    ) -> Result<(), ConfigError> {
         if self.device != DeviceKind::Cuda {
             return Ok(());
         }
-        let fix = "start one rank per GPU, or leave --nproc out (it defaults to the visible GPUs)";
-        if nproc > 1 && visible == 1 && self.backend == Backend::Nccl {
+        let visible = caps.gpus;
+        if self.backend == Backend::Nccl {
+            zrun_comm::share::check(caps.nccl_share, 0, nproc, world, visible)
+                .map_err(|e| ConfigError(format!("--nproc {nproc}: {e}")))?;
+        }
+        let fix = "start one rank per GPU, or leave --nproc out (it defaults to the visible GPUs); to check the NCCL path with several ranks on one GPU, set ZRUN_NCCL_SHARE_GPU=1 (slow, correctness only)";
+        if nproc > 1 && visible == 1 && self.backend == Backend::Nccl && !caps.nccl_share {
             return Err(ConfigError(format!(
                 "--nproc {nproc} with dist.backend = nccl: the {nproc} ranks would share the one visible GPU, which NCCL refuses; {fix}"
             )));
@@ -235,7 +250,12 @@ impl DistConfig {
             (D::Auto, _) => DeviceKind::Cpu,
         };
         let backend = match self.backend {
-            B::Auto if device == DeviceKind::Cuda && node_ranks > 1 && caps.gpus == 1 => {
+            B::Auto
+                if device == DeviceKind::Cuda
+                    && node_ranks > 1
+                    && caps.gpus == 1
+                    && !caps.nccl_share =>
+            {
                 Backend::Tcp
             }
             B::Auto if device == DeviceKind::Cuda => Backend::Nccl,
@@ -258,6 +278,7 @@ mod tests {
             gpus: usize::from(cuda_visible),
             cuda_built,
             mpi_built,
+            nccl_share: false,
         }
     }
 
@@ -352,6 +373,7 @@ mod tests {
             gpus,
             cuda_built: true,
             mpi_built: false,
+            nccl_share: false,
         };
         let r = |b, gpus, ranks| {
             let r = cfg(b).resolve_for(with(gpus), ranks).unwrap();
@@ -371,6 +393,13 @@ mod tests {
         let t = tcp_cuda.resolve_for(with(1), 2).unwrap();
         assert_eq!((t.backend, t.device), (Backend::Tcp, DeviceKind::Cuda));
         assert_eq!(r(B::Nccl, 1, 2), (Backend::Nccl, DeviceKind::Cuda));
+        // ZRUN_NCCL_SHARE_GPU=1: auto keeps nccl for ranks sharing the GPU
+        let sharing = Capabilities {
+            nccl_share: true,
+            ..with(1)
+        };
+        let s = cfg(B::Auto).resolve_for(sharing, 2).unwrap();
+        assert_eq!((s.backend, s.device), (Backend::Nccl, DeviceKind::Cuda));
         let shared = cfg(B::Auto).resolve_for(with(1), 2).unwrap();
         assert_eq!(
             shared.auto_choices(&cfg(B::Auto)).unwrap(),
@@ -428,27 +457,45 @@ mod tests {
             backend: Backend::Nccl,
             device: DeviceKind::Cuda,
         };
-        assert!(nccl.check_node(8, 8).is_ok());
-        assert!(nccl.check_node(2, 8).is_ok());
-        assert!(nccl.check_node(1, 1).is_ok());
-        let e = nccl.check_node(4, 2).unwrap_err().0;
+        let gpus = |gpus| Capabilities {
+            gpus,
+            cuda_built: true,
+            mpi_built: false,
+            nccl_share: false,
+        };
+        assert!(nccl.check_node(8, 8, gpus(8)).is_ok());
+        assert!(nccl.check_node(2, 2, gpus(8)).is_ok());
+        assert!(nccl.check_node(1, 1, gpus(1)).is_ok());
+        let e = nccl.check_node(4, 4, gpus(2)).unwrap_err().0;
         assert!(
             e.contains("--nproc 4") && e.contains("sees 2 CUDA device") && e.contains("--nproc 2"),
             "{e}"
         );
-        let e = nccl.check_node(2, 1).unwrap_err().0;
+        let e = nccl.check_node(2, 2, gpus(1)).unwrap_err().0;
         assert!(
             e.contains("--nproc 2")
                 && e.contains("share the one visible GPU")
-                && e.contains("NCCL"),
+                && e.contains("NCCL")
+                && e.contains("ZRUN_NCCL_SHARE_GPU=1"),
             "{e}"
         );
+        // the test mode: two NCCL ranks on the one GPU; refused where each has its own GPU
+        // or where the job spans nodes
+        let share = |n| Capabilities {
+            nccl_share: true,
+            ..gpus(n)
+        };
+        assert!(nccl.check_node(2, 2, share(1)).is_ok());
+        let e = nccl.check_node(2, 2, share(2)).unwrap_err().0;
+        assert!(e.contains("GPUs of their own"), "{e}");
+        let e = nccl.check_node(2, 4, share(1)).unwrap_err().0;
+        assert!(e.contains("one node only"), "{e}");
         // on CPU there is nothing to check
         let cpu = ResolvedDist {
             backend: Backend::Tcp,
             device: DeviceKind::Cpu,
         };
-        assert!(cpu.check_node(16, 0).is_ok());
+        assert!(cpu.check_node(16, 16, gpus(0)).is_ok());
     }
 
     #[test]
