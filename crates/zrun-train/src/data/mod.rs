@@ -33,7 +33,9 @@ use tch::Tensor;
 pub use error::DataError;
 pub use index::{InputRecord, ShardIndex, ShardRecord, TokenizerRecord, INDEX_FILE};
 pub use loader::Loader;
-pub use prepare::{prepare, PrepareOptions, Prepared};
+pub use prepare::{
+    prepare, PrepareError, PrepareOptions, Prepared, Progress, DEFAULT_SHARD_TOKENS, PIECE_BYTES,
+};
 pub use token_file::{TokenDtype, TokenWriter};
 pub use tokenizer::{tokenizer_path, Eos, Tokenizer};
 

@@ -57,6 +57,20 @@ pub struct Tokenizer {
     templated: bool,
     /// Appended after every document: (token, id).
     eos: Option<(String, u32)>,
+    /// The template's tokens before and after a sequence, for documents encoded in pieces.
+    template: (Vec<u32>, Vec<u32>),
+}
+
+/// One piece of a document for [`Tokenizer::encode_pieces`]: a whole document is its first
+/// and last piece.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Piece<'a> {
+    /// The text.
+    pub text: &'a str,
+    /// It starts the document.
+    pub first: bool,
+    /// It ends the document.
+    pub last: bool,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -95,17 +109,33 @@ impl Tokenizer {
         if vocab_size == 0 {
             return Err(bad("its vocabulary is empty".into()));
         }
-        let templated = !inner
-            .encode_fast("", true)
-            .map_err(|e| bad(one_line(&e.to_string())))?
-            .get_ids()
-            .is_empty();
+        let ids = |text: &str, special: bool| -> Result<Vec<u32>, DataError> {
+            Ok(inner
+                .encode_fast(text, special)
+                .map_err(|e| bad(one_line(&e.to_string())))?
+                .get_ids()
+                .to_vec())
+        };
+        let empty = ids("", true)?;
+        let templated = !empty.is_empty();
+        // The template around a probe's tokens splits into what goes before and after.
+        let (with, without) = (ids("a", true)?, ids("a", false)?);
+        let template = match with
+            .windows(without.len().max(1))
+            .position(|w| w == without)
+        {
+            Some(at) if !without.is_empty() => {
+                (with[..at].to_vec(), with[at + without.len()..].to_vec())
+            }
+            _ => (empty, Vec::new()),
+        };
         let mut t = Tokenizer {
             inner,
             path: path.to_path_buf(),
             vocab_size,
             templated,
             eos: None,
+            template,
         };
         t.set_eos(&Eos::Auto, key)?;
         Ok(t)
@@ -133,6 +163,46 @@ impl Tokenizer {
             }
         };
         Ok(())
+    }
+
+    /// The token appended after every document and its id, if any.
+    pub fn eos(&self) -> Option<(&str, u32)> {
+        self.eos.as_ref().map(|(t, id)| (t.as_str(), *id))
+    }
+
+    /// Encodes pieces of documents in parallel on rayon's pool, each piece's ids in order.
+    /// A whole document is `encode(text)` with the template's tokens, then the end-of-text
+    /// token; a document in several pieces gets the template's leading tokens on its first
+    /// piece, its trailing ones and the end-of-text token on its last, and the pieces are
+    /// encoded without the template. On failure: the failing piece's position and the
+    /// tokenizer's error in one line.
+    pub(crate) fn encode_pieces(
+        &self,
+        pieces: &[Piece<'_>],
+    ) -> Result<Vec<Vec<u32>>, (usize, String)> {
+        use rayon::prelude::*;
+        pieces
+            .par_iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let whole = p.first && p.last;
+                let enc = self
+                    .inner
+                    .encode_fast(p.text, whole)
+                    .map_err(|e| (i, one_line(&e.to_string())))?;
+                let (before, after) = &self.template;
+                let before: &[u32] = if p.first && !whole { before } else { &[] };
+                let after: &[u32] = if p.last && !whole { after } else { &[] };
+                let eos = self.eos.as_ref().filter(|_| p.last).map(|(_, id)| *id);
+                let body = enc.get_ids();
+                let mut ids = Vec::with_capacity(before.len() + body.len() + after.len() + 1);
+                ids.extend_from_slice(before);
+                ids.extend_from_slice(body);
+                ids.extend_from_slice(after);
+                ids.extend(eos);
+                Ok(ids)
+            })
+            .collect()
     }
 
     /// The file it was loaded from.

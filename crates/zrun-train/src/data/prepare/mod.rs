@@ -1,0 +1,396 @@
+//! `zrun prepare`: documents from text, JSON Lines and Parquet files, encoded by a tokenizer
+//! on every core, into a directory of token shards and its `index.json` (index.rs).
+//!
+//! ```text
+//! reader thread ──batches of pieces──> encoder (rayon, all cores) ──ids──> writer thread
+//!   inputs in order, document k           Tokenizer::encode_pieces          train-NNNNN.bin.tmp
+//!   to val iff floor((k+1)F) > floor(kF)  (order kept)                      val-NNNNN.bin.tmp
+//! ```
+//!
+//! Two batches wait at most between the stages, so memory stays near a few batches of a few
+//! MiB plus the tokenizer's working memory for the pieces in flight, whatever the input's size:
+//! documents longer than [`PIECE_BYTES`] are encoded in pieces ([`inputs::cut`] says where, and
+//! why the tokens almost always equal the whole document's). The output is the same for any
+//! thread count. Shards hold exactly `shard_tokens` tokens but the last of each split; they are
+//! written as `NAME.tmp`, and only a run that read every input moves them into place and writes
+//! the index, last (outdir.rs); a failed run removes its temporary files.
+
+mod batches;
+mod error;
+mod inputs;
+mod jsonl;
+mod outdir;
+mod parquet;
+#[cfg(test)]
+mod tests;
+mod writer;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::Arc;
+
+use sha2::Digest;
+
+pub use error::PrepareError;
+
+use super::index::{InputRecord, ShardIndex, TokenizerRecord, FORMAT, VERSION};
+use super::token_file::TokenDtype;
+use super::tokenizer::{Eos, Piece, Tokenizer};
+use batches::{Batch, Halt, Meta, Origin, Sink};
+use inputs::{Format, Input};
+use outdir::OutDir;
+use writer::SplitWriter;
+
+/// The default `--shard-tokens`: 100M tokens (200 MB of uint16).
+pub const DEFAULT_SHARD_TOKENS: u64 = 100_000_000;
+/// The largest piece of a document encoded at once, in bytes: the tokenizer holds a few
+/// hundred bytes per byte of text while it works, so about 50 MB per core.
+pub const PIECE_BYTES: usize = 256 << 10;
+
+/// What `zrun prepare` is asked to do.
+#[derive(Clone, Debug)]
+pub struct PrepareOptions {
+    /// The Hugging Face `tokenizer.json`.
+    pub tokenizer: PathBuf,
+    /// Files and directories, read in this order (inputs.rs).
+    pub inputs: Vec<PathBuf>,
+    /// The output directory (created if missing; a previous prepare's output is replaced).
+    pub out_dir: PathBuf,
+    /// The JSON key or Parquet column holding the text.
+    pub field: String,
+    /// Share of the documents written to the val shards, in [0, 0.5] (batches.rs).
+    pub val_fraction: f64,
+    /// The token appended after every document.
+    pub eos: Eos,
+    /// Tokens per shard (the last of a split holds fewer), in 1..=2147483647.
+    pub shard_tokens: u64,
+    /// Stop after this many documents.
+    pub limit_docs: Option<u64>,
+    /// Count and skip bad lines, rows and files instead of stopping.
+    pub skip_bad: bool,
+    /// The largest piece of a document encoded at once ([`PIECE_BYTES`]).
+    pub piece_bytes: usize,
+}
+
+impl PrepareOptions {
+    /// The defaults: field `text`, 5% val, end-of-text `auto`, 100M-token shards.
+    pub fn new(tokenizer: PathBuf, inputs: Vec<PathBuf>, out_dir: PathBuf) -> PrepareOptions {
+        PrepareOptions {
+            tokenizer,
+            inputs,
+            out_dir,
+            field: "text".into(),
+            val_fraction: 0.05,
+            eos: Eos::Auto,
+            shard_tokens: DEFAULT_SHARD_TOKENS,
+            limit_docs: None,
+            skip_bad: false,
+            piece_bytes: PIECE_BYTES,
+        }
+    }
+}
+
+/// Where a run stands, reported after every batch.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Progress {
+    /// Documents encoded.
+    pub documents: u64,
+    /// Tokens encoded.
+    pub tokens: u64,
+    /// Input bytes read (compressed bytes for compressed inputs).
+    pub bytes_read: u64,
+    /// The inputs' total size.
+    pub bytes_total: u64,
+}
+
+/// What `zrun prepare` wrote.
+#[derive(Clone, Debug)]
+pub struct Prepared {
+    /// `DIR/index.json`.
+    pub index_path: PathBuf,
+    /// Its content: shards, tokens and documents of each split.
+    pub index: ShardIndex,
+    /// Documents read.
+    pub documents: u64,
+    /// Of them, in the val shards.
+    pub val_documents: u64,
+    /// Bad lines, rows or files skipped (`--skip-bad`).
+    pub skipped: u64,
+    /// The shards' element type.
+    pub dtype: TokenDtype,
+    /// How documents are separated, in words.
+    pub separator: String,
+}
+
+/// Encodes `opts.inputs` into token shards in `opts.out_dir`; `progress` is called after
+/// every batch.
+pub fn prepare(
+    opts: &PrepareOptions,
+    progress: &mut dyn FnMut(&Progress),
+) -> Result<Prepared, PrepareError> {
+    check(opts)?;
+    let inputs = inputs::expand(&opts.inputs)?;
+    let mut tok = Tokenizer::load(&opts.tokenizer, "--tokenizer")?;
+    tok.set_eos(&opts.eos, "--eos")?;
+    let sha256 = std::fs::read(&opts.tokenizer)
+        .map(|b| format!("{:x}", sha2::Sha256::digest(&b)))
+        .map_err(|source| super::DataError::Io {
+            key: "--tokenizer",
+            path: opts.tokenizer.clone(),
+            op: "read",
+            source,
+        })?;
+    let dtype = TokenDtype::for_vocab(tok.vocab_size());
+    let out = OutDir::open(&opts.out_dir)?;
+    let (train, val, counts) = pipeline(opts, &tok, &inputs, out.path(), dtype, progress)?;
+    let (train, train_tmps) = train.finish()?;
+    let (val, val_tmps) = val.finish()?;
+    // Removes what is left of the temporary files however this ends.
+    let _staged = Staged(train_tmps.into_iter().chain(val_tmps).collect());
+    if train.is_empty() {
+        return Err(PrepareError::Empty {
+            documents: counts.documents,
+        });
+    }
+    let index = ShardIndex {
+        format: FORMAT.into(),
+        version: VERSION,
+        dtype: dtype.name().into(),
+        vocab_size: tok.vocab_size() as u64,
+        tokenizer: TokenizerRecord {
+            name: opts.tokenizer.display().to_string(),
+            sha256,
+        },
+        eos: tok.eos().map(|(t, _)| t.to_string()),
+        inputs: inputs
+            .iter()
+            .map(|i| InputRecord {
+                name: i.path.display().to_string(),
+                bytes: i.bytes,
+            })
+            .collect(),
+        train,
+        val,
+    };
+    let index_path = out.commit(&index)?;
+    Ok(Prepared {
+        index_path,
+        index,
+        documents: counts.documents,
+        val_documents: counts.val_documents,
+        skipped: counts.skipped,
+        dtype,
+        separator: tok.separator(),
+    })
+}
+
+fn check(opts: &PrepareOptions) -> Result<(), PrepareError> {
+    let flag = |flag, value: String, requirement| {
+        Err(PrepareError::Flag {
+            flag,
+            value,
+            requirement,
+        })
+    };
+    if !(0.0..=0.5).contains(&opts.val_fraction) {
+        return flag(
+            "--val-fraction",
+            opts.val_fraction.to_string(),
+            "the share of documents for the val shards must be in [0, 0.5], e.g. 0.05",
+        );
+    }
+    if !(1..=i32::MAX as u64).contains(&opts.shard_tokens) {
+        return flag(
+            "--shard-tokens",
+            opts.shard_tokens.to_string(),
+            "a shard holds 1 to 2147483647 tokens (llm.c's header counts them in an int32), \
+             e.g. 100M",
+        );
+    }
+    if opts.limit_docs == Some(0) {
+        return flag("--limit-docs", "0".into(), "give at least 1 document");
+    }
+    if opts.field.is_empty() {
+        return flag(
+            "--field",
+            "\"\"".into(),
+            "name the JSON key or Parquet column of the text",
+        );
+    }
+    if opts.piece_bytes < 16 {
+        return flag(
+            "piece size",
+            opts.piece_bytes.to_string(),
+            "at least 16 bytes",
+        );
+    }
+    Ok(())
+}
+
+/// Temporary files removed when dropped (those already renamed are gone).
+struct Staged(Vec<PathBuf>);
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Counts {
+    documents: u64,
+    val_documents: u64,
+    skipped: u64,
+}
+
+/// Runs the three stages (module docs); returns the two splits' writers, unfinished.
+fn pipeline(
+    opts: &PrepareOptions,
+    tok: &Tokenizer,
+    inputs: &[Input],
+    dir: &Path,
+    dtype: TokenDtype,
+    progress: &mut dyn FnMut(&Progress),
+) -> Result<(SplitWriter, SplitWriter, Counts), PrepareError> {
+    let bytes_read = Arc::new(AtomicU64::new(0));
+    let (batch_tx, batch_rx) = sync_channel(2);
+    let (ids_tx, ids_rx) = sync_channel(2);
+    let train = SplitWriter::new(dir, "train", dtype, opts.shard_tokens);
+    let val = SplitWriter::new(dir, "val", dtype, opts.shard_tokens);
+    std::thread::scope(|s| {
+        let count = bytes_read.clone();
+        let reader = s.spawn(move || {
+            let mut sink = Sink::new(
+                batch_tx,
+                opts.piece_bytes,
+                opts.val_fraction,
+                opts.limit_docs,
+                count.clone(),
+            );
+            read_all(opts, inputs, &count, &mut sink);
+            sink.counts()
+        });
+        let writer = s.spawn(move || write_all(ids_rx, train, val));
+        let total = inputs.iter().map(|i| i.bytes).sum();
+        let encoded = encode_all(batch_rx, ids_tx, tok, inputs, total, progress);
+        let (documents, skipped) = reader
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p));
+        let written = writer
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p));
+        // The writer's own error first: the encoder stops when the writer is gone.
+        let (train, val) = written?;
+        let val_documents = encoded?;
+        Ok((
+            train,
+            val,
+            Counts {
+                documents,
+                val_documents,
+                skipped,
+            },
+        ))
+    })
+}
+
+/// The reader thread: every input's documents into the sink, in order.
+fn read_all(opts: &PrepareOptions, inputs: &[Input], count: &Arc<AtomicU64>, sink: &mut Sink) {
+    for (i, input) in inputs.iter().enumerate() {
+        let i = i as u32;
+        let read = match input.format {
+            Format::Text => inputs::read_text(input, i, count, sink),
+            Format::JsonLines(c) => {
+                jsonl::read(input, i, c, &opts.field, opts.skip_bad, count, sink)
+            }
+            Format::Parquet => parquet::read(input, i, &opts.field, opts.skip_bad, sink),
+        };
+        match read {
+            Ok(()) => {}
+            Err(Halt::Done) => break,
+            Err(Halt::Error(e)) => return sink.fail(e),
+        }
+    }
+    let _ = sink.flush();
+}
+
+/// Encoded pieces on their way to the writer.
+type Encoded = (Vec<Meta>, Vec<Vec<u32>>);
+
+/// The encoder, on the calling thread (rayon's pool does the work): returns the documents
+/// sent to val.
+fn encode_all(
+    batches: Receiver<Result<Batch, PrepareError>>,
+    out: SyncSender<Encoded>,
+    tok: &Tokenizer,
+    inputs: &[Input],
+    bytes_total: u64,
+    progress: &mut dyn FnMut(&Progress),
+) -> Result<u64, PrepareError> {
+    let mut p = Progress {
+        bytes_total,
+        ..Progress::default()
+    };
+    let mut val_documents = 0;
+    for batch in batches {
+        let batch = batch?;
+        let pieces: Vec<Piece<'_>> = batch
+            .texts
+            .iter()
+            .zip(&batch.meta)
+            .map(|(text, m)| Piece {
+                text,
+                first: m.first,
+                last: m.last,
+            })
+            .collect();
+        let ids = tok
+            .encode_pieces(&pieces)
+            .map_err(|(i, reason)| PrepareError::Encode {
+                at: place(inputs, &batch.meta[i]),
+                tokenizer: tok.path().to_path_buf(),
+                reason,
+            })?;
+        let started = batch.meta.iter().filter(|m| m.first);
+        p.documents += started.clone().count() as u64;
+        val_documents += started.filter(|m| m.val).count() as u64;
+        p.tokens += ids.iter().map(|v| v.len() as u64).sum::<u64>();
+        p.bytes_read = batch.bytes_read;
+        if out.send((batch.meta, ids)).is_err() {
+            break; // the writer failed: its error is the one reported
+        }
+        progress(&p);
+    }
+    Ok(val_documents)
+}
+
+/// The writer thread: each piece's ids into its split's shards.
+fn write_all(
+    encoded: Receiver<Encoded>,
+    mut train: SplitWriter,
+    mut val: SplitWriter,
+) -> Result<(SplitWriter, SplitWriter), PrepareError> {
+    for (meta, ids) in encoded {
+        for (m, ids) in meta.iter().zip(&ids) {
+            let w = if m.val { &mut val } else { &mut train };
+            if m.first {
+                w.start_document();
+            }
+            w.write(ids)?;
+        }
+    }
+    Ok((train, val))
+}
+
+/// A piece's place for messages: `a.jsonl:12`, `b.parquet row 7`, `c.txt bytes 0..262144`.
+fn place(inputs: &[Input], m: &Meta) -> String {
+    let path = inputs[m.input as usize].path.display();
+    match m.origin {
+        Origin::Line(n) => format!("{path}:{n}"),
+        Origin::Row(r) => format!("{path} row {r}"),
+        Origin::Bytes(a, b) => format!("{path} bytes {a}..{b}"),
+    }
+}

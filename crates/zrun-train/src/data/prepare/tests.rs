@@ -1,0 +1,190 @@
+use super::super::index::INDEX_FILE;
+use super::super::token_file::HEADER_BYTES;
+use super::super::tokenizer::tests::word_level;
+use super::*;
+
+/// A token file's header version and tokens.
+fn read(path: &Path) -> (i32, Vec<u32>) {
+    let b = std::fs::read(path).unwrap();
+    let version = i32::from_le_bytes(b[4..8].try_into().unwrap());
+    let count = i32::from_le_bytes(b[8..12].try_into().unwrap()) as usize;
+    let body = &b[HEADER_BYTES..];
+    let ids: Vec<u32> = if version == 1 {
+        body.chunks_exact(2)
+            .map(|p| u32::from(u16::from_le_bytes([p[0], p[1]])))
+            .collect()
+    } else {
+        body.chunks_exact(4)
+            .map(|p| u32::from_le_bytes(p.try_into().unwrap()))
+            .collect()
+    };
+    assert_eq!(ids.len(), count);
+    (version, ids)
+}
+
+/// Every token of a split, shard after shard.
+fn split(dir: &Path, shards: &[super::super::index::ShardRecord]) -> Vec<u32> {
+    shards
+        .iter()
+        .flat_map(|s| read(&dir.join(&s.file)).1)
+        .collect()
+}
+
+fn run(opts: &PrepareOptions) -> Result<Prepared, PrepareError> {
+    prepare(opts, &mut |_| {})
+}
+
+#[test]
+fn documents_split_into_train_and_val_shards() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = dir.path().join("tokenizer.json");
+    std::fs::write(&tok, word_level(&["a", "b", "c"], &["<|endoftext|>"])).unwrap();
+    // Six documents, one per line; with F = 0.25 documents 3 (and 7, ...) go to val.
+    let lines = ["a b c", "b", "c c x", "a a", "b c", "a"];
+    let jsonl: String = lines
+        .iter()
+        .map(|l| format!("{{\"id\": 1, \"text\": \"{l}\"}}\n"))
+        .collect();
+    let input = dir.path().join("docs.jsonl");
+    std::fs::write(&input, jsonl + "\n").unwrap();
+    let out = dir.path().join("out");
+    let mut opts = PrepareOptions::new(tok, vec![input], out.clone());
+    opts.val_fraction = 0.25;
+    opts.shard_tokens = 4;
+    let p = run(&opts).unwrap();
+    // a=0 b=1 c=2 [UNK]=3 <|endoftext|>=4
+    let train = [0, 1, 2, 4, 1, 4, 2, 2, 3, 4, 1, 2, 4, 0, 4];
+    assert_eq!(split(&out, &p.index.train), train);
+    assert_eq!(split(&out, &p.index.val), [0, 0, 4]);
+    let shards: Vec<_> = p
+        .index
+        .train
+        .iter()
+        .map(|s| (s.file.as_str(), s.tokens, s.documents))
+        .collect();
+    assert_eq!(
+        shards,
+        [
+            ("train-00000.bin", 4, 1),
+            ("train-00001.bin", 4, 2),
+            ("train-00002.bin", 4, 1),
+            ("train-00003.bin", 3, 1)
+        ]
+    );
+    assert_eq!((p.documents, p.val_documents, p.skipped), (6, 1, 0));
+    assert_eq!(p.index.eos.as_deref(), Some("<|endoftext|>"));
+    assert_eq!(ShardIndex::read(&out).unwrap(), p.index);
+    let names = |d: &Path| {
+        let mut n: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        n.sort();
+        n
+    };
+    assert_eq!(names(&out).len(), 6, "{:?}", names(&out));
+
+    // Again without val and in one shard: the old shards are replaced.
+    opts.val_fraction = 0.0;
+    opts.shard_tokens = 100;
+    let p = run(&opts).unwrap();
+    assert_eq!(p.index.train.len(), 1);
+    assert!(p.index.val.is_empty());
+    assert_eq!(names(&out), [INDEX_FILE, "train-00000.bin"]);
+    assert_eq!(split(&out, &p.index.train).len(), 18);
+
+    // --limit-docs: the first two documents.
+    opts.limit_docs = Some(2);
+    let p = run(&opts).unwrap();
+    assert_eq!(split(&out, &p.index.train), [0, 1, 2, 4, 1, 4]);
+
+    opts.val_fraction = 0.9;
+    let e = run(&opts).unwrap_err().to_string();
+    assert!(
+        e.contains("--val-fraction 0.9") && e.contains("[0, 0.5]"),
+        "{e}"
+    );
+}
+
+#[test]
+fn long_documents_in_pieces_encode_as_a_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let words: Vec<String> = (0..50).map(|i| format!("w{i}")).collect();
+    let refs: Vec<&str> = words.iter().map(String::as_str).collect();
+    let tok = dir.path().join("tokenizer.json");
+    std::fs::write(&tok, word_level(&refs, &["<|endoftext|>"])).unwrap();
+    let text: String = (0..400)
+        .map(|i| format!("w{}{}", i % 53, if i % 7 == 6 { "\n" } else { " " }))
+        .collect();
+    let input = dir.path().join("book.txt");
+    std::fs::write(&input, &text).unwrap();
+    let mut opts = PrepareOptions::new(tok.clone(), vec![input], dir.path().join("out"));
+    opts.val_fraction = 0.0;
+    let whole = run(&opts).unwrap();
+    let want = split(&opts.out_dir, &whole.index.train);
+    assert_eq!(want.len(), 401);
+    opts.piece_bytes = 100;
+    let pieces = run(&opts).unwrap();
+    assert_eq!(split(&opts.out_dir, &pieces.index.train), want);
+    assert_eq!(pieces.documents, 1);
+}
+
+#[test]
+fn a_large_vocabulary_writes_uint32() {
+    let dir = tempfile::tempdir().unwrap();
+    let words: Vec<String> = (0..70_000).map(|i| format!("w{i}")).collect();
+    let refs: Vec<&str> = words.iter().map(String::as_str).collect();
+    let tok = dir.path().join("tokenizer.json");
+    std::fs::write(&tok, word_level(&refs, &[])).unwrap();
+    let text = dir.path().join("t.txt");
+    std::fs::write(&text, "w0 w69999 w65536 w7").unwrap();
+    let mut opts = PrepareOptions::new(tok, vec![text], dir.path().join("out"));
+    opts.val_fraction = 0.0;
+    let p = run(&opts).unwrap();
+    assert_eq!((p.dtype, p.index.vocab_size), (TokenDtype::U32, 70_001));
+    assert_eq!(p.index.dtype, "uint32");
+    let (_, ids) = read(&opts.out_dir.join("train-00000.bin"));
+    assert_eq!(ids, [0, 69_999, 65_536, 7]);
+}
+
+#[test]
+fn bad_inputs_and_outputs_name_the_file_and_leave_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = dir.path().join("tokenizer.json");
+    std::fs::write(&tok, word_level(&["a"], &[])).unwrap();
+    let good = dir.path().join("good.txt");
+    std::fs::write(&good, "a a a").unwrap();
+    let latin1 = dir.path().join("latin1.txt");
+    std::fs::write(&latin1, b"caf\xe9").unwrap();
+    let out = dir.path().join("out");
+    let mut opts = PrepareOptions::new(tok, vec![good.clone(), latin1], out.clone());
+    opts.shard_tokens = 1;
+    let e = run(&opts).unwrap_err().to_string();
+    assert!(
+        e.starts_with("input ") && e.contains("latin1.txt") && e.contains("byte offset 3"),
+        "{e}"
+    );
+    let left: Vec<_> = std::fs::read_dir(&out).unwrap().collect();
+    assert!(
+        left.is_empty(),
+        "a failed run leaves nothing behind: {left:?}"
+    );
+    opts.inputs = vec![dir.path().join("missing.txt")];
+    let e = run(&opts).unwrap_err().to_string();
+    assert!(
+        e.contains("missing.txt") && e.contains("cannot read"),
+        "{e}"
+    );
+    // A directory with someone else's file is refused and kept as it is.
+    std::fs::write(out.join("notes.md"), "mine").unwrap();
+    opts.inputs = vec![good];
+    let e = run(&opts).unwrap_err().to_string();
+    assert!(e.contains("\"notes.md\"") && e.contains("-o"), "{e}");
+    assert!(out.join("notes.md").exists());
+    // The output "directory" is a file.
+    let file = dir.path().join("file");
+    std::fs::write(&file, "").unwrap();
+    opts.out_dir = file.join("sub");
+    let e = run(&opts).unwrap_err().to_string();
+    assert!(e.contains("file/sub") && e.contains("-o"), "{e}");
+}
