@@ -9,6 +9,7 @@ use zrun_ckpt::DataOrder;
 use zrun_comm::Communicator;
 
 use crate::config::{Config, DataKind};
+use crate::data::{shard_dir, xxh3_of, ShardIndex, INDEX_FILE};
 use crate::reduce::gather_bytes;
 use crate::Error;
 
@@ -65,23 +66,47 @@ fn data_bytes(path: &Path) -> Option<u64> {
     Some(total)
 }
 
+/// The prefix of a shard directory's `source` in a data order; the index's hash follows.
+const SHARDS: &str = "token shards, index.json XXH3-128 ";
+
+/// A token-shard directory's part of the data order: its `source` names the index by its
+/// XXH3-128 (which covers every shard's recorded hash, and the loader checks every shard
+/// against those at open), `bytes` the shards' total. An unreadable or invalid index is
+/// `("token shards", None)`; opening the data reports it.
+fn shard_order(dir: &Path) -> (String, Option<u64>) {
+    let path = dir.join(INDEX_FILE);
+    match (ShardIndex::read(dir), std::fs::read(&path)) {
+        (Ok(index), Ok(text)) => {
+            let digest = xxh3_of(&text);
+            let bytes = index.train.iter().chain(&index.val).map(|s| s.bytes).sum();
+            (format!("{SHARDS}{digest}"), Some(bytes))
+        }
+        _ => ("token shards".into(), None),
+    }
+}
+
 /// What fixes the order of `cfg`'s samples on `world` ranks.
 pub(crate) fn data_order(cfg: &Config, world: usize) -> Result<DataOrder, Error> {
     let d = &cfg.data;
     let t = &cfg.train;
-    let source = match d.source {
-        DataKind::Synthetic => format!("synthetic (branching {})", d.branching),
-        DataKind::Tokens => "tokens".into(),
-        DataKind::Text => "text".into(),
-    };
     let path = match d.source {
         DataKind::Synthetic => None,
         _ => d.path.as_deref(),
     };
+    let shards = match d.source {
+        DataKind::Tokens => path.and_then(shard_dir).map(|dir| shard_order(&dir)),
+        _ => None,
+    };
+    let (source, bytes) = match (d.source, shards) {
+        (DataKind::Synthetic, _) => (format!("synthetic (branching {})", d.branching), None),
+        (_, Some(shards)) => shards,
+        (DataKind::Tokens, None) => ("tokens".into(), path.and_then(data_bytes)),
+        (DataKind::Text, None) => ("text".into(), path.and_then(data_bytes)),
+    };
     Ok(DataOrder {
         source,
         path: path.map(|p| p.display().to_string()),
-        bytes: path.and_then(data_bytes),
+        bytes,
         seq_len: cfg.arch()?.seq_len() as u64,
         seed: d.seed,
         global_batch: (t.micro_batch * t.grad_accum * world) as u64,
@@ -97,11 +122,17 @@ pub(crate) fn changes(then: &DataOrder, now: &DataOrder) -> Vec<String> {
         (Some(p), Some(b)) => format!("{p:?} ({b} bytes)"),
         (Some(p), None) => format!("{p:?} (unreadable)"),
     };
-    if then.source != now.source {
-        out.push(format!(
+    let index = |o: &DataOrder| o.source.strip_prefix(SHARDS).map(str::to_string);
+    match (index(then), index(now)) {
+        (Some(a), Some(b)) if a != b => out.push(format!(
+            "the token shards' index.json changed (XXH3-128 was {a}, now {b}: prepared again \
+             or edited)"
+        )),
+        _ if then.source != now.source => out.push(format!(
             "data.source was {}, now {}",
             then.source, now.source
-        ));
+        )),
+        _ => {}
     }
     if then.path != now.path || then.bytes != now.bytes {
         out.push(format!("data.path was {}, now {}", path(then), path(now)));
@@ -164,6 +195,53 @@ mod tests {
                 "data.seed was 1, now 2",
                 "the global batch (micro_batch x grad_accum x ranks) was 32 samples, now 64",
             ]
+        );
+    }
+
+    #[test]
+    fn a_shard_directory_prepared_again_is_named_by_its_index() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(shard_order(dir.path()), ("token shards".into(), None));
+        let shard = |file: &str, tokens: u64, xxh3: &str| crate::data::ShardRecord {
+            file: file.into(),
+            tokens,
+            documents: 1,
+            bytes: 1024 + 2 * tokens,
+            xxh3: xxh3.into(),
+        };
+        let mut index = ShardIndex {
+            format: "zrun-token-shards".into(),
+            version: 1,
+            dtype: "uint16".into(),
+            vocab_size: 256,
+            tokenizer: crate::data::TokenizerRecord {
+                name: "t.json".into(),
+                sha256: "a".repeat(64),
+            },
+            eos: None,
+            inputs: vec![],
+            train: vec![shard("train-00000.bin", 10, &"1".repeat(32))],
+            val: vec![shard("val-00000.bin", 3, &"2".repeat(32))],
+        };
+        index.write(dir.path()).unwrap();
+        let (source, bytes) = shard_order(dir.path());
+        assert_eq!(bytes, Some(1044 + 1030));
+        assert!(source.starts_with(SHARDS), "{source}");
+        // Same sizes, another shard content: another index, named as such.
+        index.train[0].xxh3 = "3".repeat(32);
+        index.write(dir.path()).unwrap();
+        let (again, bytes_again) = shard_order(dir.path());
+        assert_eq!(bytes_again, bytes);
+        let then = DataOrder { source, ..order() };
+        let now = DataOrder {
+            source: again,
+            ..order()
+        };
+        let c = changes(&then, &now);
+        assert_eq!(c.len(), 1, "{c:?}");
+        assert!(
+            c[0].starts_with("the token shards' index.json changed"),
+            "{c:?}"
         );
     }
 }

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use memmap2::Mmap;
 
 use super::rng::{shuffle, Rng};
+use super::shards::Shards;
 use super::token_file::{Layout, TokenDtype};
 use super::{DataError, Split};
 
@@ -18,7 +19,8 @@ const SALT_EPOCH: u64 = 0x65706f6368; // "epoch"
 /// Epoch permutations kept in memory (the current one and the next, across a boundary).
 const CACHED_EPOCHS: usize = 2;
 
-/// Token storage: a memory-mapped token file, or bytes or ids, mapped or owned.
+/// Token storage: a memory-mapped token file, a shard directory's split, or bytes or ids,
+/// mapped or owned.
 #[derive(Debug)]
 pub(crate) enum TokenStore {
     /// A token file (little-endian uint16 or uint32 after any header), memory-mapped.
@@ -28,6 +30,8 @@ pub(crate) enum TokenStore {
         /// Where its tokens are and their dtype.
         layout: Layout,
     },
+    /// The shards of one split of a token-shard directory, as one stream.
+    Shards(Shards),
     /// Byte tokens, memory-mapped.
     Bytes(Mmap),
     /// Byte tokens in memory (several text files concatenated).
@@ -41,6 +45,7 @@ impl TokenStore {
     pub(crate) fn len(&self) -> u64 {
         match self {
             TokenStore::Mapped { layout, .. } => layout.tokens,
+            TokenStore::Shards(s) => s.len(),
             TokenStore::Bytes(m) => m.len() as u64,
             TokenStore::OwnedBytes(v) => v.len() as u64,
             TokenStore::Ids(v) => v.len() as u64,
@@ -59,6 +64,7 @@ impl TokenStore {
                     "no header"
                 }
             ),
+            TokenStore::Shards(_) => "token shards".into(),
             TokenStore::Bytes(_) | TokenStore::OwnedBytes(_) => "bytes".into(),
             TokenStore::Ids(_) => "token ids".into(),
         }
@@ -70,17 +76,9 @@ impl TokenStore {
             TokenStore::Mapped { map, layout } => {
                 let w = layout.dtype.bytes();
                 let body = &map[layout.start + w * start..layout.start + w * (start + count)];
-                match layout.dtype {
-                    TokenDtype::U16 => out.extend(
-                        body.chunks_exact(2)
-                            .map(|p| i64::from(u16::from_le_bytes([p[0], p[1]]))),
-                    ),
-                    TokenDtype::U32 => out.extend(
-                        body.chunks_exact(4)
-                            .map(|p| i64::from(u32::from_le_bytes([p[0], p[1], p[2], p[3]]))),
-                    ),
-                }
+                decode(body, layout.dtype, out);
             }
+            TokenStore::Shards(s) => s.extend(start as u64, count, out),
             TokenStore::Ids(v) => out.extend(v[start..start + count].iter().map(|&x| i64::from(x))),
             TokenStore::Bytes(m) => {
                 out.extend(m[start..start + count].iter().map(|&x| i64::from(x)))
@@ -92,11 +90,26 @@ impl TokenStore {
     }
 }
 
+/// Appends the little-endian tokens of `dtype` in `body` to `out`.
+pub(crate) fn decode(body: &[u8], dtype: TokenDtype, out: &mut Vec<i64>) {
+    match dtype {
+        TokenDtype::U16 => out.extend(
+            body.chunks_exact(2)
+                .map(|p| i64::from(u16::from_le_bytes([p[0], p[1]]))),
+        ),
+        TokenDtype::U32 => out.extend(
+            body.chunks_exact(4)
+                .map(|p| i64::from(u32::from_le_bytes([p[0], p[1], p[2], p[3]]))),
+        ),
+    }
+}
+
 /// Where the eval windows come from.
 #[derive(Debug)]
 enum EvalPart {
-    /// A separate file (`val.bin`) with its own windows.
-    Separate(TokenStore),
+    /// A separate store (`val.bin`, the val shards) with its own windows, and where it came
+    /// from for the summary ("from val.bin").
+    Separate(TokenStore, String),
     /// The last windows of the train store, from window `first` on.
     HeldOut {
         /// Index of the first held-out window.
@@ -125,11 +138,13 @@ pub(crate) fn window_count(n: u64, t: usize) -> u64 {
 }
 
 impl Corpus {
-    /// A corpus whose eval split is a separate token store (`val.bin`).
+    /// A corpus whose eval split is a separate token store (`val.bin`, the val shards);
+    /// `eval_from` says which for the summary ("from val.bin").
     pub(crate) fn with_eval_file(
         label: String,
         train: (TokenStore, &Path),
         eval: (TokenStore, &Path),
+        eval_from: String,
         seq_len: usize,
         seed: u64,
     ) -> Result<Corpus, DataError> {
@@ -153,7 +168,7 @@ impl Corpus {
         Ok(Corpus {
             label,
             train: train.0,
-            eval: EvalPart::Separate(eval.0),
+            eval: EvalPart::Separate(eval.0, eval_from),
             train_windows,
             eval_windows,
             seq_len,
@@ -204,8 +219,8 @@ impl Corpus {
 
     /// One line describing the corpus.
     pub(crate) fn summary(&self) -> String {
-        let eval = match self.eval {
-            EvalPart::Separate(_) => "from val.bin",
+        let eval = match &self.eval {
+            EvalPart::Separate(_, from) => from.as_str(),
             EvalPart::HeldOut { .. } => "held out from the end of train",
         };
         format!(
@@ -228,7 +243,7 @@ impl Corpus {
             Split::Eval => {
                 let w = k % self.eval_windows;
                 match self.eval {
-                    EvalPart::Separate(_) => w,
+                    EvalPart::Separate(..) => w,
                     EvalPart::HeldOut { first } => first + w,
                 }
             }
@@ -238,7 +253,7 @@ impl Corpus {
     /// Appends the T + 1 tokens of sample `k` of `split` to `out`.
     pub(crate) fn window(&self, split: Split, k: u64, out: &mut Vec<i64>) {
         let store = match (split, &self.eval) {
-            (Split::Eval, EvalPart::Separate(val)) => val,
+            (Split::Eval, EvalPart::Separate(val, _)) => val,
             _ => &self.train,
         };
         let w = self.window_index(split, k) as usize;

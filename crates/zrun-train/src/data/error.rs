@@ -110,8 +110,9 @@ pub enum DataError {
     },
     /// A token file whose llm.c header disagrees with the file.
     #[error(
-        "data.path {}: {problem}; write the file again, e.g. with zrun prepare (header: 256 \
-         little-endian int32 [20240520, 1 = uint16 or 2 = uint32, token count], then the tokens)",
+        "data.path {}: {problem}; write the file again, e.g. with zrun prepare or llm.c's \
+         write_datafile (header: 256 little-endian int32 [magic, version, token count, then \
+         zeros]: 20240520, 1 for uint16 tokens or 20240801, 7 for uint32; then the tokens)",
         path.display()
     )]
     Header {
@@ -129,6 +130,22 @@ pub enum DataError {
         /// The index file.
         path: PathBuf,
         /// The field and what is wrong with it.
+        problem: String,
+    },
+    /// A shard that disagrees with its directory's `index.json`: missing, another size,
+    /// another header or another content.
+    #[error(
+        "data.path {}: {problem} (listed in {}); the shard directory changed since zrun \
+         prepare wrote it: prepare it again",
+        path.display(),
+        index.display()
+    )]
+    Shard {
+        /// The shard file.
+        path: PathBuf,
+        /// The index that lists it.
+        index: PathBuf,
+        /// What differs.
         problem: String,
     },
     /// A `tokenizer.json` that cannot be read or parsed.

@@ -38,6 +38,16 @@ pub const VERSION: u32 = 1;
 /// The largest index read (bytes): about a million shards.
 const MAX_INDEX_BYTES: u64 = 256 << 20;
 
+/// A shard's `xxh3` field: the XXH3-128 `hasher` holds, as 32 lowercase hex digits.
+pub fn xxh3_hex(hasher: &xxhash_rust::xxh3::Xxh3) -> String {
+    format!("{:032x}", hasher.digest128())
+}
+
+/// A shard's `xxh3` field for a file's whole content `bytes`.
+pub fn xxh3_of(bytes: &[u8]) -> String {
+    format!("{:032x}", xxhash_rust::xxh3::xxh3_128(bytes))
+}
+
 /// The tokenizer the shards were written with.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TokenizerRecord {
@@ -296,7 +306,8 @@ mod tests {
         assert_eq!(ShardIndex::read(dir.path()).unwrap(), ix);
         assert_eq!(ShardIndex::tokens(&ix.train), 107);
 
-        let cases: Vec<(Box<dyn Fn(&mut ShardIndex)>, &str)> = vec![
+        type Edit = Box<dyn Fn(&mut ShardIndex)>;
+        let cases: Vec<(Edit, &str)> = vec![
             (
                 Box::new(|i| i.train[0].file = "../x.bin".into()),
                 "plain file name",

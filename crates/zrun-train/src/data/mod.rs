@@ -20,6 +20,7 @@ mod index;
 mod loader;
 mod prepare;
 mod rng;
+mod shards;
 mod synthetic;
 mod text;
 mod token_file;
@@ -31,11 +32,14 @@ use std::path::PathBuf;
 use tch::Tensor;
 
 pub use error::DataError;
-pub use index::{InputRecord, ShardIndex, ShardRecord, TokenizerRecord, INDEX_FILE};
+pub use index::{
+    xxh3_hex, xxh3_of, InputRecord, ShardIndex, ShardRecord, TokenizerRecord, INDEX_FILE,
+};
 pub use loader::Loader;
 pub use prepare::{
     prepare, PrepareError, PrepareOptions, Prepared, Progress, DEFAULT_SHARD_TOKENS, PIECE_BYTES,
 };
+pub use shards::shard_dir;
 pub use token_file::{TokenDtype, TokenWriter};
 pub use tokenizer::{tokenizer_path, Eos, Tokenizer};
 

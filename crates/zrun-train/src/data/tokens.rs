@@ -7,20 +7,26 @@ use std::path::Path;
 use memmap2::Mmap;
 
 use super::corpus::{Corpus, TokenStore};
+use super::shards;
 use super::token_file::{self, TokenDtype};
 use super::{DataError, DataOptions};
 
 /// Bytes per scan chunk of the max-token check (a multiple of 4, so chunks hold whole tokens).
 const SCAN_CHUNK: usize = 1 << 20;
 
-/// Opens a `.bin` file, or a directory with `train.bin` and optionally `val.bin`.
+/// Opens a shard directory (a directory holding `index.json`, or that file), a `.bin` file,
+/// or a directory with `train.bin` and optionally `val.bin`.
 pub(crate) fn open(path: &Path, opts: &DataOptions) -> Result<Corpus, DataError> {
     if !path.exists() {
         return Err(DataError::NotFound {
             path: path.to_path_buf(),
-            expected: "a token .bin file, or a directory holding train.bin (and optionally \
-                       val.bin) as zrun prepare or nanoGPT's prepare.py writes them",
+            expected: "a token-shard directory (with index.json) or its index.json, a token \
+                       .bin file, or a directory holding train.bin (and optionally val.bin) \
+                       as zrun prepare or nanoGPT's prepare.py writes them",
         });
+    }
+    if let Some(dir) = shards::shard_dir(path) {
+        return shards::open(&dir, opts);
     }
     let (t, seed) = (opts.seq_len, opts.seed);
     if path.is_dir() {
@@ -28,7 +34,8 @@ pub(crate) fn open(path: &Path, opts: &DataOptions) -> Result<Corpus, DataError>
         if !train_path.is_file() {
             return Err(DataError::NotFound {
                 path: train_path,
-                expected: "train.bin (a token file) in the data.path directory",
+                expected: "train.bin (a token file) in the data.path directory, or index.json \
+                           in a token-shard directory",
             });
         }
         let train = map(&train_path, opts.vocab_size)?;
@@ -36,7 +43,8 @@ pub(crate) fn open(path: &Path, opts: &DataOptions) -> Result<Corpus, DataError>
         let val_path = path.join("val.bin");
         if val_path.is_file() {
             let val = map(&val_path, opts.vocab_size)?;
-            return Corpus::with_eval_file(label, (train, &train_path), (val, &val_path), t, seed);
+            let (train, val) = ((train, &*train_path), (val, &*val_path));
+            return Corpus::with_eval_file(label, train, val, "from val.bin".into(), t, seed);
         }
         return Corpus::with_held_out(label, train, &train_path, t, seed, opts.eval_fraction);
     }
@@ -102,17 +110,28 @@ impl Token for u32 {
 /// The largest little-endian token of `dtype` and the token offset of its first occurrence;
 /// None for an empty slice.
 pub(crate) fn max_token(bytes: &[u8], dtype: TokenDtype) -> Option<(u32, u64)> {
+    max_token_with(bytes, dtype, |_| {})
+}
+
+/// [`max_token`], handing each chunk of `bytes` to `on_chunk` in order as it is scanned (so
+/// a hash of the file can share the pass).
+pub(crate) fn max_token_with(
+    bytes: &[u8],
+    dtype: TokenDtype,
+    on_chunk: impl FnMut(&[u8]),
+) -> Option<(u32, u64)> {
     match dtype {
-        TokenDtype::U16 => max_of::<u16>(bytes),
-        TokenDtype::U32 => max_of::<u32>(bytes),
+        TokenDtype::U16 => max_of::<u16>(bytes, on_chunk),
+        TokenDtype::U32 => max_of::<u32>(bytes, on_chunk),
     }
 }
 
 /// One vectorizable pass per chunk, then a search of the one chunk where the maximum first
 /// appears.
-fn max_of<T: Token>(bytes: &[u8]) -> Option<(u32, u64)> {
+fn max_of<T: Token>(bytes: &[u8], mut on_chunk: impl FnMut(&[u8])) -> Option<(u32, u64)> {
     let mut best: Option<(T, usize)> = None;
     for (i, chunk) in bytes.chunks(SCAN_CHUNK).enumerate() {
+        on_chunk(chunk);
         let m = chunk
             .chunks_exact(T::BYTES)
             .map(T::from_le)
