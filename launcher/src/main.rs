@@ -156,9 +156,9 @@ More: zrun --help, zrun COMMAND --help
 ";
 
 fn main() -> ExitCode {
-    // ZRUN_NCCL_SHARE_GPU=1 in a rank that no zrun launcher started (mpirun, srun): its own
-    // NCCL host id, set while this process has no other thread.
-    zrun_comm::share::apply_to_this_process();
+    // NCCL's settings, while this process has no other thread (the ranks a zrun launcher
+    // starts inherit them; one under mpirun or srun sets its own).
+    zrun_comm::set_process_env();
     // Output piped into `head` ends zrun quietly, as it ends other tools (Rust ignores
     // SIGPIPE, so a print would panic instead).
     // SAFETY: setting a signal's disposition to the default has no memory-safety

@@ -131,8 +131,32 @@ pub trait Communicator: Send + Sync {
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Work, Error>;
     /// Copies `t` of rank `root` into `t` of every rank.
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Work, Error>;
-    /// Completes once every rank has issued this barrier.
+    /// Completes once every rank has issued this barrier. Blocks the host until then (on
+    /// every backend, so a clock started after it starts together with the peers').
     fn barrier(&self) -> Result<Work, Error>;
+    /// Fails when the communicator has failed since it was created. Call it after reading
+    /// on the host what collectives wrote: on CUDA a collective waited on only orders
+    /// libtorch's stream, and one cut short by an abort (a timeout, a peer's death) ends
+    /// without an error of its own, leaving unreduced data that such a read would take for
+    /// the result. The CPU backends report failures at `wait`.
+    fn check(&self) -> Result<(), Error> {
+        Ok(())
+    }
+}
+
+/// Sets what the communication libraries read from the environment, before any other thread
+/// of the process starts (`zrun`'s `main` calls it first; a rank under mpirun or srun inherits
+/// nothing from a zrun launcher):
+/// - `NCCL_RUNTIME_CONNECT=0` unless set: NCCL (2.22 on) then connects every peer inside
+///   `ncclCommInitRank` rather than inside the first collective that needs a connection,
+///   where its allocations (outside libtorch's allocator) would land at the step's peak and
+///   a failure would poison the communicator instead of taking the out-of-memory path;
+/// - under `ZRUN_NCCL_SHARE_GPU=1`, this rank's NCCL host id ([`share`]).
+pub fn set_process_env() {
+    if std::env::var_os("NCCL_RUNTIME_CONNECT").is_none() {
+        std::env::set_var("NCCL_RUNTIME_CONNECT", "0");
+    }
+    share::apply_to_this_process();
 }
 
 /// The launcher's restart round of this process's group (`TORCHELASTIC_RESTART_COUNT`, 0 for

@@ -16,6 +16,17 @@
 //! `dist.timeout_s`, or an asynchronous NCCL error, aborts the communicator (which also ends
 //! its kernels, so no stream stays blocked) and fails every later collective with that error.
 //! Uneven chunks use grouped broadcasts/reduces.
+//!
+//! Buffers: a collective's tensors are kept until its work is waited on (libtorch's stream
+//! is then ordered after it, so the caching allocator may hand the memory to later kernels),
+//! or, for a work dropped unwaited, until the collective completes; the estimator counts them
+//! that way. Health: the first failure is published before the communicator is aborted, and
+//! [`Communicator::check`] reports it, so a host read that follows a collective cut short by
+//! the abort is caught. Teardown: launched work is given a short while to complete, then the
+//! communicator is aborted rather than destroyed (`ncclCommDestroy` would wait for a dead
+//! peer forever). Connections are made at init (`NCCL_RUNTIME_CONNECT=0`, set by
+//! [`crate::set_process_env`], and a warm-up collective), not inside the first large
+//! collective at the step's peak memory.
 
 use std::collections::VecDeque;
 use std::ffi::c_void;
@@ -131,9 +142,17 @@ struct InFlight {
     bytes: usize,
     done: Arc<Event>,
     deadline: Instant,
-    /// The tensors it reads and writes, kept alive until it completes.
-    _buffers: Vec<RawBuf>,
+    /// The tensors it reads and writes: taken (and released) by the work's wait once
+    /// libtorch's stream is ordered after the collective, else released when it completes.
+    _buffers: Held,
 }
+
+/// A collective's tensors, shared by the communication thread and the work.
+type Held = Arc<std::sync::Mutex<Option<Vec<RawBuf>>>>;
+
+/// How long dropping the communicator waits for launched collectives to complete before
+/// aborting it instead of destroying it.
+const DRAIN: Duration = Duration::from_secs(5);
 
 /// The rank's CUDA context (the primary one, libtorch's), made current on a thread that
 /// issues or waits on collectives, so that events and the legacy stream are that GPU's.
@@ -154,6 +173,20 @@ impl Context {
 
 impl Drop for State {
     fn drop(&mut self) {
+        // Launched work that does not complete soon waits for a peer that is gone: destroying
+        // the communicator would wait for it too, so abort it (which ends its kernels).
+        let until = Instant::now() + DRAIN.min(self.timeout);
+        while !self.aborted && !self.in_flight.is_empty() && Instant::now() < until {
+            if self.watch().is_err() {
+                break;
+            }
+            if !self.in_flight.is_empty() {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        if !self.in_flight.is_empty() {
+            self.abort();
+        }
         // SAFETY: every handle was created in `connect` and is destroyed exactly once here
         // (an aborted communicator is already freed).
         unsafe {
@@ -229,7 +262,7 @@ fn connect(
     // init: `init` gives up on it after the deadline (see there).
     unsafe { nc::comm_init_rank(comm.as_mut_ptr(), world as i32, id, rank as i32) }
         .map_err(|e| nccl_err(rank, "ncclCommInitRank", &e))?;
-    Ok(State {
+    let state = State {
         rank,
         dev,
         // SAFETY: initialised by the successful call above.
@@ -239,19 +272,28 @@ fn connect(
         timeout,
         in_flight: VecDeque::new(),
         aborted: false,
-    })
+    };
+    // A first collective, completed here: whatever NCCL still connects or allocates on first
+    // use fails now, under init's deadline, rather than inside the first step.
+    if world > 1 {
+        // SAFETY: the state's own 4-byte device buffer on its own stream.
+        unsafe { state.barrier_launch() }.map_err(|e| nccl_err(rank, "warm-up all_reduce", &e))?;
+        // SAFETY: the state's own live stream.
+        unsafe { cu::stream::synchronize(stream) }.map_err(cuerr("warm-up all_reduce"))?;
+    }
+    Ok(state)
 }
 
 impl State {
     /// Launches a collective on the communication stream after `start` (recorded on
     /// libtorch's stream when it was issued) and records `done` after it; returns once it is
-    /// queued. `buffers` stay alive until it completes.
+    /// queued. `buffers` stay alive until it completes or the work's wait takes them.
     fn run(
         &mut self,
         op: &'static str,
         bytes: usize,
         issued: Issued,
-        buffers: Vec<RawBuf>,
+        buffers: Held,
         launch: impl FnOnce(&State) -> Result<(), nc::NcclError>,
     ) -> Result<(), Error> {
         let cuerr = |e: cu::DriverError| backend_err(self.rank, op, format!("{e:?}"));
@@ -317,6 +359,26 @@ impl State {
         }
     }
 
+    /// Launches the one-element all-reduce of `one` that barriers and the warm-up use.
+    ///
+    /// # Safety
+    /// The communicator and stream are live (they are for a `State` not yet aborted).
+    unsafe fn barrier_launch(&self) -> Result<(), nc::NcclError> {
+        // SAFETY: the state's own 4-byte device buffer, in place.
+        unsafe {
+            nc::all_reduce(
+                self.one as *const c_void,
+                self.one as *mut c_void,
+                1,
+                ncsys::ncclDataType_t::ncclFloat32,
+                ncsys::ncclRedOp_t::ncclSum,
+                self.comm,
+                self.stream as _,
+            )?;
+        }
+        Ok(())
+    }
+
     fn abort(&mut self) {
         if !self.aborted {
             // SAFETY: aborting a live communicator once; Drop then skips destroying it.
@@ -324,6 +386,16 @@ impl State {
             self.aborted = true;
         }
     }
+}
+
+/// Runs `launches` inside one NCCL group; the group is ended whether they succeed or not (a
+/// group left open would swallow every later collective of this thread). The first error
+/// wins.
+fn grouped(launches: impl FnOnce() -> Result<(), nc::NcclError>) -> Result<(), nc::NcclError> {
+    nc::group_start()?;
+    let r = launches();
+    let end = nc::group_end();
+    r.and(end.map(drop))
 }
 
 fn dtype(d: DType) -> ncsys::ncclDataType_t {
@@ -350,6 +422,8 @@ pub(crate) struct NcclComm {
     ctx: Context,
     cu_device: cusys::CUdevice,
     exec: Executor<State>,
+    /// `dist.timeout_s`: how long a barrier's host wait lasts.
+    timeout: Duration,
     _store: Option<StoreClient>,
     _server: Option<StoreServer>,
 }
@@ -423,6 +497,7 @@ pub(crate) fn init(
         ctx,
         cu_device,
         exec,
+        timeout,
         _store: store,
         _server: server,
     }))
@@ -456,6 +531,19 @@ impl NcclComm {
         buffers: Vec<RawBuf>,
         launch: impl FnOnce(&State) -> Result<(), nc::NcclError> + Send + 'static,
     ) -> Result<Work, Error> {
+        self.issue_then(op, bytes, buffers, launch, |_| Ok(()))
+    }
+
+    /// As [`NcclComm::issue`], with `after` run by the wait once libtorch's stream is
+    /// ordered after the collective (given its completion event).
+    fn issue_then(
+        &self,
+        op: &'static str,
+        bytes: usize,
+        buffers: Vec<RawBuf>,
+        launch: impl FnOnce(&State) -> Result<(), nc::NcclError> + Send + 'static,
+        after: impl FnOnce(&Event) -> Result<(), Error> + Send + 'static,
+    ) -> Result<Work, Error> {
         let rank = self.rank;
         let cuerr = move |e: cu::DriverError| backend_err(rank, op, format!("{e:?}"));
         self.ctx.make_current(rank, op)?;
@@ -467,8 +555,10 @@ impl NcclComm {
             start,
             done: done.clone(),
         };
+        let held: Held = Arc::new(std::sync::Mutex::new(Some(buffers)));
+        let on_thread = held.clone();
         let work = self.exec.submit(op, bytes, move |st| {
-            st.run(op, bytes, issued, buffers, launch)
+            st.run(op, bytes, issued, on_thread, launch)
         })?;
         let ctx = self.ctx;
         Ok(work.then(move || {
@@ -482,7 +572,10 @@ impl NcclComm {
                     cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
                 )
             }
-            .map_err(cuerr)
+            .map_err(cuerr)?;
+            // Kernels that reuse the buffers' memory now run after the collective.
+            drop(held.lock().map(|mut h| h.take()));
+            after(&done)
         }))
     }
 
@@ -533,20 +626,21 @@ impl Communicator for NcclComm {
                         st.stream as _,
                     )?;
                 } else {
-                    nc::group_start()?;
-                    for (q, &n) in chunk_sizes(f.numel, w).iter().enumerate() {
-                        let dst = f.ptr + chunk_offset(f.numel, w, q) * es;
-                        nc::broadcast(
-                            s.ptr as *const c_void,
-                            dst as *mut c_void,
-                            n,
-                            dt,
-                            q as i32,
-                            st.comm,
-                            st.stream as _,
-                        )?;
-                    }
-                    nc::group_end()?;
+                    grouped(|| {
+                        for (q, &n) in chunk_sizes(f.numel, w).iter().enumerate() {
+                            let dst = f.ptr + chunk_offset(f.numel, w, q) * es;
+                            nc::broadcast(
+                                s.ptr as *const c_void,
+                                dst as *mut c_void,
+                                n,
+                                dt,
+                                q as i32,
+                                st.comm,
+                                st.stream as _,
+                            )?;
+                        }
+                        Ok(())
+                    })?;
                 }
             }
             Ok(())
@@ -574,21 +668,22 @@ impl Communicator for NcclComm {
                         st.stream as _,
                     )?;
                 } else {
-                    nc::group_start()?;
-                    for (q, &n) in chunk_sizes(f.numel, w).iter().enumerate() {
-                        let src = f.ptr + chunk_offset(f.numel, w, q) * es;
-                        nc::reduce(
-                            src as *const c_void,
-                            s.ptr as *mut c_void,
-                            n,
-                            dt,
-                            ro,
-                            q as i32,
-                            st.comm,
-                            st.stream as _,
-                        )?;
-                    }
-                    nc::group_end()?;
+                    grouped(|| {
+                        for (q, &n) in chunk_sizes(f.numel, w).iter().enumerate() {
+                            let src = f.ptr + chunk_offset(f.numel, w, q) * es;
+                            nc::reduce(
+                                src as *const c_void,
+                                s.ptr as *mut c_void,
+                                n,
+                                dt,
+                                ro,
+                                q as i32,
+                                st.comm,
+                                st.stream as _,
+                            )?;
+                        }
+                        Ok(())
+                    })?;
                 }
             }
             Ok(())
@@ -647,20 +742,62 @@ impl Communicator for NcclComm {
     }
 
     fn barrier(&self) -> Result<Work, Error> {
-        self.issue("barrier", 0, vec![], move |st| {
-            // SAFETY: the state's own 4-byte device buffer.
-            unsafe {
-                nc::all_reduce(
-                    st.one as *const c_void,
-                    st.one as *mut c_void,
-                    1,
-                    ncsys::ncclDataType_t::ncclFloat32,
-                    ncsys::ncclRedOp_t::ncclSum,
-                    st.comm,
-                    st.stream as _,
-                )?;
-            }
-            Ok(())
+        const OP: &str = "barrier";
+        let (rank, timeout) = (self.rank, self.timeout);
+        let failure = self.exec.failure_handle();
+        self.issue_then(
+            OP,
+            0,
+            vec![],
+            // SAFETY: a live state's own buffer and stream.
+            move |st| unsafe { st.barrier_launch() },
+            // The host waits too: every rank leaves the barrier once all arrived.
+            move |done| {
+                let until = Instant::now() + timeout;
+                loop {
+                    // SAFETY: a live event of this context.
+                    match unsafe { cu::event::query(done.0) } {
+                        Ok(()) => break,
+                        Err(cu::DriverError(cusys::cudaError_enum::CUDA_ERROR_NOT_READY)) => {}
+                        Err(e) => return Err(backend_err(rank, OP, format!("{e:?}"))),
+                    }
+                    if let Some(first) = failure.get() {
+                        return Err(Error::Poisoned {
+                            rank,
+                            op: OP,
+                            first: first.clone(),
+                        });
+                    }
+                    if Instant::now() > until {
+                        return Err(Error::Timeout {
+                            rank,
+                            op: OP,
+                            bytes: 0,
+                            peer: "unknown (NCCL does not say which rank is missing)".into(),
+                            timeout,
+                        });
+                    }
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                // An aborted barrier completes too: only a healthy one counts.
+                failure.get().map_or(Ok(()), |first| {
+                    Err(Error::Poisoned {
+                        rank,
+                        op: OP,
+                        first: first.clone(),
+                    })
+                })
+            },
+        )
+    }
+
+    fn check(&self) -> Result<(), Error> {
+        self.exec.failure().map_or(Ok(()), |first| {
+            Err(Error::Poisoned {
+                rank: self.rank,
+                op: "read of a collective's result",
+                first: first.to_string(),
+            })
         })
     }
 }

@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -98,10 +98,21 @@ struct Queued<S> {
 pub(crate) struct Executor<S> {
     tx: Mutex<Option<Sender<Queued<S>>>>,
     thread: Option<JoinHandle<()>>,
+    /// Receives once when the thread ends (after the state is dropped).
+    ended: Mutex<Receiver<()>>,
     pending: Arc<AtomicUsize>,
+    /// The first failure's words, published before `on_error` runs.
+    failure: Arc<OnceLock<String>>,
     rank: usize,
     timeout: Duration,
 }
+
+/// How long dropping an executor waits for its thread (which drops the state: for nccl,
+/// draining or aborting the communicator) before leaving it to end with the process.
+#[cfg(not(test))]
+const JOIN_DEADLINE: Duration = Duration::from_secs(10);
+#[cfg(test)]
+const JOIN_DEADLINE: Duration = Duration::from_secs(1);
 
 impl<S: 'static> Executor<S> {
     /// Starts the thread; `make` builds the state on it (so `S` need not be `Send`), `on_error`
@@ -152,9 +163,21 @@ impl<S: 'static> Executor<S> {
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), Error>>();
         let pending = Arc::new(AtomicUsize::new(0));
         let pend = pending.clone();
+        let failure = Arc::new(OnceLock::new());
+        let failed = failure.clone();
+        let (ended_tx, ended) = mpsc::channel::<()>();
         let thread = std::thread::Builder::new()
             .name(format!("zrun-comm-{rank}"))
             .spawn(move || {
+                // Dropped last, after the state: the signal that the thread has ended.
+                let _ended = Ended(ended_tx);
+                // The first failure: published before `on_error` aborts the backend, so a
+                // reader that saw an aborted collective end also sees the failure.
+                let fail = |state: &mut S, first: &mut Option<String>, e: String| {
+                    let _ = failed.set(e.clone());
+                    *first = Some(e);
+                    on_error(state);
+                };
                 let mut state = match make() {
                     Ok(s) => {
                         let _ = ready_tx.send(Ok(()));
@@ -170,8 +193,7 @@ impl<S: 'static> Executor<S> {
                     if let (Some((_, f)), None) = (watch, &first) {
                         if let Err(e) = f(state) {
                             tracing::error!("{e}");
-                            *first = Some(e.to_string());
-                            on_error(state);
+                            fail(state, first, e.to_string());
                         }
                     }
                 };
@@ -200,8 +222,7 @@ impl<S: 'static> Executor<S> {
                         None => {
                             let r = (q.job)(&mut state);
                             if let Err(e) = &r {
-                                first = Some(e.to_string());
-                                on_error(&mut state);
+                                fail(&mut state, &mut first, e.to_string());
                             }
                             r
                         }
@@ -244,10 +265,26 @@ impl<S: 'static> Executor<S> {
         Ok(Executor {
             tx: Mutex::new(Some(tx)),
             thread: Some(thread),
+            ended: Mutex::new(ended),
             pending,
+            failure,
             rank,
             timeout,
         })
+    }
+
+    /// The first failure of this executor's jobs or watch, if any: a collective that
+    /// completed after it may have been cut short (an aborted NCCL kernel ends without
+    /// finishing), so what it left in its buffers must not be trusted.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the nccl backend's
+    pub(crate) fn failure(&self) -> Option<&str> {
+        self.failure.get().map(String::as_str)
+    }
+
+    /// The cell [`Executor::failure`] reads, for a waiter that outlives this borrow.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the nccl backend's
+    pub(crate) fn failure_handle(&self) -> Arc<OnceLock<String>> {
+        self.failure.clone()
     }
 
     /// Queues `job`; the returned work's deadline allows `timeout` for it and for each job
@@ -295,15 +332,31 @@ impl<S: 'static> Executor<S> {
     }
 }
 
+/// Sends once when dropped.
+struct Ended(Sender<()>);
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        let _ = self.0.send(());
+    }
+}
+
 impl<S> Drop for Executor<S> {
     fn drop(&mut self) {
         if let Ok(mut g) = self.tx.lock() {
             g.take();
         }
         // A thread still inside a collective (a peer is stuck, or the MPI library cannot be
-        // interrupted) is left behind rather than blocking the caller; it ends with the process.
+        // interrupted), or one whose state takes longer than JOIN_DEADLINE to drop (a
+        // communicator waiting for a dead peer), is left behind rather than blocking the
+        // caller; it ends with the process.
         if let Some(t) = self.thread.take() {
-            if self.pending.load(Ordering::SeqCst) == 0 {
+            if self.pending.load(Ordering::SeqCst) == 0
+                && self
+                    .ended
+                    .lock()
+                    .is_ok_and(|rx| rx.recv_timeout(JOIN_DEADLINE).is_ok())
+            {
                 let _ = t.join();
             }
         }
@@ -472,6 +525,50 @@ mod tests {
         .unwrap()
         .wait()
         .unwrap();
+    }
+
+    /// A state whose drop blocks (a communicator that waits for a dead peer) does not block
+    /// the executor's drop past its deadline.
+    #[test]
+    fn dropping_an_executor_whose_state_hangs_returns_within_the_deadline() {
+        struct Stuck;
+        impl Drop for Stuck {
+            fn drop(&mut self) {
+                std::thread::sleep(JOIN_DEADLINE * 3);
+            }
+        }
+        let ex = Executor::spawn(0, Duration::from_secs(5), || Ok(Stuck), |_| {}).unwrap();
+        ex.submit("x", 0, |_| Ok(())).unwrap().wait().unwrap();
+        let t = Instant::now();
+        drop(ex);
+        assert!(t.elapsed() < JOIN_DEADLINE * 2, "{:?}", t.elapsed());
+    }
+
+    #[test]
+    fn the_first_failure_is_published_before_on_error_runs() {
+        static SEEN: std::sync::Mutex<Option<bool>> = std::sync::Mutex::new(None);
+        let ex = Arc::new(
+            Executor::spawn(
+                1,
+                Duration::from_secs(5),
+                || Ok(()),
+                |_| *SEEN.lock().unwrap() = Some(true),
+            )
+            .unwrap(),
+        );
+        assert!(ex.failure().is_none());
+        let e = ex
+            .submit("all_reduce", 4, |_| {
+                Err(Error::Connect {
+                    rank: 1,
+                    detail: "peer died".into(),
+                })
+            })
+            .unwrap()
+            .wait();
+        assert!(e.is_err());
+        assert_eq!(*SEEN.lock().unwrap(), Some(true));
+        assert!(ex.failure().is_some_and(|f| f.contains("peer died")));
     }
 
     #[test]

@@ -502,6 +502,8 @@ impl Engine {
         } else {
             grads.iter().map(sum_of_squares).sum::<Result<f64>>()?
         };
+        // The reduced gradients were just read: they count only if no collective was cut.
+        self.mover.check()?;
         // Stage 0 holds the whole reduced gradient on every rank; the others own a part.
         let sum_sq = if self.cfg.stage == Stage::Zero0 {
             local
@@ -555,6 +557,8 @@ impl Engine {
             }
         }
         self.grads.f_zero_().done("zero gradients", "-")?;
+        // The update read gradients (on the host too, offloaded) and gathered parameters.
+        self.mover.check()?;
         Ok(StepStats {
             grad_norm,
             clip_coef,

@@ -304,6 +304,8 @@ impl Engine {
             self.accumulate_shard(p, last)?;
         }
         let value = value.f_double_value(&[]).ctx("read loss", "head")?;
+        // The loss came from gathered parameters (stage 3): valid only if no gather was cut.
+        self.mover.check()?;
         let (fwd_wait, bwd_wait) = (w1 - w0, self.mover.waited - w1);
         let t = &mut self.times;
         t.forward += (t1 - t0).saturating_sub(fwd_wait).as_secs_f64();

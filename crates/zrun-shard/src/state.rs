@@ -331,6 +331,14 @@ impl Mover {
             .all_reduce(&t, ReduceOp::Sum)
             .map_err(Error::Comm)?;
         self.timed(|| work.wait()).map_err(Error::Comm)?;
-        t.f_double_value(&[0]).ctx("read reduced value", "-")
+        let sum = t.f_double_value(&[0]).ctx("read reduced value", "-")?;
+        self.check()?;
+        Ok(sum)
+    }
+
+    /// Fails when the communicator failed since it was made: after a host read of what the
+    /// collectives wrote (an aborted NCCL collective ends without finishing, silently).
+    pub(crate) fn check(&self) -> Result<()> {
+        self.comm.check().map_err(Error::Comm)
     }
 }

@@ -494,3 +494,75 @@ fn a_tied_embedding_is_updated_once_by_an_overlapped_offloaded_step() {
         assert!(a.equal(b), "{n} differs");
     }
 }
+
+/// A communicator whose collectives succeed but which, once `failed` is set, reports a
+/// failure at `check`: an NCCL communicator aborted by its watch while the host ran ahead
+/// (its cut-short collectives complete without an error of their own).
+struct CutShort {
+    inner: Arc<dyn zrun_comm::Communicator>,
+    failed: std::sync::atomic::AtomicBool,
+}
+
+impl zrun_comm::Communicator for CutShort {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn backend(&self) -> zrun_comm::Backend {
+        self.inner.backend()
+    }
+    fn all_gather(&self, s: &Tensor, f: &Tensor) -> Result<zrun_comm::Work, zrun_comm::Error> {
+        self.inner.all_gather(s, f)
+    }
+    fn reduce_scatter(
+        &self,
+        f: &Tensor,
+        s: &Tensor,
+        op: zrun_comm::ReduceOp,
+    ) -> Result<zrun_comm::Work, zrun_comm::Error> {
+        self.inner.reduce_scatter(f, s, op)
+    }
+    fn all_reduce(
+        &self,
+        t: &Tensor,
+        op: zrun_comm::ReduceOp,
+    ) -> Result<zrun_comm::Work, zrun_comm::Error> {
+        self.inner.all_reduce(t, op)
+    }
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<zrun_comm::Work, zrun_comm::Error> {
+        self.inner.broadcast(t, root)
+    }
+    fn barrier(&self) -> Result<zrun_comm::Work, zrun_comm::Error> {
+        self.inner.barrier()
+    }
+    fn check(&self) -> Result<(), zrun_comm::Error> {
+        if self.failed.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(zrun_comm::Error::Poisoned {
+                rank: 0,
+                op: "read of a collective's result",
+                first: "rank 0, all_gather: timed out (aborted)".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn reads_after_a_cut_short_collective_fail_instead_of_training_on_them() {
+    let comm = Arc::new(CutShort {
+        inner: single(),
+        failed: std::sync::atomic::AtomicBool::new(false),
+    });
+    let cfg = EngineConfig::fp32(Stage::Zero3, Device::Cpu, SEED, adamw());
+    let mut e = Engine::new(model(), comm.clone(), cfg).unwrap();
+    let (x, y) = batch(1, 2, 24, 97);
+    e.forward_backward(&x, &y, 1.0).unwrap();
+    e.step(1e-3, 1.0).unwrap();
+    comm.failed.store(true, std::sync::atomic::Ordering::SeqCst);
+    let err = e.forward_backward(&x, &y, 1.0).unwrap_err().to_string();
+    assert!(err.contains("aborted"), "{err}");
+    let err = e.step(1e-3, 1.0).unwrap_err().to_string();
+    assert!(err.contains("aborted"), "{err}");
+}

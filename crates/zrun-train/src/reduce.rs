@@ -26,6 +26,7 @@ pub(crate) fn reduce(
         .and_then(|w| w.wait())
         .map_err(zrun_shard::Error::Comm)?;
     let back = t.f_to(Device::Cpu).map_err(torch)?;
+    comm.check().map_err(zrun_shard::Error::Comm)?;
     let out = Vec::<f32>::try_from(&back).map_err(torch)?;
     Ok(out.into_iter().map(f64::from).collect())
 }
@@ -52,6 +53,7 @@ pub(crate) fn gather_bytes(
         .and_then(|x| x.wait())
         .map_err(zrun_shard::Error::Comm)?;
     let full = full.f_to(Device::Cpu).map_err(torch)?;
+    comm.check().map_err(zrun_shard::Error::Comm)?;
     let mut bytes = vec![0u8; w * words * 4];
     full.f_copy_data_u8(&mut bytes, w * words).map_err(torch)?;
     Ok(bytes
