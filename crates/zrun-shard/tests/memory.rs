@@ -73,7 +73,9 @@ fn model_state_bytes_per_rank_equal_the_zero_formula() {
     let adamw = adamw();
     let mut padded_somewhere = false;
     for world in 1..=4i64 {
-        // Ψ with padding: every unit rounded up to a multiple of W; Ψ/W is exact.
+        // Ψ with padding: every unit rounded up to a multiple of W x SHARD_ALIGN; Ψ/W is
+        // exact.
+        let step = world * zrun_shard::SHARD_ALIGN;
         let psi: i64 = model
             .units()
             .iter()
@@ -83,7 +85,7 @@ fn model_state_bytes_per_rank_equal_the_zero_formula() {
                     .iter()
                     .map(|p| p.shape.iter().product::<i64>())
                     .sum();
-                (n + world - 1) / world * world
+                (n + step - 1) / step * step
             })
             .sum();
         let s = psi / world;

@@ -112,7 +112,17 @@ pub fn unit_entries(layout: &ShardLayout) -> Vec<UnitEntry> {
                     decay: v.decay,
                 })
                 .collect(),
-            shards: UnitEntry::even_shards(u.numel as u64, w),
+            // The engine's own slices (padded, aligned), cut at the unit's end.
+            shards: (0..w as i64)
+                .map(|r| {
+                    let (off, len) = u.shard_range(r);
+                    let start = off.min(u.numel) as u64;
+                    zrun_ckpt::Shard {
+                        start,
+                        len: (off + len).min(u.numel) as u64 - start,
+                    }
+                })
+                .collect(),
         })
         .collect()
 }
