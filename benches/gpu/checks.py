@@ -16,6 +16,12 @@ Checks (one GPU; several ranks share it over the tcp backend, which stages CUDA 
   e  offload   gpt2-medium bf16 stage 2 at W=1 with and without offload_optimizer = "cpu"
   f  oom       a micro-batch far too large at W=2: exit 4, a diagnosis naming rank, phase and
                bytes, every rank gone in time
+  i  nccl_ranks stages 0-3 at W=2 over NCCL on the one GPU (ZRUN_NCCL_SHARE_GPU=1: a host id
+               per rank, sockets over loopback) against W=1, fp32 (1e-5) and bf16 (3%), and
+               `zrun bench comm --backend nccl --nproc 2` with no wrong element
+  j  nccl_kill two NCCL ranks started without the launcher (as mpirun or srun would), one
+               killed mid-run: the other's watchdog ends it within dist.timeout_s naming the
+               timeout, and no process is left
   h  limit     dist.memory_limit on CUDA (the caching allocator's per-process fraction) with
                train.on_oom = "shrink": a micro-batch that does not fit under the limit is
                halved until it does, and the allocator never passes the limit
@@ -123,13 +129,13 @@ class Checks:
             rc = None
         return rc, out, time.time() - t0
 
-    def train(self, name, config, nproc, sets, timeout=240):
+    def train(self, name, config, nproc, sets, env=None, timeout=240):
         """One zrun job; returns its exit code, output tail, metrics and summary."""
         d = self.work / name
         args = ["--nproc", str(nproc), str(self.configs[config]), "--set", f'log.dir="{d}"']
         for s in sets:
             args += ["--set", s]
-        rc, out, secs = self.cmd(args, timeout)
+        rc, out, secs = self.cmd(args, timeout, env=env)
         run = {"rc": rc, "seconds": round(secs, 1)}
         if rc != 0:
             run["output"] = out[-3000:]
@@ -379,7 +385,78 @@ def check_limit(c):
     }
 
 
-CHECKS = {"a": ("nccl", check_nccl), "c": ("speed", check_speed), "e": ("offload", check_offload),
+SHARE = {"ZRUN_NCCL_SHARE_GPU": "1"}
+
+
+def check_nccl_ranks(c):
+    pairs = []
+    for prec in ["fp32", "bf16"]:
+        for stage in range(4):
+            common = [f"zero.stage={stage}", f'zero.precision="{prec}"']
+            key = f"{prec}-stage{stage}"
+            pairs.append((key, (f"nw1-{key}", "small", 1, common + ["train.micro_batch=12"]),
+                          (f"nw2-{key}", "small", 2,
+                           common + ["train.micro_batch=6", 'dist.backend="nccl"'], SHARE)))
+    r = compare(c, pairs, lambda k: 1e-5 if k.startswith("fp32") else 3e-2)
+    r["what"] = "W=2 over NCCL sharing one GPU against W=1, same global batch, per-step loss"
+    rows = []
+    for dtype in ["fp32", "bf16"]:
+        rc, out, _ = c.cmd(
+            ["bench", "comm", "--nproc", "2", "--backend", "nccl", "--sizes", "1M,16M",
+             "--dtype", dtype, "--json"], 300, env=SHARE)
+        got = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+        r["pass"] &= rc == 0 and len(got) == 6 and all(x["wrong"] == 0 for x in got)
+        rows += got
+        if rc != 0:
+            r["comm_output"] = out[-2000:]
+    r["comm_rows"] = rows
+    return r
+
+
+def check_nccl_kill(c, timeout_s=30):
+    """Two ranks as mpirun would start them (RANK, WORLD_SIZE, MASTER_ADDR/PORT; rank 0 hosts
+    the store), NCCL sharing the GPU; rank 1 is killed 20 s in (past init, mid-steps)."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    d = c.work / "nccl-kill"
+    procs = []
+    for r in range(2):
+        env = {**os.environ, **SHARE, "ZRUN_QUIET": "1", "RANK": str(r), "LOCAL_RANK": str(r),
+               "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "ZRUN_JOB_TOKEN": "gpu-check"}
+        procs.append(subprocess.Popen(
+            [str(c.zrun), str(c.configs["small"]), "--set", f'log.dir="{d}"',
+             "--set", "train.steps=1000000", "--set", 'dist.backend="nccl"',
+             "--set", f"dist.timeout_s={timeout_s}", "--set", "train.micro_batch=6"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            start_new_session=True))
+    time.sleep(20)
+    alive_before = procs[1].poll() is None and procs[0].poll() is None
+    procs[1].kill()
+    t0 = time.time()
+    try:
+        out, _ = procs[0].communicate(timeout=timeout_s + 60)
+        rc, took = procs[0].returncode, round(time.time() - t0, 1)
+    except subprocess.TimeoutExpired:
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        out, _ = procs[0].communicate()
+        rc, took = None, None
+    procs[1].communicate()
+    leftover = subprocess.run(["pgrep", "-f", str(c.zrun)], capture_output=True, text=True).stdout
+    text = out.lower()
+    named = any(n in text for n in ["timed out", "timeout", "did not complete", "aborted"])
+    return {
+        "pass": alive_before and rc not in (0, None) and took is not None
+        and took <= timeout_s + 15 and named and not leftover.strip(),
+        "rc": rc, "exit_after_kill_s": took, "timeout_s": timeout_s, "named": named,
+        "processes_left": leftover.split(), "output": out[-2500:],
+    }
+
+
+CHECKS = {"a": ("nccl", check_nccl), "i": ("nccl_ranks", check_nccl_ranks),
+          "j": ("nccl_kill", check_nccl_kill), "c": ("speed", check_speed), "e": ("offload", check_offload),
           "d": ("memory", check_memory), "b": ("ranks", check_ranks), "g": ("cpu", check_cpu),
           "f": ("oom", check_oom), "h": ("limit", check_limit)}
 
@@ -413,6 +490,12 @@ def table(results):
             fig = (f"peak {r['cuda_allocated_peak'] / GB:.2f} GB under {r['limit'] / GB:.2f} GB, "
                    f"micro-batch {r['shrinks'][0].get('from') if r['shrinks'] else '?'} -> "
                    f"{r['final_micro_batch']}")
+        elif key == "nccl_ranks" and "rows" in r:
+            worst = max((x["worst_rel_loss"] or 0) for x in r["rows"].values())
+            wrong = sum(x["wrong"] for x in r.get("comm_rows", []))
+            fig = f"{len(r['rows'])} pairs, worst relative loss gap {worst:.2e}, comm wrong {wrong}"
+        elif key == "nccl_kill":
+            fig = f"exit {r.get('rc')} {r.get('exit_after_kill_s')} s after the kill, named {r.get('named')}"
         elif key == "nccl":
             fig = f"{len(r.get('rows', []))} rows, wrong {sum(x['wrong'] for x in r.get('rows', []))}"
         lines.append(f"{key:8} {'PASS' if r.get('pass') else 'FAIL'}  {fig}")
@@ -423,7 +506,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--zrun", required=True, help="the zrun binary built with --features cuda")
     ap.add_argument("--out", required=True, help="the JSON file of results")
-    ap.add_argument("--only", default="a,c,e,d,b,g,f,h", help="checks to run, in this order")
+    ap.add_argument("--only", default="a,i,j,c,e,d,b,g,f,h",
+                    help="checks to run, in this order")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="zrun-gpu-") as work:
         c = Checks(Path(args.zrun).resolve(), args.out, work)
