@@ -210,6 +210,9 @@ impl Check<'_> {
         // (they are prepared once, before the job); a concurrent truncation would be a misuse
         // of the data directory that no reader can guard against.
         let map = unsafe { Mmap::map(&file) }.map_err(io("memory-map"))?;
+        // The pass below reads the file once, in order: ask for aggressive readahead (a
+        // failed hint costs only speed).
+        let _ = map.advise(memmap2::Advice::Sequential);
         let layout = token_file::layout(&path, &map)?;
         if !layout.header || layout.dtype != self.dtype || layout.tokens != rec.tokens {
             let has = if layout.header {
@@ -232,6 +235,8 @@ impl Check<'_> {
         let max = max_token_with(&map[layout.start..], layout.dtype, |chunk| {
             hasher.update(chunk)
         });
+        // Training reads windows at random: back to the kernel's default readahead.
+        let _ = map.advise(memmap2::Advice::Normal);
         let digest = xxh3_hex(&hasher);
         if !digest.eq_ignore_ascii_case(&rec.xxh3) {
             return Err(bad(format!(
@@ -448,5 +453,65 @@ mod tests {
             e.contains("train-00000.bin") && e.contains("token 99 at offset 99"),
             "{e}"
         );
+    }
+
+    /// The open's cost on a large directory: `ZRUN_OPEN_COST_DIR=DIR ZRUN_OPEN_COST_GB=4 cargo
+    /// test --release -p zrun-train --lib open_cost -- --ignored --nocapture` writes DIR once
+    /// (uint16 shards of 250M tokens) and times `Dataset::open` on 1 and 2 threads.
+    #[test]
+    #[ignore = "writes gigabytes; a measurement, run by hand"]
+    fn open_cost() {
+        let dir = PathBuf::from(std::env::var("ZRUN_OPEN_COST_DIR").unwrap());
+        let gb: f64 = std::env::var("ZRUN_OPEN_COST_GB").map_or(4.0, |v| v.parse().unwrap());
+        let per_shard = 250_000_000usize;
+        let shards = ((gb * 1e9 / 2.0) as usize).div_ceil(per_shard);
+        if !dir.join(INDEX_FILE).exists() {
+            std::fs::create_dir_all(&dir).unwrap();
+            let mut x = 1u64;
+            let mut records = Vec::new();
+            for i in 0..shards {
+                let mut bytes = token_file::header(TokenDtype::U16, per_shard as u64)
+                    .unwrap()
+                    .to_vec();
+                bytes.reserve(2 * per_shard);
+                for _ in 0..per_shard {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+                    bytes.extend_from_slice(&(((x >> 33) % 50257) as u16).to_le_bytes());
+                }
+                let file = format!("train-{i:05}.bin");
+                std::fs::write(dir.join(&file), &bytes).unwrap();
+                records.push(ShardRecord {
+                    file,
+                    tokens: per_shard as u64,
+                    documents: 1,
+                    bytes: bytes.len() as u64,
+                    xxh3: xxh3_of(&bytes),
+                });
+            }
+            let template = tempfile::tempdir().unwrap();
+            let mut index = write_dir(template.path(), TokenDtype::U16, &[&[1, 2]], &[]);
+            index.train = records;
+            index.vocab_size = 50257;
+            index.write(&dir).unwrap();
+        }
+        let bytes: u64 = ShardIndex::read(&dir)
+            .unwrap()
+            .train
+            .iter()
+            .map(|s| s.bytes)
+            .sum();
+        for threads in [1, 2] {
+            tch::set_num_threads(threads);
+            let t = std::time::Instant::now();
+            let ds = open(&dir, 1024, 50257).unwrap();
+            let s = t.elapsed().as_secs_f64();
+            eprintln!(
+                "open: {} shards, {:.2} GB, {threads} thread(s): {s:.2} s, {:.2} GB/s ({} windows)",
+                shards,
+                bytes as f64 / 1e9,
+                bytes as f64 / 1e9 / s,
+                ds.len(Split::Train).unwrap()
+            );
+        }
     }
 }
