@@ -71,6 +71,11 @@ if ! .venv/bin/python -c "import transformers, tokenizers" 2>/dev/null; then
     echo "setup: installing transformers into .venv"
     .venv/bin/python -m pip install -q --resume-retries 20 "transformers>=4.46,<6" tokenizers
 fi
+# The prepare tests and benches/prepare_speed.py write Parquet and zstd inputs with pyarrow.
+if ! .venv/bin/python -c "import pyarrow" 2>/dev/null; then
+    echo "setup: installing pyarrow into .venv"
+    .venv/bin/python -m pip install -q --resume-retries 20 pyarrow
+fi
 # The nccl backend (feature `cuda`): cudarc loads NCCL as libnccl.so, but pip's nvidia-nccl
 # wheel (a dependency of torch) ships only libnccl.so.2. Link it under cudarc's name in
 # .venv/zrun-lib, which scripts/env.sh puts on LD_LIBRARY_PATH; it is the very file

@@ -95,6 +95,14 @@ fn rejects(args: &[&str], needles: &[&str]) {
     }
 }
 
+/// Checks that a `zrun prepare` succeeded and printed nothing on stderr (no progress off a
+/// terminal in a short run, no warning such as the byte-level path disagreeing with the
+/// library).
+fn prepared(out: &std::process::Output) {
+    assert!(out.status.success(), "{}", stderr(out));
+    assert_eq!(stderr(out), "", "stderr of a good run");
+}
+
 /// Runs zrun with extra environment variables.
 fn zrun_env(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
     zrun_child(args, env).wait_with_output().unwrap()
@@ -135,7 +143,7 @@ fn prepare_writes_what_python_tokenizers_encodes_token_for_token() {
         "--val-fraction",
         "0.5",
     ]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    prepared(&out);
     // --val-fraction 0.5: documents 1, 3, ... go to val.
     let train = read_split(&d.join("data"), "train", 40_000);
     let val = read_split(&d.join("data"), "val", 40_000);
@@ -186,7 +194,7 @@ fn a_template_that_starts_each_document_replaces_the_end_of_text_token() {
     let out_dir = d.join("data").display().to_string();
     let args = ["prepare", "--tokenizer", &tok, &a, &big, "-o", &out_dir];
     let out = zrun(&[&args[..], &["--val-fraction", "0"]].concat());
-    assert!(out.status.success(), "{}", stderr(&out));
+    prepared(&out);
     // The book in pieces starts with <|begin_of_text|> once.
     assert_eq!(read_split(&d.join("data"), "train", 0), docs.concat());
     let line = stdout(&out);
@@ -203,7 +211,7 @@ fn a_template_that_starts_each_document_replaces_the_end_of_text_token() {
         ]
         .concat(),
     );
-    assert!(out.status.success(), "{}", stderr(&out));
+    prepared(&out);
     let got = read_split(&d.join("data"), "train", 0);
     assert_eq!(got.len(), docs.concat().len() + 2);
     assert!(stdout(&out).contains("each ended by <|end_of_text|>"));
@@ -227,7 +235,7 @@ fn json_lines_gzip_zstd_and_parquet_equal_python_tokenizers_for_any_thread_count
         ]
         .concat();
         let out = zrun_env(&args, &[("RAYON_NUM_THREADS", threads)]);
-        assert!(out.status.success(), "{}", stderr(&out));
+        prepared(&out);
         stdout(&out)
     };
     // A previous prepare's files (the older layout, a killed run's shard) are replaced.
@@ -305,6 +313,18 @@ fn json_lines_gzip_zstd_and_parquet_equal_python_tokenizers_for_any_thread_count
             == std::fs::read(d.join("two").join(n)).unwrap();
         assert!(same, "{n} differs between 1 and 2 threads");
     }
+
+    // Training reads the directory: train shards, and the val shards for eval.
+    let one = d.join("one").display().to_string();
+    let cfg = train_config(
+        &d,
+        "vocab_size = 512",
+        &format!("source = \"tokens\"\npath = \"{one}\""),
+    );
+    let out = zrun(&[&cfg]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let metrics = std::fs::read_to_string(d.join("run/metrics.jsonl")).unwrap();
+    assert!(metrics.contains("\"step\":2"), "{metrics}");
 }
 
 #[test]
@@ -331,7 +351,7 @@ fn a_vocabulary_above_65536_gives_uint32_shards_the_loader_reads_back() {
         "--val-fraction",
         "0",
     ]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    prepared(&out);
     assert!(stdout(&out).contains("uint32"), "{}", stdout(&out));
     assert_eq!(read_split(&d.join("data"), "train", 0), want);
     let shard = d.join("data/train-00000.bin");

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use xxhash_rust::xxh3::Xxh3;
 
-use super::super::index::ShardRecord;
+use super::super::index::{xxh3_hex, ShardRecord};
 use super::super::token_file::{write_error, TokenDtype, TokenWriter};
 use super::super::DataError;
 
@@ -133,7 +133,7 @@ fn hash(path: &Path) -> Result<(u64, String), DataError> {
     loop {
         let n = f.read(&mut buf).map_err(write_error(path, "read back"))?;
         if n == 0 {
-            return Ok((bytes, format!("{:032x}", h.digest128())));
+            return Ok((bytes, xxh3_hex(&h)));
         }
         h.update(&buf[..n]);
         bytes += n as u64;

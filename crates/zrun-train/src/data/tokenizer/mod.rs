@@ -1,7 +1,7 @@
 //! Hugging Face tokenizers (`tokenizer.json`) and how documents are joined into one token
 //! stream.
 //!
-//! Every document (a text file) is encoded on its own, with the tokenizer's post-processor
+//! Every document (a text file, a JSON line, a Parquet row) is encoded on its own, with the tokenizer's post-processor
 //! (`add_special_tokens = true`, as `tokenizer.encode(text)` does in Python), so a tokenizer
 //! whose template adds a beginning-of-text token (Llama 3's `<|begin_of_text|>`, Llama 2's
 //! `<s>`) starts every document with it. A tokenizer whose template adds nothing (GPT-2's)
@@ -9,8 +9,17 @@
 //! `prepare.py` does: the first of `<|endoftext|>`, `<|end_of_text|>`, `</s>`, `<eos>` that
 //! its vocabulary holds. With neither, documents are joined as they are. `zrun prepare --eos`
 //! names another token to append, or `none`.
+//!
+//! `zrun prepare` encodes long documents in pieces ([`Tokenizer::encode_pieces`]): the template's
+//! tokens go around the whole document, not each piece. Byte-level BPE tokenizers (GPT-2's,
+//! Llama 3's) take a faster path to the same ids (byte_level.rs).
+
+mod byte_level;
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+
+use byte_level::ByteLevel;
 
 use super::DataError;
 use crate::config::DataConfig;
@@ -59,7 +68,16 @@ pub struct Tokenizer {
     eos: Option<(String, u32)>,
     /// The template's tokens before and after a sequence, for documents encoded in pieces.
     template: (Vec<u32>, Vec<u32>),
+    /// The byte-level path, when this tokenizer is one it reproduces (byte_level.rs).
+    fast: Option<ByteLevel>,
+    /// Pieces still to encode both ways and compare; a difference turns the fast path off.
+    checks: AtomicU32,
+    /// The fast path is on.
+    fast_on: AtomicBool,
 }
+
+/// Pieces of a run encoded by both paths and compared before the fast path is trusted alone.
+const CHECKED_PIECES: u32 = 64;
 
 /// One piece of a document for [`Tokenizer::encode_pieces`]: a whole document is its first
 /// and last piece.
@@ -129,6 +147,14 @@ impl Tokenizer {
             }
             _ => (empty, Vec::new()),
         };
+        let added: Vec<String> = inner
+            .get_added_tokens_decoder()
+            .values()
+            .map(|t| t.content.clone())
+            .collect();
+        let fast = serde_json::from_slice(&bytes)
+            .ok()
+            .and_then(|json| ByteLevel::detect(&json, &added));
         let mut t = Tokenizer {
             inner,
             path: path.to_path_buf(),
@@ -136,6 +162,9 @@ impl Tokenizer {
             templated,
             eos: None,
             template,
+            fast_on: AtomicBool::new(fast.is_some()),
+            fast,
+            checks: AtomicU32::new(CHECKED_PIECES),
         };
         t.set_eos(&Eos::Auto, key)?;
         Ok(t)
@@ -174,8 +203,9 @@ impl Tokenizer {
     /// A whole document is `encode(text)` with the template's tokens, then the end-of-text
     /// token; a document in several pieces gets the template's leading tokens on its first
     /// piece, its trailing ones and the end-of-text token on its last, and the pieces are
-    /// encoded without the template. On failure: the failing piece's position and the
-    /// tokenizer's error in one line.
+    /// encoded without the template. Byte-level BPE tokenizers take the faster path of
+    /// byte_level.rs, checked against the library on the first pieces of every run. On
+    /// failure: the failing piece's position and the tokenizer's error in one line.
     pub(crate) fn encode_pieces(
         &self,
         pieces: &[Piece<'_>],
@@ -185,24 +215,65 @@ impl Tokenizer {
             .par_iter()
             .enumerate()
             .map(|(i, p)| {
-                let whole = p.first && p.last;
-                let enc = self
-                    .inner
-                    .encode_fast(p.text, whole)
-                    .map_err(|e| (i, one_line(&e.to_string())))?;
-                let (before, after) = &self.template;
-                let before: &[u32] = if p.first && !whole { before } else { &[] };
-                let after: &[u32] = if p.last && !whole { after } else { &[] };
-                let eos = self.eos.as_ref().filter(|_| p.last).map(|(_, id)| *id);
-                let body = enc.get_ids();
-                let mut ids = Vec::with_capacity(before.len() + body.len() + after.len() + 1);
-                ids.extend_from_slice(before);
-                ids.extend_from_slice(body);
-                ids.extend_from_slice(after);
-                ids.extend(eos);
+                let mut ids = match self.encode_fast_path(p) {
+                    Some(Ok(ids)) => Ok(ids),
+                    None => self.encode_library(p),
+                    Some(Err(e)) => Err(e),
+                }
+                .map_err(|e| (i, one_line(&e.to_string())))?;
+                ids.extend(self.eos.as_ref().filter(|_| p.last).map(|(_, id)| *id));
                 Ok(ids)
             })
             .collect()
+    }
+
+    /// A piece through the library: its ids with the template's tokens it gets.
+    fn encode_library(&self, p: &Piece<'_>) -> tokenizers::Result<Vec<u32>> {
+        let whole = p.first && p.last;
+        let enc = self.inner.encode_fast(p.text, whole)?;
+        let (before, after) = &self.template;
+        let before: &[u32] = if p.first && !whole { before } else { &[] };
+        let after: &[u32] = if p.last && !whole { after } else { &[] };
+        Ok([before, enc.get_ids(), after].concat())
+    }
+
+    /// A piece through the byte-level path, when it applies (None: use the library).
+    fn encode_fast_path(&self, p: &Piece<'_>) -> Option<tokenizers::Result<Vec<u32>>> {
+        let fast = self.fast.as_ref()?;
+        if !self.fast_on.load(Ordering::Relaxed) {
+            return None;
+        }
+        let (before, after) = &self.template;
+        let mut ids = Vec::with_capacity(p.text.len() / 3 + 4);
+        if p.first {
+            ids.extend_from_slice(before);
+        }
+        match fast.encode(self.inner.get_model(), p.text, &mut ids) {
+            Ok(true) => {}
+            Ok(false) => return None,
+            Err(e) => return Some(Err(e)),
+        }
+        if p.last {
+            ids.extend_from_slice(after);
+        }
+        let check = self
+            .checks
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_ok();
+        if check {
+            let library = self.encode_library(p);
+            if library.as_ref().ok() != Some(&ids) {
+                if self.fast_on.swap(false, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "{}: the byte-level fast path disagrees with the tokenizers library \
+                         on a document; encoding with the library (slower) from here on",
+                        self.path.display()
+                    );
+                }
+                return Some(library);
+            }
+        }
+        Some(Ok(ids))
     }
 
     /// The file it was loaded from.
