@@ -50,6 +50,9 @@ pub enum Part {
     ExpAvg,
     /// AdamW second moment (torch's `exp_avg_sq`).
     ExpAvgSq,
+    /// fp32 compute parameters one update behind the master, held only by a checkpoint of a
+    /// run with a delayed update pending ([`Manifest::delayed_params`]); not in [`Part::ALL`].
+    Delayed,
 }
 
 impl Part {
@@ -62,6 +65,7 @@ impl Part {
             Part::Master => "master",
             Part::ExpAvg => "exp_avg",
             Part::ExpAvgSq => "exp_avg_sq",
+            Part::Delayed => "delayed",
         }
     }
 }

@@ -66,6 +66,11 @@ pub struct Manifest {
     /// versions): a resume compares it with the new run's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_order: Option<DataOrder>,
+    /// A delayed parameter update (`zero.offload_delay`) was pending: the master holds it,
+    /// and every rank file also holds `<unit>.delayed`, the fp32 compute parameters one
+    /// update behind it that the next step's forward runs on (absent: false).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub delayed_params: bool,
 }
 
 /// The identity of the run that wrote a checkpoint: a restart of the same run (the

@@ -154,11 +154,11 @@ impl RankFile {
             if want_len == 0 {
                 continue;
             }
-            for part in Part::ALL {
-                let want = if part == Part::Master {
-                    Dtype::F32
-                } else {
-                    moments
+            let delayed = m.delayed_params.then_some(Part::Delayed);
+            for part in Part::ALL.into_iter().chain(delayed) {
+                let want = match part {
+                    Part::Master | Part::Delayed => Dtype::F32,
+                    Part::ExpAvg | Part::ExpAvgSq => moments,
                 };
                 let t = tensor_name(&u.name, part);
                 match f.tensors.get(&t) {

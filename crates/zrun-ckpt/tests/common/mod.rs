@@ -44,6 +44,7 @@ pub fn value(u: usize, part: Part, i: u64) -> f32 {
         Part::Master => 1.0,
         Part::ExpAvg => 1024.0,
         Part::ExpAvgSq => 1.0 / 1024.0,
+        Part::Delayed => 2.0,
     };
     // Distinct small integers times a power of two: exact in bf16, so bf16 moments
     // round-trip exactly.
@@ -166,6 +167,7 @@ pub fn write_ranks(root: &Path, step: u64, world: usize, moments: Dtype) -> (Pat
         files,
         run: None,
         data_order: None,
+        delayed_params: false,
     };
     (tmp, manifest)
 }

@@ -253,6 +253,7 @@ impl Checkpointer {
                 host: zrun_ckpt::hostname(),
             }),
             data_order: Some(order.clone()),
+            delayed_params: false,
         };
         let kill_at = hook_step(KILL_IN_SAVE_ENV, rank);
         let signal_at = hook_step(SIGNAL_IN_SAVE_ENV, rank);
