@@ -192,3 +192,38 @@ fn a_rank_started_by_another_launcher_refuses_the_same_way() {
         "{err}"
     );
 }
+
+#[test]
+fn offload_delay_without_offload_or_out_of_range_is_refused() {
+    let c = "configs/tiny-cpu.toml";
+    rejects(
+        &[c, "--set", "zero.offload_delay=1"],
+        &["zero.offload_delay", "zero.offload_optimizer = \"cpu\""],
+    );
+    rejects(
+        &[
+            c,
+            "--set",
+            "zero.stage=2",
+            "--set",
+            "zero.offload_optimizer=\"cpu\"",
+            "--set",
+            "zero.offload_delay=2",
+        ],
+        &["zero.offload_delay", "2", "must be 0 (off) or 1"],
+    );
+    rejects(
+        &[
+            c,
+            "--set",
+            "zero.stage=2",
+            "--set",
+            "zero.offload_optimizer=\"cpu\"",
+            "--set",
+            "zero.offload_delay=1",
+            "--set",
+            "train.on_oom=\"shrink\"",
+        ],
+        &["zero.offload_delay", "train.on_oom = \"shrink\""],
+    );
+}

@@ -57,6 +57,9 @@ pub struct EngineConfig {
     /// ([`Engine::finish_failed_micro_step`]): stages 2-3 then keep a reserve for its
     /// stand-in collectives.
     pub oom_recovery: bool,
+    /// ZeRO-Offload's delayed parameter update (offload only; `delay.rs`): `Some(w)` applies
+    /// every update after the first `w` one step late; `None`: off.
+    pub offload_delay: Option<u64>,
 }
 
 impl EngineConfig {
@@ -77,6 +80,7 @@ impl EngineConfig {
             seed,
             adamw,
             oom_recovery: true,
+            offload_delay: None,
         }
     }
 }
@@ -148,6 +152,8 @@ pub struct Engine {
     pub(crate) optimizer: Optimizer,
     pub(crate) scaler: LossScaler,
     pub(crate) early: EarlyStep,
+    /// The delayed parameter update's state (`delay.rs`).
+    pub(crate) delay: crate::delay::Delay,
     pub(crate) times: StepTimes,
     /// What the engine is doing now, for an error's report: a phase and a unit index.
     pub(crate) at: (Phase, usize),
@@ -198,6 +204,11 @@ impl Engine {
                 "zero.offload_optimizer = \"cpu\" needs a sharded optimizer: set zero.stage to 1, 2 or 3".into(),
             ));
         }
+        if cfg.offload_delay.is_some() && !offloaded {
+            return Err(Error::Unsupported(
+                "zero.offload_delay needs zero.offload_optimizer = \"cpu\": set it, or zero.offload_delay = 0".into(),
+            ));
+        }
         let master = match cfg.precision {
             _ if offloaded => None,
             Precision::Fp32 => None,
@@ -231,8 +242,11 @@ impl Engine {
         };
         let optimizer = if offloaded {
             // At stages 2-3 on the host, the gradient shard is already host memory in shard
-            // order: the CPU AdamW reads it in place (fp32) rather than from a second copy.
-            let in_place = matches!(cfg.stage, Stage::Zero2 | Stage::Zero3) && dev == Device::Cpu;
+            // order: the CPU AdamW reads it in place (fp32) rather than from a second copy,
+            // unless a delayed update reads it while the next step accumulates.
+            let in_place = matches!(cfg.stage, Stage::Zero2 | Stage::Zero3)
+                && dev == Device::Cpu
+                && cfg.offload_delay.is_none();
             let setup = HostSetup {
                 adamw: cfg.adamw,
                 state: cfg.optimizer_state_dtype,
@@ -262,6 +276,10 @@ impl Engine {
             optimizer,
             scaler,
             early: EarlyStep::Off,
+            delay: crate::delay::Delay {
+                warmup: cfg.offload_delay,
+                ..Default::default()
+            },
             times: StepTimes::default(),
             at: (Phase::Idle, 0),
             trace_cuda: match dev {
@@ -431,6 +449,12 @@ impl Engine {
         self.host_gets_unit_gradients() && max_norm <= 0.0 && self.cfg.precision != Precision::Fp16
     }
 
+    /// Whether the next step's update is delayed (`zero.offload_delay`, past its warm-up):
+    /// it then overlaps the next step's forward and backward instead of this backward.
+    pub fn delays_next_update(&self) -> bool {
+        self.delay_active()
+    }
+
     /// Whether each unit's final gradient shard can go to a host optimizer during backward:
     /// offload at a stage that reduces unit by unit (2-3).
     fn host_gets_unit_gradients(&self) -> bool {
@@ -444,10 +468,13 @@ impl Engine {
     /// while backward goes on with earlier units; returns whether it will. Results are
     /// bitwise those of updating at `step`.
     pub fn prepare_step(&mut self, lr: f64, max_norm: f64) -> bool {
-        let overlap = self.can_overlap_step(max_norm);
+        // A delayed update runs on the host buffers until the step's end: nothing may be
+        // staged or updated during this backward then.
+        let delayed = self.delay.behind || self.delay_active();
+        let overlap = self.can_overlap_step(max_norm) && !delayed;
         self.early = if overlap {
             EarlyStep::Armed { lr, max_norm }
-        } else if self.host_gets_unit_gradients() {
+        } else if self.host_gets_unit_gradients() && !delayed {
             EarlyStep::StageArmed
         } else {
             EarlyStep::Off
@@ -515,7 +542,9 @@ impl Engine {
         let applied = grad_norm.is_finite();
         let clip_coef = clip_coefficient(grad_norm, max_norm);
         self.scaler.update(applied);
-        if overlapped {
+        if self.delay_active() && !overlapped {
+            self.delayed_step(&grads, lr, clip_coef / loss_scale, applied)?;
+        } else if overlapped {
             // Every unit was updated during backward; wait for the last of them.
             if let Optimizer::Host(h) = &mut self.optimizer {
                 h.finish()?;
@@ -524,6 +553,8 @@ impl Engine {
                 self.mover.all_gather_units(&self.params)?;
             }
         } else if applied {
+            // An update still pending from a delayed step (the warm-up grew on resume).
+            self.catch_up()?;
             if let Optimizer::Host(h) = &mut self.optimizer {
                 // The CPU AdamW unscales and clips while it reads the staged gradients.
                 let (mover, params, stage) = (&self.mover, &self.params, self.cfg.stage);
@@ -555,7 +586,11 @@ impl Engine {
                 }
                 self.refresh_params()?;
             }
+        } else {
+            // Skipped: a pending delayed update is still applied at this step's end.
+            self.catch_up()?;
         }
+        self.delay.updates += u64::from(applied);
         self.grads.f_zero_().done("zero gradients", "-")?;
         // The update read gradients (on the host too, offloaded) and gathered parameters.
         self.mover.check()?;
@@ -568,7 +603,8 @@ impl Engine {
     }
 
     /// Every parameter by name as full fp32 tensors from the master copy (gathered from all
-    /// ranks where sharded: every rank must call).
+    /// ranks where sharded: every rank must call). With a delayed update pending the master
+    /// includes it: these are the newest parameters, one update ahead of the compute ones.
     pub fn full_parameters(&mut self) -> Result<Vec<(String, Tensor)>> {
         let _guard = tch::no_grad_guard();
         if let Optimizer::Host(h) = &mut self.optimizer {

@@ -37,6 +37,9 @@ pub struct EstimateConfig {
     pub cuda: bool,
     /// Whether a micro-step that runs out of memory is recovered from (its reserve counts).
     pub oom_recovery: bool,
+    /// Whether updates are delayed (`zero.offload_delay`): the host then keeps a gradient
+    /// copy of its own.
+    pub offload_delay: bool,
 }
 
 /// Small allocations the allocator keeps in its heap rather than returning them (LayerNorm
@@ -99,9 +102,11 @@ impl MemoryLedger {
             m.host = pinned(4 * shard) + moments * shard;
             (m.master, m.optimizer) = (0, 0);
             // The host reads the gradient shard in place only when it already is fp32 host
-            // memory in shard order (stages 2-3 on CPU); otherwise it stages a copy.
+            // memory in shard order (stages 2-3 on CPU) and no delayed update reads it while
+            // the next step accumulates; otherwise it stages a copy.
             let in_place = matches!(cfg.stage, Stage::Zero2 | Stage::Zero3)
                 && !cfg.cuda
+                && !cfg.offload_delay
                 && cfg.reduce_dtype == ReduceDtype::Fp32;
             let grads = if in_place { 0 } else { pinned(4 * shard) };
             let staging = if cfg.cuda && cfg.precision != Precision::Fp32 {
@@ -407,6 +412,7 @@ impl Engine {
             seq_len,
             eval_batch: micro_batch,
             oom_recovery: c.oom_recovery,
+            offload_delay: c.offload_delay.is_some(),
             cuda: c.device.is_cuda(),
         }
     }

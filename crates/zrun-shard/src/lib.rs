@@ -5,6 +5,7 @@
 //! runs every micro-step explicitly, unit by unit ([`Engine`]), so a ZeRO stage can decide
 //! when each unit's parameters are gathered, freed and its gradients reduced.
 
+mod delay;
 mod engine;
 mod estimate;
 mod init;

@@ -5,7 +5,9 @@
 //!
 //! Updates run either inline at the optimizer step, or on a worker thread while backward goes
 //! on with earlier units ([`HostOptimizer::submit`]); both run the same [`run`] per unit, so
-//! their results are bitwise the same.
+//! their results are bitwise the same. A delayed update (`zero.offload_delay`, see `delay.rs`)
+//! runs on the same worker but writes the master only: the compute parameters are refreshed
+//! from it one step later.
 //!
 //! With CUDA every copy between device and host is asynchronous, from or to pinned memory
 //! allocated pinned: a gradient's copy to the host runs on a side stream once the kernels
@@ -65,8 +67,8 @@ struct Job {
     len: usize,
     lr: f64,
     grad_scale: f32,
-    /// This rank's slice of the unit in the compute parameters.
-    dst: Tensor,
+    /// This rank's slice of the unit in the compute parameters (none: [`Route::Deferred`]).
+    dst: Option<Tensor>,
     /// How the new parameters reach `dst`.
     route: Route,
     /// Completes once the unit's gradients have reached the host (CUDA).
@@ -81,6 +83,8 @@ enum Route {
     Staged(Tensor),
     /// fp32 parameters on a device: a copy from the master.
     FromMaster,
+    /// The master only: the compute parameters are refreshed from it later (delayed update).
+    Deferred,
 }
 
 /// A copy into the compute parameters that the thread driving the model makes: libtorch
@@ -189,30 +193,40 @@ fn run(
             slice_mut::<f32>(grads.data_ptr(), off, len),
         )
     };
-    let out = match (half, &route) {
-        (Some(kind), Route::Staged(st)) => {
+    let out = match (half, &route, &dst) {
+        (Some(kind), Route::Staged(st), _) => {
             Some((unsafe { slice_mut::<u16>(st.data_ptr(), 0, len) }, kind))
         }
-        (Some(kind), Route::Direct) => {
+        (Some(kind), Route::Direct, Some(dst)) => {
             Some((unsafe { slice_mut::<u16>(dst.data_ptr(), 0, len) }, kind))
         }
         _ => None,
     };
     adam.update(off, m, g, lr, grad_scale, out)?;
-    Ok(match (half, route) {
-        (None, Route::Direct) => {
+    let dst = match (route, dst) {
+        (Route::Deferred, _) => return Ok(None),
+        (route, Some(dst)) => (route, dst),
+        (_, None) => {
+            return Err(Error::Unsupported(format!(
+                "unit `{unit}`: an update that writes parameters was given none"
+            )))
+        }
+    };
+    Ok(match (half, dst) {
+        (None, (Route::Direct, dst)) => {
             // SAFETY: `dst` is this unit's contiguous fp32 host slice of `len` elements.
             unsafe { slice_mut::<f32>(dst.data_ptr(), 0, len) }.copy_from_slice(m);
             None
         }
-        (Some(_), Route::Direct) => None, // written by the update
-        (_, Route::Staged(src)) => Some(Transfer { unit, dst, src }),
-        (_, Route::FromMaster) => {
+        (Some(_), (Route::Direct, _)) => None, // written by the update
+        (_, (Route::Staged(src), dst)) => Some(Transfer { unit, dst, src }),
+        (_, (Route::FromMaster, dst)) => {
             let src = master
                 .f_narrow(0, off as i64, len as i64)
                 .ctx("slice master", &unit)?;
             Some(Transfer { unit, dst, src })
         }
+        (_, (Route::Deferred, _)) => None,
     })
 }
 
@@ -360,28 +374,31 @@ impl HostOptimizer {
             })
     }
 
-    /// The job of unit `u`, its parameters going to `dst`.
+    /// The job of unit `u`, its parameters going to `dst` (none: the master only).
     fn job(
         &self,
         layout: &ShardLayout,
         u: usize,
         lr: f64,
         grad_scale: f64,
-        dst: Tensor,
+        dst: Option<Tensor>,
     ) -> Result<Job> {
         let l = &layout.units[u];
         let (off, len) = (layout.shard_offsets[u], l.shard_len());
         // Host parameters are written in place, device ones through a copy.
-        let direct = dst.device() == Device::Cpu
-            && dst.is_contiguous()
-            && dst.kind() == self.precision.kind();
+        let direct = dst.as_ref().map(|dst| {
+            dst.device() == Device::Cpu
+                && dst.is_contiguous()
+                && dst.kind() == self.precision.kind()
+        });
         let route = match (self.half(), direct, &self.staging) {
-            (_, true, _) => Route::Direct,
-            (None, false, _) => Route::FromMaster,
-            (Some(_), false, Some(st)) => {
+            (_, None, _) => Route::Deferred,
+            (_, Some(true), _) => Route::Direct,
+            (None, Some(false), _) => Route::FromMaster,
+            (Some(_), Some(false), Some(st)) => {
                 Route::Staged(st.f_narrow(0, off, len).ctx("slice staging", &l.unit)?)
             }
-            (Some(_), false, None) => {
+            (Some(_), Some(false), None) => {
                 return Err(Error::Unsupported(format!(
                     "unit `{}`: 16-bit parameters off the host need a staging buffer",
                     l.unit
@@ -438,7 +455,7 @@ impl HostOptimizer {
         self.begin_step()?;
         let half = self.half();
         for u in 0..layout.units.len() {
-            let job = self.job(layout, u, lr, grad_scale, params_of(u)?)?;
+            let job = self.job(layout, u, lr, grad_scale, Some(params_of(u)?))?;
             let adam = self.adam.as_mut().expect("begin_step checked it is here");
             if let Some(t) = run(adam, &self.master, &self.grads, half, job)? {
                 t.apply()?;
@@ -459,8 +476,56 @@ impl HostOptimizer {
         dst: Tensor,
     ) -> Result<()> {
         let ready = self.stage(layout.shard_offsets[u], grad, &layout.units[u].unit)?;
-        let mut job = self.job(layout, u, lr, 1.0, dst)?;
+        let mut job = self.job(layout, u, lr, 1.0, Some(dst))?;
         job.ready = ready;
+        self.send(job)?;
+        let w = self.worker.as_mut().expect("sent above");
+        // Device copies of the units already updated go out while backward continues.
+        while let Ok(r) = w.results.try_recv() {
+            w.pending -= 1;
+            if let Some(t) = r? {
+                t.apply()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A delayed update (`delay.rs`): stages the owned gradient `segments` (end to end in
+    /// shard order) on the host and waits for the copies, then begins a step and hands every
+    /// unit's update with `lr` and `grad_scale` to the worker thread, which writes the
+    /// master only; returns at once. [`HostOptimizer::finish`] waits for it; the compute
+    /// parameters are then refreshed from [`HostOptimizer::master`] by the caller.
+    pub(crate) fn submit_deferred(
+        &mut self,
+        layout: &ShardLayout,
+        segments: &[Tensor],
+        lr: f64,
+        grad_scale: f64,
+    ) -> Result<()> {
+        if !self.owns_grads {
+            return Err(Error::Unsupported(
+                "a delayed update needs host gradients of its own (the engine's are read in place)"
+                    .into(),
+            ));
+        }
+        let mut at = 0;
+        let mut ready = self.staged.take();
+        for g in segments {
+            ready = self.stage(at, g, "-")?.or(ready);
+            at += g.numel() as i64;
+        }
+        // The engine zeroes (then accumulates into) its gradients as soon as this returns.
+        wait_ready(ready, "-")?;
+        self.begin_step()?;
+        for u in 0..layout.units.len() {
+            let job = self.job(layout, u, lr, grad_scale, None)?;
+            self.send(job)?;
+        }
+        Ok(())
+    }
+
+    /// Hands `job` to the worker thread, starting it (with the AdamW) if it is not running.
+    fn send(&mut self, job: Job) -> Result<()> {
         if self.worker.is_none() {
             let adam = self.adam.take().ok_or_else(|| {
                 Error::Unsupported("the CPU AdamW is lent to another update".into())
@@ -472,13 +537,6 @@ impl HostOptimizer {
             .send(job)
             .map_err(|_| Error::Unsupported("the CPU AdamW worker stopped".into()))?;
         w.pending += 1;
-        // Device copies of the units already updated go out while backward continues.
-        while let Ok(r) = w.results.try_recv() {
-            w.pending -= 1;
-            if let Some(t) = r? {
-                t.apply()?;
-            }
-        }
         Ok(())
     }
 

@@ -37,6 +37,9 @@ pub struct Counters {
     pub loss_scale: f64,
     /// Clean steps since the loss scale last changed.
     pub clean_steps: u64,
+    /// The compute parameters are one update behind the master (`zero.offload_delay`): the
+    /// checkpoint holds them too ([`Engine::visit_delayed_params`]). Not read by a load.
+    pub params_behind: bool,
 }
 
 /// Where one element range of a unit lives in the engine.
@@ -186,14 +189,18 @@ impl Engine {
 
     /// Lets `fill` write unit `u`'s [`Engine::loaded_range`] of master, then moments (as
     /// fp32, read from a checkpoint) into the engine: in place where the destination is fp32
-    /// host memory, else through a buffer copied over. Call [`Engine::finish_load`] after the
-    /// last unit.
+    /// host memory, else through a buffer copied over. Units are loaded in order from unit 0
+    /// (which starts a load); call [`Engine::finish_load`] after the last unit.
     pub fn load_unit_with<E: From<Error>>(
         &mut self,
         u: usize,
         mut fill: impl FnMut(StatePart, &mut [f32]) -> std::result::Result<(), E>,
     ) -> std::result::Result<(), E> {
         let _guard = tch::no_grad_guard();
+        if u == 0 {
+            // A new load: stale parameters an earlier (damaged) attempt read do not count.
+            self.delay.loaded = None;
+        }
         let p = self.place(u, self.loaded_range(u))?;
         let (unit, len) = (&p.unit, p.len);
         fill_tensor(&p.master, p.master_at, len, unit, |b| {
@@ -225,23 +232,11 @@ impl Engine {
             Optimizer::Host(h) => h.adam_idle()?.set_steps(c.optimizer_steps),
         }
         self.scaler.restore(c.loss_scale, c.clean_steps);
-        let stage = self.cfg.stage;
-        let gathers = matches!(stage, Stage::Zero1 | Stage::Zero2);
+        self.delay.updates = c.optimizer_steps;
+        let gathers = matches!(self.cfg.stage, Stage::Zero1 | Stage::Zero2);
         match (&self.optimizer, &self.master) {
-            (Optimizer::Host(h), _) => {
-                let master = h.master().shallow_clone();
-                for u in 0..self.units_len() {
-                    let mut dst = self.mover.owned_params(&self.params, u, stage)?;
-                    let src = self.mover.shard_of(&master, u)?;
-                    dst.f_copy_(&src).ctx(
-                        "copy master to parameters",
-                        &self.mover.layout.units[u].unit,
-                    )?;
-                }
-                if gathers {
-                    self.mover.all_gather_units(&self.params)?;
-                }
-            }
+            // From the master, or from stale parameters a delayed checkpoint held.
+            (Optimizer::Host(_), _) => self.finish_delayed_load()?,
             (_, Some(_)) => self.refresh_params()?,
             (_, None) if gathers => self.mover.all_gather_units(&self.params)?,
             (_, None) => {}
@@ -258,13 +253,14 @@ impl Engine {
             },
             loss_scale: self.scaler.scale(),
             clean_steps: self.scaler.clean_steps(),
+            params_behind: self.params_behind(),
         })
     }
 }
 
 /// Calls `f` with the bytes of elements `[at, at + len)` of the 1-D tensor `t`: in place
 /// for a host tensor, else through a host copy.
-fn with_bytes<E: From<Error>>(
+pub(crate) fn with_bytes<E: From<Error>>(
     t: &Tensor,
     at: i64,
     len: i64,
@@ -293,7 +289,7 @@ fn with_bytes<E: From<Error>>(
 
 /// Lets `f` write elements `[at, at + len)` of the 1-D tensor `t` as fp32: in place for a
 /// host fp32 tensor, else into a buffer then copied over (any device, cast to its dtype).
-fn fill_tensor<E: From<Error>>(
+pub(crate) fn fill_tensor<E: From<Error>>(
     t: &Tensor,
     at: i64,
     len: i64,

@@ -95,6 +95,9 @@ impl Choice {
         } else {
             Offload::None
         };
+        if !self.offload {
+            c.zero.offload_delay = 0; // nothing to delay
+        }
         c.zero.activation_checkpointing = self.activation_checkpointing;
         c.train.micro_batch = self.micro_batch;
         c.train.grad_accum = self.grad_accum;
@@ -181,6 +184,7 @@ pub fn estimate_config(cfg: &Config) -> Result<EstimateConfig, Error> {
         seq_len: arch.seq_len(),
         eval_batch: cfg.train.micro_batch as i64,
         oom_recovery: cfg.train.on_oom == crate::config::OnOom::Shrink,
+        offload_delay: cfg.zero.offload_optimizer == Offload::Cpu && cfg.zero.delay().is_some(),
         cuda: match cfg.dist.device {
             DeviceChoice::Cuda => true,
             DeviceChoice::Cpu => false,

@@ -184,6 +184,7 @@ impl Run {
                     weight_decay: t.weight_decay,
                 },
                 oom_recovery: t.on_oom == crate::config::OnOom::Shrink,
+                offload_delay: cfg.zero.delay(),
             },
         )
         .map_err(|e| match e.out_of_memory() {
@@ -414,7 +415,13 @@ impl Run {
             tokens_per_step
         );
         if r.rank == 0 && self.cfg.zero.offload_optimizer == Offload::Cpu {
-            if self.engine.can_overlap_step(t.grad_clip) {
+            if let Some(w) = self.cfg.zero.delay() {
+                tracing::info!(
+                    "CPU AdamW: delayed one step after {w} update(s) (zero.offload_delay = 1): \
+                     each update overlaps the next step's forward and backward, which run on \
+                     parameters one update stale"
+                );
+            } else if self.engine.can_overlap_step(t.grad_clip) {
                 tracing::info!("CPU AdamW: each unit updates during backward, once its gradient shard is reduced");
             } else {
                 tracing::info!(

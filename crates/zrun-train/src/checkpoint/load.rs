@@ -337,6 +337,7 @@ impl Checkpointer {
             } else {
                 0
             },
+            params_behind: m.delayed_params,
         })?;
         Ok(Some(Resumed {
             data_order: identity::recorded(m, &self.order),
@@ -376,6 +377,12 @@ impl Checkpointer {
                     };
                     Ok(reader.read(u, part, start, buf)?)
                 })?;
+                if ckpt.manifest.delayed_params {
+                    // Read only where this run delays its updates too.
+                    engine.load_delayed_params(u, |buf| -> Result<(), Error> {
+                        Ok(reader.read(u, Part::Delayed, start, buf)?)
+                    })?;
+                }
             }
             if let Some(state) = reader.rng(self.rank, "cpu")? {
                 rng.push((Device::Cpu, state));

@@ -66,19 +66,20 @@ fn plan(engine: &Engine) -> Result<Plan, Error> {
     };
     let mut specs = Vec::new();
     let mut units = Vec::new();
+    // Compute parameters behind the master (a delayed update pending) are saved after it.
+    let delayed = engine.params_behind().then_some(Part::Delayed);
     for (u, l) in engine.layout().units.iter().enumerate() {
         let (_, len) = engine.saved_range(u);
         units.push(len > 0);
         if len == 0 {
             continue;
         }
-        for part in Part::ALL {
+        for part in Part::ALL.into_iter().chain(delayed) {
             specs.push(TensorSpec {
                 name: tensor_name(&l.unit, part),
-                dtype: if part == Part::Master {
-                    Dtype::F32
-                } else {
-                    moments
+                dtype: match part {
+                    Part::Master | Part::Delayed => Dtype::F32,
+                    Part::ExpAvg | Part::ExpAvgSq => moments,
                 },
                 shape: vec![len as usize],
             });
@@ -148,12 +149,16 @@ impl Checkpointer {
         for (u, has) in plan.units.iter().enumerate() {
             if *has {
                 // Straight from the engine's memory: the training loop waits meanwhile.
-                engine.visit_unit_state(u, |_, bytes| -> Result<(), Error> {
+                let mut put = |bytes: &[u8]| -> Result<(), Error> {
                     w.write(bytes)?;
                     n += 1;
                     self.maybe_die(step, n, total);
                     Ok(())
-                })?;
+                };
+                engine.visit_unit_state(u, |_, bytes| put(bytes))?;
+                if engine.params_behind() {
+                    engine.visit_delayed_params(u, put)?;
+                }
             }
         }
         for state in &plan.rng {
@@ -177,11 +182,15 @@ impl Checkpointer {
         let mut at = 0;
         for (u, has) in plan.units.iter().enumerate() {
             if *has {
-                engine.visit_unit_state(u, |_, bytes| -> Result<(), Error> {
+                let mut put = |bytes: &[u8]| -> Result<(), Error> {
                     buf[at..at + bytes.len()].copy_from_slice(bytes);
                     at += bytes.len();
                     Ok(())
-                })?;
+                };
+                engine.visit_unit_state(u, |_, bytes| put(bytes))?;
+                if engine.params_behind() {
+                    engine.visit_delayed_params(u, put)?;
+                }
             }
         }
         for state in &plan.rng {
@@ -395,6 +404,7 @@ impl Checkpointer {
         m.schedule.lr = pos.lr;
         m.loss_scaler.scale = counters.loss_scale;
         m.loss_scaler.clean_steps = counters.clean_steps;
+        m.delayed_params = counters.params_behind;
         m.files = files;
         m
     }

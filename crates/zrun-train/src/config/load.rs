@@ -206,6 +206,27 @@ impl Config {
                 "bf16 moments are kept by the CPU AdamW only: set zero.offload_optimizer = \"cpu\"",
             );
         }
+        if z.offload_delay > 1 {
+            return bad(
+                "zero.offload_delay",
+                z.offload_delay,
+                "must be 0 (off) or 1 (each update applied one step late)",
+            );
+        }
+        if z.offload_delay == 1 && z.offload_optimizer != Offload::Cpu {
+            return bad(
+                "zero.offload_delay",
+                1,
+                "delays the CPU AdamW's update: set zero.offload_optimizer = \"cpu\", or zero.offload_delay = 0",
+            );
+        }
+        if z.offload_delay == 1 && self.train.on_oom == super::OnOom::Shrink {
+            return bad(
+                "zero.offload_delay",
+                1,
+                "is not supported with train.on_oom = \"shrink\": set train.on_oom = \"stop\", or zero.offload_delay = 0",
+            );
+        }
         if z.loss_scale_window == 0 {
             return bad("zero.loss_scale_window", 0, "must be at least 1");
         }

@@ -245,6 +245,18 @@ pub struct ZeroConfig {
     pub offload_optimizer: Offload,
     /// dtype of the offloaded AdamW moments: fp32 or bf16.
     pub optimizer_state_dtype: StateDtype,
+    /// ZeRO-Offload's delayed parameter update: 1 applies each CPU AdamW update one step
+    /// late, overlapping the next step's forward and backward; 0 (default) off.
+    pub offload_delay: u64,
+    /// Updates applied without the delay before it switches on.
+    pub offload_delay_warmup: u64,
+}
+
+impl ZeroConfig {
+    /// The engine's delay setting: `Some(warm-up updates)` when `offload_delay = 1`.
+    pub fn delay(&self) -> Option<u64> {
+        (self.offload_delay > 0).then_some(self.offload_delay_warmup)
+    }
 }
 
 impl Default for ZeroConfig {
@@ -259,6 +271,8 @@ impl Default for ZeroConfig {
             loss_scale_window: 1000,
             offload_optimizer: Offload::None,
             optimizer_state_dtype: StateDtype::Fp32,
+            offload_delay: 0,
+            offload_delay_warmup: 10,
         }
     }
 }

@@ -153,6 +153,7 @@ pub fn load_into(
         optimizer_steps: 0,
         loss_scale: scale,
         clean_steps: 0,
+        params_behind: false,
     })?;
     Ok(())
 }

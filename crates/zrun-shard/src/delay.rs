@@ -1,0 +1,197 @@
+//! ZeRO-Offload's delayed parameter update (DPU; Ren et al. 2021, arXiv 2101.06840, section
+//! 5): `zero.offload_delay = 1` takes the CPU AdamW off the step's critical path.
+//!
+//! The first `zero.offload_delay_warmup` updates run as without the delay. After them, at the
+//! end of step t the engine computes the global gradient norm as always (so clipping and the
+//! fp16 overflow check see the whole gradient of step t), finishes the update of step t-1 and
+//! copies the master into the compute parameters, copies step t's gradients to the host,
+//! hands the update of step t to the CPU AdamW's thread and returns without waiting for it.
+//! Step t+1's forward and backward then run while the CPU updates the master.
+//!
+//! Staleness, exactly: with P_k the master after k updates, the forward and backward of
+//! step t run on P_{t-2} (one update stale) while the update of step t is applied to P_{t-1}:
+//! P_t = AdamW(P_{t-1}, grad at P_{t-2}). During warm-up, and for the first delayed step,
+//! the forward of step t runs on P_{t-1} as without the delay. A step whose gradients are not
+//! finite (fp16 overflow) submits nothing; the pending update is still applied at its end.
+//!
+//! What sees which state: evaluation runs on the compute parameters (the model the next
+//! step's forward uses, one update behind); [`Engine::full_parameters`] and checkpoints read
+//! the master with the pending update finished (the newest model). A checkpoint taken while
+//! the compute parameters are behind also holds them (`<unit>.delayed`, fp32), so a resumed
+//! run's next forward uses the same stale parameters and continues bitwise; see
+//! [`Engine::visit_delayed_params`] and [`Engine::load_delayed_params`].
+//!
+//! The delayed update needs its own host copy of the gradient shard (the CPU reads it while
+//! the next step accumulates new gradients), so the engine never lends it its gradients in
+//! place, and the update never overlaps the last backward (`Engine::prepare_step`).
+
+use crate::engine::Optimizer;
+use crate::offload::HostOptimizer;
+use crate::{Context, Engine, Error, Result, Stage};
+use tch::{Device, Kind, Tensor};
+
+/// The engine's state of the delayed update.
+#[derive(Default)]
+pub(crate) struct Delay {
+    /// `Some(w)`: updates after the first `w` are delayed; `None`: the delay is off.
+    pub warmup: Option<u64>,
+    /// Updates applied or submitted so far (counted by `Engine::step`; a load restores it).
+    pub updates: u64,
+    /// The compute parameters are one update behind the master (which may still be running).
+    pub behind: bool,
+    /// Stale parameters read from a checkpoint (fp32, this rank's shard), until the load
+    /// completes.
+    pub loaded: Option<Tensor>,
+}
+
+impl Engine {
+    /// Whether this step's update is delayed: the delay is on and past its warm-up.
+    pub(crate) fn delay_active(&self) -> bool {
+        matches!(self.optimizer, Optimizer::Host(_))
+            && self.delay.warmup.is_some_and(|w| self.delay.updates >= w)
+    }
+
+    /// Whether the compute parameters are one update behind the master (a delayed update is
+    /// pending): a checkpoint then saves them too.
+    pub fn params_behind(&self) -> bool {
+        self.delay.behind
+    }
+
+    /// The host optimizer (the delay exists only with offload).
+    fn host(&mut self) -> Result<&mut HostOptimizer> {
+        match &mut self.optimizer {
+            Optimizer::Host(h) => Ok(h),
+            Optimizer::Device(_) => Err(Error::Unsupported(
+                "zero.offload_delay needs zero.offload_optimizer = \"cpu\"".into(),
+            )),
+        }
+    }
+
+    /// Finishes the pending update and copies the master into the compute parameters.
+    pub(crate) fn catch_up(&mut self) -> Result<()> {
+        if !self.delay.behind {
+            return Ok(());
+        }
+        self.host()?.finish()?;
+        self.params_from_host_master()?;
+        self.delay.behind = false;
+        Ok(())
+    }
+
+    /// The end of a delayed step: applies the pending update to the compute parameters, then
+    /// (when `applied`) submits this step's update of the owned gradient `segments` with `lr`
+    /// and `grad_scale` (unscaling and clipping) without waiting for it.
+    pub(crate) fn delayed_step(
+        &mut self,
+        segments: &[Tensor],
+        lr: f64,
+        grad_scale: f64,
+        applied: bool,
+    ) -> Result<()> {
+        self.catch_up()?;
+        if !applied {
+            return Ok(());
+        }
+        let layout = self.mover.layout.clone();
+        self.host()?
+            .submit_deferred(&layout, segments, lr, grad_scale)?;
+        self.delay.behind = true;
+        Ok(())
+    }
+
+    /// Copies the host master into this rank's slice of the compute parameters (cast to the
+    /// compute dtype) and gathers them where every rank holds them all (stages 1-2).
+    pub(crate) fn params_from_host_master(&mut self) -> Result<()> {
+        let master = match &self.optimizer {
+            Optimizer::Host(h) => h.master().shallow_clone(),
+            Optimizer::Device(_) => return Ok(()),
+        };
+        self.params_from_shard(&master)
+    }
+
+    /// Copies the shard-layout buffer `src` into this rank's slice of the compute parameters
+    /// and gathers them at stages 1-2. Every rank calls it.
+    fn params_from_shard(&mut self, src: &Tensor) -> Result<()> {
+        let _guard = tch::no_grad_guard();
+        let stage = self.cfg.stage;
+        for u in 0..self.units_len() {
+            let mut dst = self.mover.owned_params(&self.params, u, stage)?;
+            let from = self.mover.shard_of(src, u)?;
+            dst.f_copy_(&from).ctx(
+                "copy master to parameters",
+                &self.mover.layout.units[u].unit,
+            )?;
+        }
+        if matches!(stage, Stage::Zero1 | Stage::Zero2) {
+            self.mover.all_gather_units(&self.params)?;
+        }
+        Ok(())
+    }
+
+    /// Hands `put` the little-endian fp32 bytes of this rank's [`Engine::saved_range`] of
+    /// unit `u`'s compute parameters: what the next forward runs on while they are behind
+    /// the master ([`Engine::params_behind`]).
+    pub fn visit_delayed_params<E: From<Error>>(
+        &mut self,
+        u: usize,
+        put: impl FnOnce(&[u8]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        let _guard = tch::no_grad_guard();
+        let (_, len) = self.saved_range(u);
+        let unit = self.mover.layout.units[u].unit.clone();
+        let own = self
+            .mover
+            .owned_params(&self.params, u, self.cfg.stage)?
+            .f_narrow(0, 0, len)
+            .and_then(|t| t.f_to_device(Device::Cpu))
+            .and_then(|t| t.f_to_kind(Kind::Float))
+            .and_then(|t| t.f_contiguous())
+            .ctx("copy delayed parameters for a checkpoint", &unit)?;
+        crate::snapshot::with_bytes(&own, 0, len, &unit, put)
+    }
+
+    /// Lets `fill` write this rank's [`Engine::loaded_range`] of unit `u`'s stale compute
+    /// parameters (fp32, read from a checkpoint whose parameters were behind its master);
+    /// [`Engine::finish_load`] then puts them in place of the master's, so the next step's
+    /// forward runs on them and its end applies the master. Ignored (nothing is read) when
+    /// the delay is off: the loaded master, the pending update applied, is then used.
+    pub fn load_delayed_params<E: From<Error>>(
+        &mut self,
+        u: usize,
+        fill: impl FnOnce(&mut [f32]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        if self.delay.warmup.is_none() {
+            return Ok(());
+        }
+        let _guard = tch::no_grad_guard();
+        if self.delay.loaded.is_none() {
+            let n = self.mover.layout.shard_numel();
+            let t = Tensor::f_zeros([n], (Kind::Float, Device::Cpu))
+                .ctx("allocate delayed parameters", "-")?;
+            self.delay.loaded = Some(t);
+        }
+        let (start, len) = self.loaded_range(u);
+        let l = &self.mover.layout;
+        let at = l.shard_offsets[u] + start - l.units[u].shard_range(l.rank).0;
+        let unit = l.units[u].unit.clone();
+        let buf = self.delay.loaded.as_ref().map(Tensor::shallow_clone);
+        match buf {
+            Some(b) => crate::snapshot::fill_tensor(&b, at, len, &unit, fill),
+            None => Ok(()),
+        }
+    }
+
+    /// The end of a load: the compute parameters from stale ones read by
+    /// [`Engine::load_delayed_params`] (then behind the loaded master), else from the master.
+    pub(crate) fn finish_delayed_load(&mut self) -> Result<()> {
+        self.delay.behind = false;
+        match self.delay.loaded.take() {
+            Some(stale) => {
+                self.params_from_shard(&stale)?;
+                self.delay.behind = true;
+            }
+            None => self.params_from_host_master()?,
+        }
+        Ok(())
+    }
+}
