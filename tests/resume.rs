@@ -436,3 +436,96 @@ fn a_disk_full_at_the_start_stops_every_node_alike() {
         "{text}"
     );
 }
+
+/// `sets` of a 2-rank run with offload at stage 2 and the delayed update on after 2 updates.
+fn delayed_sets(dir: &Path, steps: u64, every: u64) -> Vec<String> {
+    let mut s = sets(dir, steps, every);
+    for kv in [
+        "zero.stage=2",
+        "zero.offload_optimizer=\"cpu\"",
+        "zero.offload_delay=1",
+        "zero.offload_delay_warmup=2",
+    ] {
+        s.extend(set(kv.into()));
+    }
+    s
+}
+
+/// `(step, loss)` of every line of `dir`'s metrics.jsonl from step `after + 1`.
+fn losses_after(dir: &Path, after: u64) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["step"].as_u64().unwrap() > after)
+        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()))
+        .collect()
+}
+
+/// Resumes the checkpoint `ckpt` (alone in a fresh directory `name`) to step 10 on `nproc`
+/// ranks with `extra` settings; returns the run's directory.
+fn resume_delayed(ckpt: &Path, name: &str, nproc: usize, extra: &[&str]) -> PathBuf {
+    let dir = scratch(name);
+    std::fs::create_dir_all(dir.join("ckpt")).unwrap();
+    let o = Command::new("cp")
+        .arg("-r")
+        .arg(ckpt)
+        .arg(dir.join("ckpt"))
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let mut a = args(nproc, &delayed_sets(&dir, 10, 5));
+    for kv in extra {
+        a.extend(set(kv.to_string()));
+    }
+    let o = run(&a, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("resuming from"), "{}", stderr(&o));
+    dir
+}
+
+#[test]
+fn a_checkpoint_taken_with_a_delayed_update_pending_resumes_bitwise() {
+    // Uninterrupted: 10 steps, saving at 5 and 10; updates 3.. are delayed.
+    let whole = scratch("rs-delay-whole");
+    let o = run(&args(2, &delayed_sets(&whole, 10, 5)), &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ckpt5 = whole.join("ckpt/step-00000005");
+    let m = common::read_json(&ckpt5.join("manifest.json"));
+    assert_eq!(
+        m["delayed_params"], true,
+        "update 5 was pending at the save"
+    );
+    let want = losses_after(&whole, 5);
+    assert_eq!(want.len(), 5);
+    // Resumed from step 5 alone (asynchronous saves this time): steps 6-10 run on the same
+    // stale parameters and end in the same files, bit for bit.
+    let same = resume_delayed(&ckpt5, "rs-delay-resumed", 2, &["checkpoint.async=true"]);
+    assert_eq!(losses_after(&same, 5), want);
+    let files =
+        |d: &Path| common::read_json(&d.join("ckpt/step-00000010/manifest.json"))["files"].clone();
+    assert_eq!(files(&same), files(&whole));
+    // With the delay off, the same checkpoint resumes from its newest model (the pending
+    // update applied at once): step 6 runs on other parameters.
+    let off = resume_delayed(&ckpt5, "rs-delay-off", 2, &["zero.offload_delay=0"]);
+    let off_by = (losses_after(&off, 5)[0].1 - want[0].1).abs();
+    assert!(
+        off_by > 1e-5,
+        "step 6 ran on the stale parameters: {off_by:e}"
+    );
+    // At stage 3, and on one rank with the same global batch, the stale parameters are
+    // resharded like the master: the same run up to rounding.
+    for (name, nproc, extra) in [
+        ("rs-delay-stage3", 2, vec!["zero.stage=3"]),
+        ("rs-delay-one-rank", 1, vec!["train.grad_accum=2"]),
+    ] {
+        let got = losses_after(&resume_delayed(&ckpt5, name, nproc, &extra), 5);
+        for ((s, g), (_, w)) in got.iter().zip(&want) {
+            assert!(
+                (g - w).abs() <= 1e-5 * w.abs(),
+                "{name}: step {s} loss {g}, uninterrupted {w}"
+            );
+        }
+        assert!((got[0].1 - want[0].1).abs() * 10.0 < off_by, "{name}");
+    }
+}
