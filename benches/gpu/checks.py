@@ -22,6 +22,10 @@ Checks (one GPU; several ranks share it over the tcp backend, which stages CUDA 
   j  nccl_kill two NCCL ranks started without the launcher (as mpirun or srun would), one
                killed mid-run: the other's watchdog ends it within dist.timeout_s naming the
                timeout, and no process is left
+  k  delay     gpt2-medium bf16 stage 2 at W=1: no offload, offload, and offload with
+               zero.offload_delay = 1 (ZeRO-Offload's delayed update), interleaved; target:
+               the delayed step <= 1.1 x max(the step without offload, the CPU AdamW alone),
+               and the loss after 200 steps within 1% of the undelayed offload run
   h  limit     dist.memory_limit on CUDA (the caching allocator's per-process fraction) with
                train.on_oom = "shrink": a micro-batch that does not fit under the limit is
                halved until it does, and the allocator never passes the limit
@@ -351,6 +355,42 @@ def check_offload(c):
     return out
 
 
+def check_delay(c, rounds=2, long_steps=200):
+    sides = {"no offload": ['zero.offload_optimizer="none"'],
+             "offload": ['zero.offload_optimizer="cpu"'],
+             "offload delay 1": ['zero.offload_optimizer="cpu"', "zero.offload_delay=1",
+                                 "zero.offload_delay_warmup=3"]}
+    res = {k: [] for k in sides}
+    for i in range(rounds):
+        for k, sets in sides.items():
+            r = c.train(f"delay-{i}-{k.replace(' ', '-')}", "gpt2m", 1,
+                        ["zero.stage=2", "train.steps=12", *sets])
+            s = steady(r, skip=5)
+            if s is None:
+                return {"pass": False, "run": k, "rc": r["rc"], "output": r.get("output")}
+            ms = [m for m in r["metrics"] if m.get("step", 0) > 5 and m.get("ranks")]
+            s["optimizer_s"] = statistics.median(m["ranks"][0]["optimizer_s"] for m in ms)
+            res[k].append(s)
+    med = {k: statistics.median(x["step_time_s"] for x in v) for k, v in res.items()}
+    # the CPU AdamW alone: the optimizer part of the undelayed offload step
+    adam = statistics.median(x["optimizer_s"] for x in res["offload"])
+    bound = max(med["no offload"], adam)
+    out = {"runs": res, "step_time_s": med, "cpu_adamw_s": adam,
+           "delayed_over_bound": med["offload delay 1"] / bound}
+    long = {}
+    for k in ["offload", "offload delay 1"]:
+        r = c.train(f"delay-long-{k.replace(' ', '-')}", "gpt2m", 1,
+                    ["zero.stage=2", f"train.steps={long_steps}", *sides[k]], timeout=600)
+        ls = losses(r)
+        if r["rc"] != 0 or not ls:
+            return {**out, "pass": False, "run": k, "rc": r["rc"], "output": r.get("output")}
+        long[k] = statistics.mean(ls[-10:])
+    out["loss_last10"] = long
+    out["loss_gap"] = abs(long["offload delay 1"] - long["offload"]) / long["offload"]
+    out["pass"] = out["delayed_over_bound"] <= 1.1 and out["loss_gap"] <= 0.01
+    return out
+
+
 def check_oom(c):
     rc, out, secs = c.cmd(
         ["--nproc", "2", str(c.configs["gpt2m"]), "--set", f'log.dir="{c.work / "oom"}"',
@@ -456,7 +496,7 @@ def check_nccl_kill(c, timeout_s=30):
 
 
 CHECKS = {"a": ("nccl", check_nccl), "i": ("nccl_ranks", check_nccl_ranks),
-          "j": ("nccl_kill", check_nccl_kill), "c": ("speed", check_speed), "e": ("offload", check_offload),
+          "j": ("nccl_kill", check_nccl_kill), "k": ("delay", check_delay), "c": ("speed", check_speed), "e": ("offload", check_offload),
           "d": ("memory", check_memory), "b": ("ranks", check_ranks), "g": ("cpu", check_cpu),
           "f": ("oom", check_oom), "h": ("limit", check_limit)}
 
@@ -494,6 +534,9 @@ def table(results):
             worst = max((x["worst_rel_loss"] or 0) for x in r["rows"].values())
             wrong = sum(x["wrong"] for x in r.get("comm_rows", []))
             fig = f"{len(r['rows'])} pairs, worst relative loss gap {worst:.2e}, comm wrong {wrong}"
+        elif key == "delay" and "delayed_over_bound" in r:
+            fig = (f"delayed step x{r['delayed_over_bound']:.2f} of max(no offload, CPU AdamW), "
+                   f"loss gap {r.get('loss_gap', float('nan')):.2%}")
         elif key == "nccl_kill":
             fig = f"exit {r.get('rc')} {r.get('exit_after_kill_s')} s after the kill, named {r.get('named')}"
         elif key == "nccl":
@@ -506,7 +549,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--zrun", required=True, help="the zrun binary built with --features cuda")
     ap.add_argument("--out", required=True, help="the JSON file of results")
-    ap.add_argument("--only", default="a,i,j,c,e,d,b,g,f,h",
+    ap.add_argument("--only", default="a,i,j,c,e,k,d,b,g,f,h",
                     help="checks to run, in this order")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="zrun-gpu-") as work:
