@@ -2,14 +2,22 @@
 //! files (GPT-2 and Llama-3 headers, written by numpy as llm.c's `data_common.py` writes
 //! them) read token for token and trained on; a header of an unknown format refused; a
 //! token-shard directory read as its shards concatenated, resumed and resharded at the exact
-//! data position; a shard missing, truncated or replaced refused in one line.
+//! data position; a shard missing, truncated or replaced refused in one line; a corpus that
+//! Python wrote as JSON Lines (plain, gzip, zstd) and Parquet, prepared with a Hugging Face
+//! tokenizer, read back as Python's tokens and trained on by 2 ranks that are killed and
+//! resume bit for bit.
 
 mod common;
+// The Python side of tests/prepare.rs; its other scripts and texts go unused here.
+#[allow(dead_code)]
+#[path = "prepare/python.rs"]
+mod python;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
-use common::{demo_sets, root, scratch, stderr, write, zrun};
+use common::{demo_sets, rank_pid, read_json, root, scratch, signal, stderr, write, zrun, Job};
 use zrun_train::data::{
     xxh3_of, DataOptions, DataSource, Dataset, ShardIndex, ShardRecord, Split, TokenDtype,
     TokenWriter, TokenizerRecord,
@@ -268,6 +276,13 @@ fn losses(dir: &Path) -> Vec<(u64, f64)> {
 
 /// `zrun --nproc N configs/tiny-cpu.toml` on the token data at `data`, with `sets`.
 fn tiny(nproc: usize, data: &Path, sets: Vec<String>, extra: &[&str]) -> std::process::Output {
+    let a = tiny_args(nproc, data, sets, extra);
+    let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+    zrun(&refs)
+}
+
+/// The arguments of [`tiny`].
+fn tiny_args(nproc: usize, data: &Path, sets: Vec<String>, extra: &[&str]) -> Vec<String> {
     let mut a: Vec<String> = ["--nproc", &nproc.to_string(), "configs/tiny-cpu.toml"]
         .iter()
         .map(|s| s.to_string())
@@ -287,8 +302,7 @@ fn tiny(nproc: usize, data: &Path, sets: Vec<String>, extra: &[&str]) -> std::pr
     {
         a.extend(["--set".to_string(), s.to_string()]);
     }
-    let refs: Vec<&str> = a.iter().map(String::as_str).collect();
-    zrun(&refs)
+    a
 }
 
 #[test]
@@ -390,4 +404,122 @@ fn a_shard_missing_truncated_or_replaced_is_one_line() {
             "content differs from what the index records",
         ],
     );
+}
+
+/// The tokens of a split ("train" or "val") of a uint16 token-shard directory, shard after
+/// shard as its index.json lists them, each after its llm.c header (GPT-2's magic, version 1).
+fn split_tokens(dir: &Path, split: &str) -> Vec<u32> {
+    let index = read_json(&dir.join("index.json"));
+    let mut out = Vec::new();
+    for s in index[split].as_array().unwrap() {
+        let b = std::fs::read(dir.join(s["file"].as_str().unwrap())).unwrap();
+        let word = |i: usize| i32::from_le_bytes(b[4 * i..4 * i + 4].try_into().unwrap());
+        assert_eq!((word(0), word(1)), (20240520, 1), "{s}");
+        assert_eq!(b.len(), 1024 + 2 * word(2) as usize, "{s}");
+        out.extend(
+            b[1024..]
+                .chunks_exact(2)
+                .map(|c| u32::from(u16::from_le_bytes([c[0], c[1]]))),
+        );
+    }
+    out
+}
+
+/// Asserts two token streams are equal; on a difference, says where (the streams are long).
+fn same_tokens(got: &[u32], want: &[u32], what: &str) {
+    let first = got.iter().zip(want).position(|(a, b)| a != b);
+    assert!(
+        got.len() == want.len() && first.is_none(),
+        "{what}: {} tokens read, {} from Python, first difference at {first:?}: {:?} vs {:?}",
+        got.len(),
+        want.len(),
+        first.map(|i| &got[i.saturating_sub(3)..(i + 3).min(got.len())]),
+        first.map(|i| &want[i.saturating_sub(3)..(i + 3).min(want.len())]),
+    );
+}
+
+/// The corpus of tests/prepare.rs (400 documents of mixed text written by Python as JSON
+/// Lines, gzip, zstd and Parquet; a small byte-level BPE trained by Python `tokenizers`),
+/// prepared into shards of 3000 tokens that hold Python's encoding of each document followed
+/// by <|endoftext|> (tests/prepare.rs checks each input format, thread counts and the index
+/// in detail). Two ranks train from the directory; rank 1 is SIGKILLed after a checkpoint,
+/// the job ends, the same command resumes, and every step's loss equals an uninterrupted
+/// run's bit for bit.
+#[test]
+fn a_prepared_corpus_trains_on_two_ranks_killed_and_resumed_bit_for_bit() {
+    let d = scratch("shards-corpus");
+    let want = python::python(&d, python::Script::Corpus, &["0.1"]);
+    let tok = d.join("tokenizer.json").display().to_string();
+    let data = d.join("data");
+    let mut args: Vec<String> = ["prepare", "--tokenizer", &tok, "-o"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.push(data.display().to_string());
+    for f in ["a.jsonl", "b.jsonl.gz", "c.jsonl.zst", "d.parquet"] {
+        args.push(d.join(f).display().to_string());
+    }
+    args.extend(["--shard-tokens", "3000", "--val-fraction", "0.1"].map(String::from));
+    let o = zrun(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let index = read_json(&data.join("index.json"));
+    let shards = index["train"].as_array().unwrap().len();
+    assert!(
+        shards >= 10,
+        "{shards} train shards: windows cross boundaries"
+    );
+    let vocab = index["vocab_size"].as_u64().unwrap() as usize;
+    for split in ["train", "val"] {
+        same_tokens(
+            &split_tokens(&data, split),
+            &python::ids(&want[split]),
+            split,
+        );
+    }
+
+    // 40 steps of 16 windows of 64 tokens, about one epoch (shard boundaries every 3000
+    // tokens fall inside windows), a checkpoint every 5.
+    let vocab_set = format!("model.vocab_size={vocab}");
+    let extra = [vocab_set.as_str()];
+    let reference = d.join("reference");
+    let o = tiny(2, &data, demo_sets(&reference, 40, 5), &extra);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want = losses(&reference);
+    assert_eq!(want.len(), 40, "{want:?}");
+
+    // The same run, rank 1 SIGKILLed once step 8 is logged (checkpoint 5 is on disk; the
+    // run is far from its end, 30 ms a step).
+    let run = d.join("run");
+    let a = tiny_args(2, &data, demo_sets(&run, 40, 5), &extra);
+    let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+    let id = format!("shards-corpus-{}", std::process::id());
+    let mut job = Job::start(&refs, &[("ZRUN_RUN_ID", &id)]);
+    let rank1 = rank_pid(&id, 1);
+    let logged = job.wait_for(Duration::from_secs(60), |t| t.contains("step 8/40 "));
+    assert!(logged, "step 8 never came:\n{}", job.text());
+    signal(rank1, libc::SIGKILL);
+    let status = job.exit_within(Duration::from_secs(60));
+    assert!(!status.success(), "{}", job.text());
+    let saved: Vec<u64> = zrun_ckpt::complete(&run.join("ckpt"))
+        .unwrap()
+        .iter()
+        .map(|c| c.0)
+        .collect();
+    assert!(
+        saved.contains(&5) && !saved.contains(&40),
+        "{saved:?}\n{}",
+        job.text()
+    );
+    let resumed_at = saved.iter().copied().max().unwrap();
+    common::assert_job_gone(&id);
+
+    // The same command again resumes from the newest checkpoint and ends as the reference.
+    let o = zrun(&refs);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(&format!("at step {resumed_at}")),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(losses(&run), want);
 }

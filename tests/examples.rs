@@ -140,6 +140,7 @@ fn every_example_is_listed_parses_and_states_its_commands() {
         [
             "compare-stages",
             "finetune-hf",
+            "jsonl-to-model",
             "mpirun",
             "offload-larger-than-memory",
             "slurm",
@@ -720,6 +721,71 @@ fn finetune_hf_trains_exports_and_generates_in_transformers_and_zrun() {
     let sampled = section(&out, "== zrun sample --temperature 0.7 --top-k 5").join("\n");
     assert!(
         sampled.starts_with("The Fox") && sampled.len() > "The Fox".len(),
+        "{out}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// From a JSON Lines file to a trained model.
+
+/// jsonl-to-model/run.sh as it stands: the gzipped JSON Lines corpus is prepared into 4 train
+/// shards and 1 val shard, a Llama trains from the shard directory on 2 ranks, its loss falls,
+/// and greedy generation from the checkpoint and from the export recites the start of the
+/// text the corpus was made from.
+#[test]
+fn jsonl_to_model_prepares_trains_and_generates() {
+    let d = scratch("ex-jsonl-to-model");
+    let out_dir = d.display().to_string();
+    let (code, out) = run_script(
+        "examples/jsonl-to-model/run.sh",
+        &[],
+        &[("OUT", out_dir.as_str())],
+    );
+    assert_eq!(code, 0, "{out}");
+    // Eight documents: seven in 4 train shards of at most 500 tokens, the eighth in val.
+    let index = read_json(&d.join("data/index.json"));
+    let shards = |split: &str| index[split].as_array().unwrap().clone();
+    let (train, val) = (shards("train"), shards("val"));
+    assert_eq!((train.len(), val.len()), (4, 1), "{index}");
+    let docs = |s: &[serde_json::Value]| -> u64 {
+        s.iter().map(|r| r["documents"].as_u64().unwrap()).sum()
+    };
+    assert_eq!((docs(&train), docs(&val)), (7, 1), "{index}");
+    assert!(train[..3].iter().all(|r| r["tokens"] == 500), "{index}");
+    assert_eq!(index["vocab_size"].as_u64(), Some(512), "{index}");
+    let run = d.join("run");
+    assert_run(&run, 2, 200, &["step-00000100", "step-00000200"], &out);
+    let losses: Vec<f64> = std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64())
+        .collect();
+    let (first, last) = (losses[0], *losses.last().unwrap());
+    assert!(
+        first > 4.5 && last < 0.1,
+        "loss {first} -> {last}: {losses:?}"
+    );
+    // Greedy text from the checkpoint and sampled text from the export: the fables' start.
+    let fables = std::fs::read_to_string(root().join("examples/finetune-hf/fables.txt")).unwrap();
+    let greedy = section(&out, "== zrun sample --greedy").join("\n");
+    let greedy = greedy.trim_end();
+    assert!(
+        greedy.len() > 40 && fables.starts_with(greedy),
+        "{greedy:?}\n{out}"
+    );
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        assert!(
+            d.join("export").join(f).is_file(),
+            "export has no {f}: {out}"
+        );
+    }
+    let sampled = section(
+        &out,
+        "== zrun sample of the export --temperature 0.7 --top-k 5",
+    )
+    .join("\n");
+    assert!(
+        sampled.starts_with("The Fox") && sampled.trim_end().len() > "The Fox".len(),
         "{out}"
     );
 }
