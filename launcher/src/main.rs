@@ -15,7 +15,7 @@
 //!     zrun consolidate runs/x/ckpt/step-00001000 -o model.safetensors
 //!     zrun export runs/x/ckpt/step-00001000 --hf out/       # a directory transformers loads
 //!     zrun sample out/ --prompt "Once upon" --max-new-tokens 50  # generate on one process
-//!     zrun prepare --tokenizer tokenizer.json corpus/*.txt -o data/   # train.bin, val.bin
+//!     zrun prepare --tokenizer tokenizer.json corpus/ -o data/  # token shards from JSONL, Parquet, text
 //!
 //! Output: on a terminal node 0's launcher draws rank 0's progress as one live line (step,
 //! loss, tokens/s, MFU, memory, ETA) with every other line above it; elsewhere (a pipe, a
@@ -92,8 +92,8 @@ enum Cmd {
     Export(export::ExportArgs),
     /// Generate text from a Hugging Face directory, a checkpoint or an export, on one process.
     Sample(sample::SampleArgs),
-    /// Encode UTF-8 text files with a Hugging Face tokenizer.json into train.bin and val.bin
-    /// token files (uint16 or uint32, recorded in their header) for data.source = "tokens".
+    /// Encode JSON Lines, Parquet and text files with a Hugging Face tokenizer.json into a
+    /// directory of token shards and index.json for data.source = "tokens", on every core.
     Prepare(prepare::PrepareArgs),
     /// Draw PNG and SVG charts (loss, throughput, memory, step-time breakdown) of one run or
     /// several, compared, from their metrics.jsonl and summary.json.
@@ -147,7 +147,7 @@ Common commands:
   zrun consolidate runs/x/ckpt/step-00001000 -o model.safetensors
   zrun export runs/x/ckpt/step-00001000 --hf out/  a directory transformers loads
   zrun sample out/ --prompt \"Once upon\" --max-new-tokens 50   generate
-  zrun prepare --tokenizer tokenizer.json corpus/*.txt -o data/   token files from text
+  zrun prepare --tokenizer tokenizer.json corpus/ -o data/   token shards from JSONL, Parquet, text
   zrun bench comm --nproc 2                       collective bandwidth
   zrun plot runs/a runs/b -o plots/               charts from metrics.jsonl
 

@@ -26,9 +26,9 @@ impl Shown {
             && !style.quiet
             && std::io::IsTerminal::is_terminal(&std::io::stderr());
         let bar = live.then(|| {
-            let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr_with_hz(5));
+            let bar = ProgressBar::with_draw_target(Some(1), ProgressDrawTarget::stderr_with_hz(5));
             // The template is fixed and valid: the fallback is never used.
-            let style = ProgressStyle::with_template("prepare [{bar:20}] {percent:>3}% {wide_msg}")
+            let style = ProgressStyle::with_template("prepare [{bar:12}] {percent:>3}% {wide_msg}")
                 .map(|s| s.progress_chars("=> "))
                 .unwrap_or_else(|_| ProgressStyle::default_bar());
             bar.set_style(style);
@@ -48,11 +48,11 @@ impl Shown {
     pub fn update(&mut self, p: &Progress) {
         let secs = self.start.elapsed().as_secs_f64().max(1e-3);
         let text = format!(
-            "{} documents, {} tokens, {:.1} MB/s, {:.0} tokens/s",
-            p.documents,
-            p.tokens,
+            "{} docs, {} tokens, {:.1} MB/s, {} tok/s",
+            short(p.documents as f64),
+            short(p.tokens as f64),
             p.bytes_read as f64 / secs / 1e6,
-            p.tokens as f64 / secs
+            short(p.tokens as f64 / secs)
         );
         match &self.bar {
             Some(bar) => {
@@ -75,5 +75,36 @@ impl Shown {
             output::detach();
             bar.finish_and_clear();
         }
+    }
+}
+
+/// `n` in 3 significant figures with k, M or G: 7251818 -> "7.25M".
+fn short(n: f64) -> String {
+    let (v, unit) = match n {
+        n if n >= 1e9 => (n / 1e9, "G"),
+        n if n >= 1e6 => (n / 1e6, "M"),
+        n if n >= 1e3 => (n / 1e3, "k"),
+        n => return format!("{n:.0}"),
+    };
+    let digits = if v >= 100.0 {
+        0
+    } else if v >= 10.0 {
+        1
+    } else {
+        2
+    };
+    format!("{v:.digits$}{unit}")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn counts_read_short() {
+        let s = super::short;
+        assert_eq!(
+            (s(999.0), s(7_251_818.0), s(12_345.0)),
+            ("999".into(), "7.25M".into(), "12.3k".into())
+        );
+        assert_eq!(s(123_456_789_000.0), "123G");
     }
 }

@@ -76,6 +76,10 @@ pub struct Tokenizer {
     fast_on: AtomicBool,
 }
 
+/// Environment variable: `1` encodes every piece through the library, never the byte-level
+/// path (to compare the two, or should the path ever disagree).
+pub const LIBRARY_ENV: &str = "ZRUN_PREPARE_LIBRARY";
+
 /// Pieces of a run encoded by both paths and compared before the fast path is trusted alone.
 const CHECKED_PIECES: u32 = 64;
 
@@ -152,8 +156,10 @@ impl Tokenizer {
             .values()
             .map(|t| t.content.clone())
             .collect();
+        let library_only = std::env::var(LIBRARY_ENV).is_ok_and(|v| v == "1");
         let fast = serde_json::from_slice(&bytes)
             .ok()
+            .filter(|_| !library_only)
             .and_then(|json| ByteLevel::detect(&json, &added));
         let mut t = Tokenizer {
             inner,
