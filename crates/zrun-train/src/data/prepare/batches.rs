@@ -85,6 +85,8 @@ pub(super) struct Sink {
     limit: Option<u64>,
     documents: u64,
     skipped: u64,
+    /// The input of the latest document.
+    last_input: Option<u32>,
     val: bool,
     bytes_read: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
@@ -107,6 +109,7 @@ impl Sink {
             limit,
             documents: 0,
             skipped: 0,
+            last_input: None,
             val: false,
             bytes_read,
         }
@@ -122,16 +125,23 @@ impl Sink {
         (self.documents, self.skipped)
     }
 
+    /// The input of the latest document, if any.
+    pub(super) fn last_input(&self) -> Option<u32> {
+        self.last_input
+    }
+
     /// Counts a bad record skipped.
     pub(super) fn skip(&mut self) {
         self.skipped += 1;
     }
 
-    /// Starts a document: [`Halt::Done`] when `--limit-docs` documents were read.
-    fn begin(&mut self) -> Result<(), Halt> {
+    /// Starts a document of input `input`: [`Halt::Done`] when `--limit-docs` documents were
+    /// read.
+    fn begin(&mut self, input: u32) -> Result<(), Halt> {
         if self.limit.is_some_and(|n| self.documents >= n) {
             return Err(Halt::Done);
         }
+        self.last_input = Some(input);
         self.val = is_val(self.documents, self.val_fraction);
         self.documents += 1;
         Ok(())
@@ -168,7 +178,7 @@ impl Sink {
         last: bool,
     ) -> Result<(), Halt> {
         if first {
-            self.begin()?;
+            self.begin(input)?;
         }
         self.batch_bytes += text.len();
         self.batch.texts.push(text);

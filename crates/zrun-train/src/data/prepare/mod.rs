@@ -163,7 +163,7 @@ pub fn prepare(
             sha256,
         },
         eos: tok.eos().map(|(t, _)| t.to_string()),
-        inputs: inputs
+        inputs: inputs[..counts.inputs_read]
             .iter()
             .map(|i| InputRecord {
                 name: i.path.display().to_string(),
@@ -244,6 +244,8 @@ struct Counts {
     documents: u64,
     val_documents: u64,
     skipped: u64,
+    /// Inputs read, from the first (all but with `--limit-docs`).
+    inputs_read: usize,
 }
 
 /// Runs the three stages (module docs); returns the two splits' writers, unfinished.
@@ -270,13 +272,13 @@ fn pipeline(
                 opts.limit_docs,
                 count.clone(),
             );
-            read_all(opts, inputs, &count, &mut sink);
-            sink.counts()
+            let read = read_all(opts, inputs, &count, &mut sink);
+            (sink.counts(), read)
         });
         let writer = s.spawn(move || write_all(ids_rx, train, val));
         let total = inputs.iter().map(|i| i.bytes).sum();
         let encoded = encode_all(batch_rx, ids_tx, tok, inputs, total, progress);
-        let (documents, skipped) = reader
+        let ((documents, skipped), inputs_read) = reader
             .join()
             .unwrap_or_else(|p| std::panic::resume_unwind(p));
         let written = writer
@@ -292,13 +294,21 @@ fn pipeline(
                 documents,
                 val_documents,
                 skipped,
+                inputs_read,
             },
         ))
     })
 }
 
-/// The reader thread: every input's documents into the sink, in order.
-fn read_all(opts: &PrepareOptions, inputs: &[Input], count: &Arc<AtomicU64>, sink: &mut Sink) {
+/// The reader thread: every input's documents into the sink, in order; returns how many
+/// inputs, from the first, were read (all but when `--limit-docs` stopped it: up to the one of
+/// the last document).
+fn read_all(
+    opts: &PrepareOptions,
+    inputs: &[Input],
+    count: &Arc<AtomicU64>,
+    sink: &mut Sink,
+) -> usize {
     for (i, input) in inputs.iter().enumerate() {
         let i = i as u32;
         let read = match input.format {
@@ -310,11 +320,18 @@ fn read_all(opts: &PrepareOptions, inputs: &[Input], count: &Arc<AtomicU64>, sin
         };
         match read {
             Ok(()) => {}
-            Err(Halt::Done) => break,
-            Err(Halt::Error(e)) => return sink.fail(e),
+            Err(Halt::Done) => {
+                let _ = sink.flush();
+                return sink.last_input().map_or(0, |i| i as usize + 1);
+            }
+            Err(Halt::Error(e)) => {
+                sink.fail(e);
+                return i as usize;
+            }
         }
     }
     let _ = sink.flush();
+    inputs.len()
 }
 
 /// Encoded pieces on their way to the writer.

@@ -93,10 +93,15 @@ fn documents_split_into_train_and_val_shards() {
     assert_eq!(names(&out), [INDEX_FILE, "train-00000.bin"]);
     assert_eq!(split(&out, &p.index.train).len(), 18);
 
-    // --limit-docs: the first two documents.
+    // --limit-docs: the first two documents; the index names the input they came from.
+    let more = dir.path().join("more.jsonl");
+    std::fs::write(&more, "{\"text\": \"c\"}\n").unwrap();
+    opts.inputs.push(more);
+    assert_eq!(run(&opts).unwrap().index.inputs.len(), 2);
     opts.limit_docs = Some(2);
     let p = run(&opts).unwrap();
     assert_eq!(split(&out, &p.index.train), [0, 1, 2, 4, 1, 4]);
+    assert_eq!(p.index.inputs.len(), 1);
 
     opts.val_fraction = 0.9;
     let e = run(&opts).unwrap_err().to_string();

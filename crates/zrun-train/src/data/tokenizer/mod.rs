@@ -309,23 +309,19 @@ impl Tokenizer {
         paths: &[&Path],
         out: &mut Vec<u32>,
     ) -> Result<(), DataError> {
-        let encodings = match self.inner.encode_batch_fast(texts.to_vec(), true) {
-            Ok(e) => e,
-            Err(_) => {
-                // Find the document that failed, to name it.
-                for (text, path) in texts.iter().zip(paths) {
-                    if let Err(e) = self.inner.encode_fast(*text, true) {
-                        return Err(self.encode_error(path, &e.to_string()));
-                    }
-                }
-                return Err(self.encode_error(paths[0], "batch encoding failed"));
-            }
-        };
-        for enc in &encodings {
-            out.extend_from_slice(enc.get_ids());
-            if let Some((_, id)) = &self.eos {
-                out.push(*id);
-            }
+        let pieces: Vec<Piece<'_>> = texts
+            .iter()
+            .map(|text| Piece {
+                text,
+                first: true,
+                last: true,
+            })
+            .collect();
+        let ids = self
+            .encode_pieces(&pieces)
+            .map_err(|(i, reason)| self.encode_error(paths[i], &reason))?;
+        for v in ids {
+            out.extend_from_slice(&v);
         }
         Ok(())
     }
