@@ -4,7 +4,7 @@
 //! Formats come from the file name: `.jsonl`, `.ndjson` and `.json` (JSON Lines, one object
 //! per line) optionally followed by `.gz` or `.zst`; `.parquet`; anything else is UTF-8
 //! text, one document per file. A directory stands for its files with those endings
-//! (`.txt` for text) found recursively, sorted by path. A text file whose first bytes are a
+//! (`.txt` for text) found recursively (not through linked directories), sorted by path. A text file whose first bytes are a
 //! compressed or Parquet file's signature is refused rather than read as text.
 
 use std::fs::File;
@@ -167,10 +167,13 @@ fn walk(dir: &Path, files: &mut Vec<PathBuf>) -> Result<(), PrepareError> {
         problem: format!("cannot list the directory: {e}"),
     };
     for entry in std::fs::read_dir(dir).map_err(list_error)? {
-        let path = entry.map_err(list_error)?.path();
-        if path.is_dir() {
+        let entry = entry.map_err(list_error)?;
+        let path = entry.path();
+        // Linked directories are not followed (a link to a parent would never end); linked
+        // files are read.
+        if entry.file_type().map_err(list_error)?.is_dir() {
             walk(&path, files)?;
-        } else if listed(&path) {
+        } else if path.is_file() && listed(&path) {
             files.push(path);
         }
     }
@@ -310,6 +313,36 @@ mod tests {
         assert!(f("a.txt.gz").unwrap_err().contains("gunzip"));
         assert!(listed(Path::new("x/a.txt")) && listed(Path::new("x/b.parquet")));
         assert!(!listed(Path::new("x/README.md")) && !listed(Path::new("x/.a.jsonl")));
+    }
+
+    #[test]
+    fn directories_are_listed_sorted_without_following_linked_directories() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join("b/c")).unwrap();
+        for f in [
+            "b/c/z.parquet",
+            "b/a.jsonl.zst",
+            "a.txt",
+            "notes.md",
+            "b/.hidden.jsonl",
+        ] {
+            std::fs::write(d.path().join(f), "").unwrap();
+        }
+        std::os::unix::fs::symlink(d.path(), d.path().join("b/loop")).unwrap();
+        let got: Vec<PathBuf> = expand(&[d.path().to_path_buf()])
+            .unwrap()
+            .into_iter()
+            .map(|i| i.path.strip_prefix(d.path()).unwrap().to_path_buf())
+            .collect();
+        let want: Vec<PathBuf> = ["a.txt", "b/a.jsonl.zst", "b/c/z.parquet"]
+            .iter()
+            .map(PathBuf::from)
+            .collect();
+        assert_eq!(got, want);
+        let e = expand(&[d.path().join("b/c/none")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("b/c/none") && e.contains("cannot read"), "{e}");
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! JSON Lines inputs, plain, gzip or zstd: one JSON object per line, the document's text
 //! under `--field`. Only that field is decoded (the others are skipped without building
-//! them); blank lines are skipped; the last of duplicate keys wins, as in Python's `json`.
+//! them); blank lines and a byte-order mark at the start are skipped; the last of duplicate
+//! keys wins, as in Python's `json`.
 
 use std::fmt;
 use std::fs::File;
@@ -74,12 +75,17 @@ pub(super) fn read(
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        match text_of(&line, field) {
+        // A byte-order mark before the first object (some Windows tools write one).
+        let json = match line.strip_prefix(b"\xef\xbb\xbf") {
+            Some(rest) if n == 1 => rest,
+            _ => &line[..],
+        };
+        match text_of(json, field) {
             Ok(Found::Text(text)) => sink.document(index, Origin::Line(n), text)?,
             Ok(Found::Not(_)) | Err(_) if skip_bad => sink.skip(),
             Ok(Found::Not(what)) => {
                 let problem = if what == "missing" {
-                    format!("no field {field:?} ({})", keys(&line))
+                    format!("no field {field:?} ({})", keys(json))
                 } else {
                     format!("field {field:?} is {what}, not a string")
                 };

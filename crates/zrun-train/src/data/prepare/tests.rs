@@ -46,7 +46,8 @@ fn documents_split_into_train_and_val_shards() {
         .map(|l| format!("{{\"id\": 1, \"text\": \"{l}\"}}\n"))
         .collect();
     let input = dir.path().join("docs.jsonl");
-    std::fs::write(&input, jsonl + "\n").unwrap();
+    // A byte-order mark first and a blank line last are skipped.
+    std::fs::write(&input, format!("\u{feff}{jsonl}\n")).unwrap();
     let out = dir.path().join("out");
     let mut opts = PrepareOptions::new(tok, vec![input], out.clone());
     opts.val_fraction = 0.25;
