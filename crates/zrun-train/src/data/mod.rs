@@ -1,6 +1,7 @@
 //! Training and eval data: synthetic Markov chain, token files (uint16 or uint32, with
 //! llm.c's header or nanoGPT's headerless uint16), UTF-8 text as bytes or encoded by a
-//! Hugging Face tokenizer, and `zrun prepare`, which writes token files from text.
+//! Hugging Face tokenizer, token-shard directories, and `zrun prepare`, which writes them from
+//! JSON Lines, Parquet and text.
 //!
 //! A [`Dataset`] maps a global sample index to one sequence window, deterministically from
 //! the seed, so any rank can read any sample without coordination. A [`Loader`] turns the
