@@ -364,3 +364,39 @@ pub fn demo_sets(dir: &Path, steps: u64, every: u64) -> Vec<String> {
     .flat_map(|s| ["--set".to_string(), s])
     .collect()
 }
+
+/// Every token of a token file, read through the data loader: with T = 1 and one train
+/// window, window 0 is the train split and windows 1.. the eval split, in file order.
+pub fn read_by_loader(path: PathBuf, vocab_size: usize) -> Vec<u32> {
+    let ds = zrun_train::data::Dataset::open(&zrun_train::data::DataOptions {
+        source: zrun_train::data::DataSource::Tokens { path },
+        seq_len: 1,
+        vocab_size,
+        seed: 0,
+        eval_fraction: 0.999_999,
+    })
+    .unwrap();
+    assert_eq!(ds.len(zrun_train::data::Split::Train), Some(1));
+    let n = ds.len(zrun_train::data::Split::Eval).unwrap();
+    let (x0, _) = ds.samples(zrun_train::data::Split::Train, &[0]).unwrap();
+    let (x, y) = ds
+        .samples(zrun_train::data::Split::Eval, &(0..n).collect::<Vec<u64>>())
+        .unwrap();
+    let mut all = Vec::<i64>::try_from(x0.flatten(0, -1)).unwrap();
+    all.extend(Vec::<i64>::try_from(x.flatten(0, -1)).unwrap());
+    all.push(Vec::<i64>::try_from(y.flatten(0, -1)).unwrap()[n as usize - 1]);
+    all.into_iter().map(|t| t as u32).collect()
+}
+
+/// Runs zrun, expects exit code 2 and one `zrun: error:` line holding every needle.
+pub fn rejects(args: &[&str], needles: &[&str]) {
+    let out = zrun(args);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "args {args:?}: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.contains("zrun: error:")).collect();
+    assert_eq!(lines.len(), 1, "expected one error line: {err}");
+    for n in needles {
+        assert!(lines[0].contains(n), "{:?} lacks {n:?}", lines[0]);
+    }
+}

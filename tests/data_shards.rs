@@ -17,7 +17,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::{demo_sets, rank_pid, read_json, root, scratch, signal, stderr, write, zrun, Job};
+use common::{
+    demo_sets, rank_pid, read_by_loader, read_json, rejects, root, scratch, signal, stderr, write,
+    zrun, Job,
+};
 use zrun_train::data::{
     xxh3_of, DataOptions, DataSource, Dataset, ShardIndex, ShardRecord, Split, TokenDtype,
     TokenWriter, TokenizerRecord,
@@ -82,39 +85,6 @@ fn tokens_options(path: PathBuf, seq_len: usize, vocab_size: usize) -> DataOptio
         vocab_size,
         seed: 0,
         eval_fraction: 0.1,
-    }
-}
-
-/// Every token of a token file, read through the data loader: with T = 1 and one train
-/// window, window 0 is the train split and windows 1.. the eval split, in file order.
-fn read_by_loader(path: PathBuf, vocab_size: usize) -> Vec<u32> {
-    let ds = Dataset::open(&DataOptions {
-        eval_fraction: 0.999_999,
-        ..tokens_options(path, 1, vocab_size)
-    })
-    .unwrap();
-    assert_eq!(ds.len(Split::Train), Some(1));
-    let n = ds.len(Split::Eval).unwrap();
-    let (x0, _) = ds.samples(Split::Train, &[0]).unwrap();
-    let (x, y) = ds
-        .samples(Split::Eval, &(0..n).collect::<Vec<u64>>())
-        .unwrap();
-    let mut all = Vec::<i64>::try_from(x0.flatten(0, -1)).unwrap();
-    all.extend(Vec::<i64>::try_from(x.flatten(0, -1)).unwrap());
-    all.push(Vec::<i64>::try_from(y.flatten(0, -1)).unwrap()[n as usize - 1]);
-    all.into_iter().map(|t| t as u32).collect()
-}
-
-/// Runs zrun, expects exit code 2 and one `zrun: error:` line holding every needle.
-fn rejects(args: &[&str], needles: &[&str]) {
-    let out = zrun(args);
-    let err = stderr(&out);
-    assert_eq!(out.status.code(), Some(2), "args {args:?}: {err}");
-    assert!(!err.contains("panicked"), "{err}");
-    let lines: Vec<&str> = err.lines().filter(|l| l.contains("zrun: error:")).collect();
-    assert_eq!(lines.len(), 1, "expected one error line: {err}");
-    for n in needles {
-        assert!(lines[0].contains(n), "{:?} lacks {n:?}", lines[0]);
     }
 }
 

@@ -11,9 +11,9 @@ mod python;
 use common::*;
 use python::{book, ids, python, text, Script};
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use zrun_train::data::{DataOptions, DataSource, Dataset, Split};
+use zrun_train::data::{DataOptions, DataSource, Dataset};
 
 /// A token file's width in bytes (2 for uint16, 4 for uint32) and its tokens; the header is
 /// one of llm.c's (20240520 version 1, 20240801 version 7) or zrun's older uint32 one
@@ -57,42 +57,6 @@ fn read_split(dir: &Path, split: &str, shard_tokens: usize) -> Vec<u32> {
         all.extend(ids);
     }
     all
-}
-
-/// Every token of a token file, read through the data loader: with T = 1 and one train
-/// window, window 0 is the train split and windows 1.. the eval split, in file order.
-fn read_by_loader(path: PathBuf, vocab_size: usize) -> Vec<u32> {
-    let ds = Dataset::open(&DataOptions {
-        source: DataSource::Tokens { path },
-        seq_len: 1,
-        vocab_size,
-        seed: 0,
-        eval_fraction: 0.999_999,
-    })
-    .unwrap();
-    assert_eq!(ds.len(Split::Train), Some(1));
-    let n = ds.len(Split::Eval).unwrap();
-    let (x0, _) = ds.samples(Split::Train, &[0]).unwrap();
-    let (x, y) = ds
-        .samples(Split::Eval, &(0..n).collect::<Vec<u64>>())
-        .unwrap();
-    let mut all = Vec::<i64>::try_from(x0.flatten(0, -1)).unwrap();
-    all.extend(Vec::<i64>::try_from(x.flatten(0, -1)).unwrap());
-    all.push(Vec::<i64>::try_from(y.flatten(0, -1)).unwrap()[n as usize - 1]);
-    all.into_iter().map(|t| t as u32).collect()
-}
-
-/// Runs zrun, expects exit code 2 and one `zrun: error:` line holding every needle.
-fn rejects(args: &[&str], needles: &[&str]) {
-    let out = zrun(args);
-    let err = stderr(&out);
-    assert_eq!(out.status.code(), Some(2), "args {args:?}: {err}");
-    assert!(!err.contains("panicked"), "{err}");
-    let lines: Vec<&str> = err.lines().filter(|l| l.contains("zrun: error:")).collect();
-    assert_eq!(lines.len(), 1, "expected one error line: {err}");
-    for n in needles {
-        assert!(lines[0].contains(n), "{:?} lacks {n:?}", lines[0]);
-    }
 }
 
 /// Checks that a `zrun prepare` succeeded and printed nothing on stderr (no progress off a

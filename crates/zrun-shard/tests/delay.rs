@@ -1,11 +1,14 @@
 //! The delayed parameter update (`zero.offload_delay`) against a plain loop that applies
 //! each update one step late: whole-model autograd and torch's AdamW written out in f64.
 
+mod common;
+
+use common::{adamw, single};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 use zrun_models::{forward_model, init_model_params, lm_loss, Gpt, GptConfig, Model};
-use zrun_optim::{clip_coefficient, AdamWConfig};
+use zrun_optim::clip_coefficient;
 use zrun_shard::{Engine, EngineConfig, Offload, Stage};
 
 const SEED: u64 = 5;
@@ -26,25 +29,6 @@ fn model() -> Arc<dyn Model> {
         tied: false,
     };
     Arc::new(Gpt::new(cfg).unwrap())
-}
-
-fn single() -> Arc<dyn zrun_comm::Communicator> {
-    let topo = zrun_comm::Topology::single();
-    let comm = zrun_comm::init(
-        &topo,
-        zrun_comm::Backend::Tcp,
-        std::time::Duration::from_secs(5),
-    );
-    Arc::from(comm.unwrap())
-}
-
-fn adamw() -> AdamWConfig {
-    AdamWConfig {
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-    }
 }
 
 /// Step `t`'s batch, from a local generator (libtorch's global one is shared by the tests).

@@ -1,9 +1,11 @@
 //! The unit engine against whole-model autograd on the same units.
 
+mod common;
+
+use common::{adamw, single};
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 use zrun_models::{forward_model, init_model_params, lm_loss, Gpt, GptConfig, Model};
-use zrun_optim::AdamWConfig;
 use zrun_shard::{Engine, EngineConfig, Precision, Stage};
 
 const SEED: u64 = 11;
@@ -24,25 +26,6 @@ fn model_with(tied: bool) -> Arc<dyn Model> {
         tied,
     };
     Arc::new(Gpt::new(cfg).unwrap())
-}
-
-fn single() -> Arc<dyn zrun_comm::Communicator> {
-    let topo = zrun_comm::Topology::single();
-    let comm = zrun_comm::init(
-        &topo,
-        zrun_comm::Backend::Tcp,
-        std::time::Duration::from_secs(5),
-    );
-    Arc::from(comm.unwrap())
-}
-
-fn adamw() -> AdamWConfig {
-    AdamWConfig {
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-    }
 }
 
 fn engine_at(m: Arc<dyn Model>, stage: Stage) -> Engine {

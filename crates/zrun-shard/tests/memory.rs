@@ -2,11 +2,13 @@
 //! stage and precision: (2+2+12)Ψ, 4Ψ+12Ψ/W, 2Ψ+14Ψ/W, 16Ψ/W for bf16 + AdamW with bf16
 //! gradients, and the fp32 equivalents. Ψ is computed here from the parameter shapes.
 
+mod common;
+
+use common::adamw;
 use std::sync::Arc;
 use tch::{Device, Tensor};
 use zrun_comm::{Backend, Communicator, Error, ReduceOp, Work};
 use zrun_models::{Gpt, GptConfig, Model};
-use zrun_optim::AdamWConfig;
 use zrun_shard::{Engine, EngineConfig, Offload, Precision, ReduceDtype, Stage, StateDtype};
 
 /// Rank and world size only: building an engine allocates but never communicates.
@@ -39,16 +41,6 @@ impl Communicator for Placement {
     }
     fn barrier(&self) -> Result<Work, Error> {
         unreachable!("construction does not communicate")
-    }
-}
-
-/// Hyper-parameters do not change any byte count: one AdamW config for every test here.
-fn adamw() -> AdamWConfig {
-    AdamWConfig {
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
     }
 }
 

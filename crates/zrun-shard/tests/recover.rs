@@ -9,6 +9,9 @@
 //! counted: none. (The limit alone would not prove it: glibc may serve a request from
 //! blocks freed earlier.)
 
+mod common;
+
+use common::adamw;
 use std::io::Read;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -16,7 +19,6 @@ use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 use zrun_comm::{Backend, Communicator, ReduceOp, StoreServer, Topology};
 use zrun_models::{Gpt, GptConfig, Model};
-use zrun_optim::AdamWConfig;
 use zrun_shard::{Engine, EngineConfig, Precision, Stage};
 
 const ROLE: &str = "ZRUN_TEST_ROLE";
@@ -37,15 +39,6 @@ fn model(tied: bool) -> Arc<dyn Model> {
         tied,
     };
     Arc::new(Gpt::new(cfg).unwrap())
-}
-
-fn adamw() -> AdamWConfig {
-    AdamWConfig {
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-    }
 }
 
 /// A (B, T) batch of token ids and its targets, the same on every run.
