@@ -72,6 +72,10 @@ pub struct Choice {
     pub micro_batch: usize,
     /// Micro-steps per optimizer step.
     pub grad_accum: usize,
+    /// The config delays its offloaded updates (`zero.offload_delay`): a choice without
+    /// offload then turns the delay off too (it needs offload).
+    #[serde(skip)]
+    pub delayed: bool,
 }
 
 impl Choice {
@@ -83,6 +87,7 @@ impl Choice {
             activation_checkpointing: cfg.zero.activation_checkpointing,
             micro_batch: cfg.train.micro_batch,
             grad_accum: cfg.train.grad_accum,
+            delayed: cfg.zero.offload_delay > 0,
         }
     }
 
@@ -104,9 +109,9 @@ impl Choice {
         c
     }
 
-    /// The choice as `--set` overrides.
+    /// The choice as `--set` overrides (valid on top of the config it came from).
     pub fn overrides(&self) -> Vec<String> {
-        vec![
+        let mut sets = vec![
             format!("zero.stage={}", self.stage),
             format!(
                 "zero.offload_optimizer=\"{}\"",
@@ -118,7 +123,11 @@ impl Choice {
             ),
             format!("train.micro_batch={}", self.micro_batch),
             format!("train.grad_accum={}", self.grad_accum),
-        ]
+        ];
+        if self.delayed && !self.offload {
+            sets.push("zero.offload_delay=0".into());
+        }
+        sets
     }
 
     /// Cheaper first: fewer collectives (lower stage), no offload, no recomputation, then
@@ -254,6 +263,7 @@ pub fn alternatives(
                         activation_checkpointing: ckpt,
                         micro_batch: mb,
                         grad_accum: per_rank / mb,
+                        delayed: cfg.zero.offload_delay > 0,
                     };
                     let ranks = estimate_ranks(&choice.apply(cfg), world, fixed, limit)?;
                     let worst = ranks
@@ -547,6 +557,32 @@ pub fn resolve_auto(cfg: &Config, world: usize, fixed: i64, limit: i64) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A config that delays its offloaded updates: every alternative's `--set` lines load on
+    /// top of it (a choice without offload must turn the delay off, which needs offload).
+    #[test]
+    fn alternatives_of_a_delayed_config_are_valid_overrides_of_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.toml");
+        std::fs::write(
+            &path,
+            "[model]\npreset = \"tiny\"\n[zero]\nstage = 2\noffload_optimizer = \"cpu\"\noffload_delay = 1\n",
+        )
+        .unwrap();
+        let cfg = Config::load(&path, &[]).unwrap();
+        let mut without = 0;
+        for f in alternatives(&cfg, 2, 0, None).unwrap() {
+            without += usize::from(!f.choice.offload);
+            let loaded = Config::load(&path, &f.choice.overrides());
+            assert!(
+                loaded.is_ok(),
+                "{:?}: {:?}",
+                f.choice.overrides(),
+                loaded.err()
+            );
+        }
+        assert!(without > 0, "no alternative without offload was tried");
+    }
 
     #[test]
     fn sizes_parse_with_binary_and_decimal_units() {

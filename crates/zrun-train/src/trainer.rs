@@ -52,6 +52,7 @@ fn resolve_auto(
         activation_checkpointing: word(2) == 1,
         micro_batch: word(3) as usize,
         grad_accum: word(4) as usize,
+        delayed: c.delayed,
     };
     if rank.rank == 0 {
         tracing::info!(
