@@ -1,4 +1,4 @@
-//! Compiles csrc/zrun_torch_ext.cpp against the same libtorch headers torch-sys (tch) uses.
+//! Compiles csrc/zrun_torch_ext.cpp and csrc/cpu_allocator.cpp against the same libtorch headers torch-sys (tch) uses.
 //!
 //! The libtorch install is located the way torch-sys 0.24 does it: with
 //! `LIBTORCH_USE_PYTORCH` set, ask the active python (`python` inside a virtualenv, else
@@ -96,6 +96,7 @@ fn from_env() -> Result<Libtorch, String> {
 
 fn main() {
     println!("cargo:rerun-if-changed=csrc/zrun_torch_ext.cpp");
+    println!("cargo:rerun-if-changed=csrc/cpu_allocator.cpp");
     println!("cargo:rerun-if-changed=build.rs");
     let torch = if env_rerun("LIBTORCH_USE_PYTORCH").is_some() {
         from_python()
@@ -125,6 +126,7 @@ fn main() {
         .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={}", torch.cxx11_abi))
         .flag("-DGLOG_USE_GLOG_EXPORT")
         .file("csrc/zrun_torch_ext.cpp")
+        .file("csrc/cpu_allocator.cpp")
         .compile("zrun_torch_ext");
     // tch links these too; naming them after our static library keeps the link order right
     // whatever order the linker sees the crates in.

@@ -115,6 +115,10 @@ extern "C" {
         bytes: *mut i64,
         err: *mut *mut c_char,
     ) -> c_int;
+    pub(crate) fn zrun_ext_cpu_alloc_install(limit: u64, err: *mut *mut c_char) -> c_int;
+    pub(crate) fn zrun_ext_cpu_alloc_stats(out: *mut i64) -> c_int;
+    pub(crate) fn zrun_ext_cpu_alloc_reset_peak();
+    pub(crate) fn zrun_ext_cpu_alloc_empty_cache();
 }
 
 /// Turns a shim status and its message into a `Result`, freeing the message.

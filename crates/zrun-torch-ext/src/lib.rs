@@ -11,6 +11,8 @@
 //!   many tensors, nothing read back);
 //! - [`rng::state`] / [`rng::set_state`]: the default CPU / CUDA generators' state, for
 //!   checkpoints that resume with the same random draws;
+//! - [`install_cpu_caching_allocator`] / [`cpu_memory_stats`]: a caching allocator for CPU
+//!   tensors (freed blocks kept and reused, with a byte limit on what it reserves);
 //! - [`count_allocations`]: libtorch's allocations made by a piece of code (tests that check
 //!   a path allocates nothing).
 //!
@@ -18,6 +20,7 @@
 
 mod autograd;
 mod count;
+mod cpu_alloc;
 mod cuda;
 mod error;
 mod ffi;
@@ -27,6 +30,10 @@ mod storage;
 
 pub use autograd::grad;
 pub use count::{count_allocations, Allocations};
+pub use cpu_alloc::{
+    cpu_caching_allocator_installed, cpu_empty_cache, cpu_memory_stats,
+    install_cpu_caching_allocator, reset_cpu_peak, CpuMemoryStats,
+};
 pub use cuda::{
     copy_async, cuda_mem_info, cuda_memory, current_cuda_device, empty_pinned, pinned_bytes,
     reset_cuda_peak, set_allocator_settings, set_cuda_device, CudaEvent, CudaMemory,
