@@ -16,7 +16,7 @@ pub fn run(config: &Path, overrides: &[String]) -> Result<()> {
     zrun_train::stop::install()
         .map_err(|e| anyhow::anyhow!("installing the stop-signal handler: {e}"))?;
     let cfg = Config::load(config, overrides)?;
-    let allocator = zrun_train::memory::set_allocator();
+    let allocator = zrun_train::memory::set_allocator()?;
     let topo = Topology::from_env().map_err(BadInput::from)?;
     if let (0, Some(a)) = (topo.rank, allocator) {
         tracing::debug!("{a}");

@@ -342,27 +342,57 @@ pub const MMAP_THRESHOLD: i32 = 64 << 10;
 /// Variables a launcher gives CPU ranks at their start (where the ranks cannot set them
 /// themselves): glibc's malloc asks for transparent huge pages for its blocks, which makes a
 /// new mapping per large tensor ([`set_allocator`]) cheaper to fault in. Nothing with
-/// `ZRUN_GLIBC_MALLOC=1` or on CUDA.
+/// `ZRUN_GLIBC_MALLOC=1`, with `ZRUN_CPU_ALLOCATOR=caching` or on CUDA.
 pub fn rank_env(device: DeviceKind) -> Vec<(String, String)> {
-    if device == DeviceKind::Cuda || std::env::var("ZRUN_GLIBC_MALLOC").as_deref() == Ok("1") {
+    if device == DeviceKind::Cuda
+        || std::env::var("ZRUN_GLIBC_MALLOC").as_deref() == Ok("1")
+        || matches!(cpu_caching_requested(), Ok(true))
+    {
         return Vec::new();
     }
     vec![("GLIBC_TUNABLES".into(), "glibc.malloc.hugetlb=1".into())]
 }
 
-/// Sets glibc's malloc to return large blocks to the system ([`MMAP_THRESHOLD`]), unless
+/// The environment variable that picks libtorch's CPU allocator: `caching` installs
+/// zrun-torch-ext's caching allocator at rank start ([`set_allocator`]); unset or `default`
+/// keeps c10's default allocator over glibc's malloc.
+pub const CPU_ALLOCATOR_ENV: &str = "ZRUN_CPU_ALLOCATOR";
+
+/// Whether [`CPU_ALLOCATOR_ENV`] asks for the caching CPU allocator; an unknown value is an
+/// error naming the allowed ones.
+pub fn cpu_caching_requested() -> Result<bool, Error> {
+    match std::env::var(CPU_ALLOCATOR_ENV) {
+        Err(_) => Ok(false),
+        Ok(v) if v.is_empty() || v == "default" => Ok(false),
+        Ok(v) if v == "caching" => Ok(true),
+        Ok(v) => Err(ConfigError(format!(
+            "{CPU_ALLOCATOR_ENV}={v:?} is not an allocator: use `caching` or `default` (or unset it)"
+        ))
+        .into()),
+    }
+}
+
+/// Sets up this rank's CPU memory before it allocates: with `ZRUN_CPU_ALLOCATOR=caching`,
+/// installs the caching CPU allocator (glibc's heap keeps its defaults); otherwise sets
+/// glibc's malloc to return large blocks to the system ([`MMAP_THRESHOLD`]), unless
 /// `MALLOC_MMAP_THRESHOLD_` is set (then glibc read it at start) or `ZRUN_GLIBC_MALLOC=1`
 /// asks for glibc's own defaults. Returns what was set.
-pub fn set_allocator() -> Option<String> {
+pub fn set_allocator() -> Result<Option<String>, Error> {
+    if cpu_caching_requested()? {
+        zrun_torch_ext::install_cpu_caching_allocator(None)?;
+        return Ok(Some(format!(
+            "{CPU_ALLOCATOR_ENV}=caching: libtorch's CPU tensors come from the caching allocator"
+        )));
+    }
     if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_some()
         || std::env::var("ZRUN_GLIBC_MALLOC").as_deref() == Ok("1")
     {
-        return None;
+        return Ok(None);
     }
     // SAFETY: mallopt only changes malloc's tuning parameters; it is called before this
     // process starts other threads that allocate (the rank's first step).
     let ok = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD) } == 1;
-    ok.then(|| format!("malloc: mmap threshold {} KiB", MMAP_THRESHOLD >> 10))
+    Ok(ok.then(|| format!("malloc: mmap threshold {} KiB", MMAP_THRESHOLD >> 10)))
 }
 
 /// Bytes from a size such as `80GiB`, `6GB`, `512MiB`, `1.5G` or `1000000` (G and GiB are
@@ -471,7 +501,8 @@ pub fn configure_cuda_allocator(cfg: &Config, index: usize) -> Result<String, Er
 
 /// Applies `dist.memory_limit` to this process on CPU: the data segment may grow by what
 /// the limit leaves above the resident memory now (`rss`), so the allocator fails where the
-/// rank's resident memory would pass the limit. Returns the limit set, if any.
+/// rank's resident memory would pass the limit; with the caching CPU allocator installed,
+/// that allocator's reserve is capped instead. Returns the limit set, if any.
 pub fn apply_memory_limit(cfg: &Config, device: Device, rss: i64) -> Result<Option<i64>, Error> {
     let Some(limit) = cfg.dist.memory_limit_bytes()? else {
         return Ok(None);
@@ -487,6 +518,13 @@ pub fn apply_memory_limit(cfg: &Config, device: Device, rss: i64) -> Result<Opti
             human(rss)
         ))
         .into());
+    }
+    if let Some(held) = zrun_torch_ext::cpu_memory_stats() {
+        // The caching allocator caps its own reserve: what the limit leaves above the
+        // resident memory outside it (its blocks are part of `rss`).
+        let outside = rss - held.reserved as i64;
+        zrun_torch_ext::install_cpu_caching_allocator(Some((limit - outside) as u64))?;
+        return Ok(Some(limit));
     }
     let data = vm_data();
     let cap = (data + limit - rss) as libc::rlim_t;
