@@ -93,6 +93,14 @@ pub struct Summary {
     /// Peak bytes allocated on each rank's CUDA device (on GPU only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cuda_peak_bytes: Option<Vec<i64>>,
+    /// Peak bytes the caching CPU allocator handed out on each rank since its start
+    /// (`ZRUN_CPU_ALLOCATOR=caching` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_allocated_peak_bytes: Option<Vec<i64>>,
+    /// Peak bytes the caching CPU allocator held from the system on each rank (blocks in use
+    /// and cached; `ZRUN_CPU_ALLOCATOR=caching` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_reserved_peak_bytes: Option<Vec<i64>>,
     /// fp16 steps skipped for overflowed gradients.
     pub skipped_steps: u64,
     /// Model-state bytes of each rank as the engine counted them.

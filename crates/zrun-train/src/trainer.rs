@@ -240,6 +240,13 @@ impl Run {
             .collect())
     }
 
+    /// Every rank's `x`, or `None` when some rank has none (every rank calls, with or
+    /// without a value, so the ranks never disagree on the collective).
+    fn gather_present(&self, x: Option<u64>) -> Result<Option<Vec<i64>>, Error> {
+        let all = self.gather(x.map_or(-1, |v| v as i64))?;
+        Ok(all.iter().all(|&v| v >= 0).then_some(all))
+    }
+
     /// Every rank's figures (`time` is this rank's; every rank calls).
     fn figures(&self, time: report::Breakdown) -> Result<Vec<report::RankFigures>, Error> {
         let mine = report::RankFigures {
@@ -566,6 +573,7 @@ impl Run {
         let ranks = self.figures(run_time.mean())?;
         let estimate = self.estimate();
         let stragglers = report::stragglers(&ranks);
+        let cpu = zrun_torch_ext::cpu_memory_stats();
         let summary = Summary {
             stragglers,
             shrinks,
@@ -583,6 +591,8 @@ impl Run {
                 Some(b) => Some(self.gather(b)?),
                 None => None,
             },
+            cpu_allocated_peak_bytes: self.gather_present(cpu.map(|c| c.peak_allocated))?,
+            cpu_reserved_peak_bytes: self.gather_present(cpu.map(|c| c.peak_reserved))?,
             model_state_bytes: self.gather(self.engine.memory().model_states())?,
             skipped_steps: skipped,
             params: self.model.param_count(),
