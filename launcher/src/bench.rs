@@ -121,15 +121,6 @@ fn launch_mpirun(args: &CommArgs) -> anyhow::Result<()> {
 
 /// Starts `nproc` ranks of this same command on this host (the store on loopback) and waits
 /// for them; rank 0 prints, the others are silent.
-/// Rank `r`'s NCCL variables under `ZRUN_NCCL_SHARE_GPU=1` (zrun_comm::share), else none.
-fn share_env(r: usize) -> Vec<(String, String)> {
-    if zrun_comm::share::requested() {
-        zrun_comm::share::rank_env(r)
-    } else {
-        Vec::new()
-    }
-}
-
 pub(crate) fn launch_local(nproc: usize) -> anyhow::Result<()> {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -153,7 +144,7 @@ pub(crate) fn launch_local(nproc: usize) -> anyhow::Result<()> {
             .env(zrun_comm::TOKEN_ENV, &token)
             .env(zrun_comm::STORE_EXTERNAL_ENV, "1")
             .env("OMP_NUM_THREADS", threads.to_string())
-            .envs(share_env(r))
+            .envs(zrun_comm::share::launch_env(r))
             .stdout(if r == 0 {
                 Stdio::inherit()
             } else {

@@ -37,6 +37,16 @@ pub fn rank_env(rank: usize) -> Vec<(String, String)> {
     .collect()
 }
 
+/// What a launcher adds to global rank `rank`'s environment: [`rank_env`] in the mode, else
+/// nothing.
+pub fn launch_env(rank: usize) -> Vec<(String, String)> {
+    if requested() {
+        rank_env(rank)
+    } else {
+        Vec::new()
+    }
+}
+
 /// In the mode, sets [`rank_env`] of this process's `RANK` (or `OMPI_COMM_WORLD_RANK`,
 /// `PMI_RANK`, `SLURM_PROCID`) on this process: for ranks no zrun launcher started. Must run
 /// before any other thread starts (it changes the environment).

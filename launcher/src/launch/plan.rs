@@ -186,9 +186,7 @@ impl Plan {
         }
         let mut env: Vec<(String, String)> =
             env.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
-        if zrun_comm::share::requested() {
-            env.extend(zrun_comm::share::rank_env(layout.rank_offset + local));
-        }
+        env.extend(zrun_comm::share::launch_env(layout.rank_offset + local));
         env
     }
 }
