@@ -92,9 +92,13 @@ impl Engine {
         if !applied {
             return Ok(());
         }
-        let layout = self.mover.layout.clone();
-        self.host()?
-            .submit_deferred(&layout, segments, lr, grad_scale)?;
+        // Borrowing the two fields apart: no copy of the layout every step.
+        let Optimizer::Host(h) = &mut self.optimizer else {
+            return Err(Error::Unsupported(
+                "zero.offload_delay needs zero.offload_optimizer = \"cpu\"".into(),
+            ));
+        };
+        h.submit_deferred(&self.mover.layout, segments, lr, grad_scale)?;
         self.delay.behind = true;
         Ok(())
     }
