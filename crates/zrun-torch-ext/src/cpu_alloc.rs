@@ -1,20 +1,22 @@
 //! A caching allocator for libtorch's CPU tensors (csrc/cpu_allocator.cpp), the CPU
-//! counterpart of CUDA's: freed blocks are kept and reused, so a training loop stops mapping,
-//! unmapping and faulting in memory after its first steps, and what it holds is counted.
+//! counterpart of CUDA's: freed blocks are kept and reused, so a training loop stops taking
+//! and faulting in memory after its first steps, and what it holds is counted.
 //!
 //! The rule, by request size:
 //! - below 64 KiB: a 64-byte aligned block from the C heap (glibc's heap keeps and reuses
 //!   small blocks itself), counted while live, not cached;
-//! - from 64 KiB: rounded up to whole 4 KiB pages and served by the smallest cached block of
-//!   at least that size and at most 1/8 larger (a block is never more than 12.5% larger than
-//!   its request; a loop that repeats its sizes reuses blocks of exactly its sizes); with no
-//!   such block, a fresh anonymous mapping (`mmap`; `MADV_HUGEPAGE` from 2 MiB). Freed blocks
-//!   stay cached until [`cpu_empty_cache`] or the limit returns them to the system.
+//! - from 64 KiB: rounded up to whole 4 KiB pages and carved out of an arena (a large range
+//!   of address space reserved once, made writable as it grows). A request takes the
+//!   smallest free block with resident pages that holds it (best fit, the rest stays free);
+//!   else a free block at the arena's end, extended; else the smallest free block whose
+//!   pages were returned; else fresh pages at the arena's end. Freed blocks merge with their
+//!   free neighbours, so what the arena holds at its peak stays close to the most bytes live
+//!   at once. They keep their pages until [`cpu_empty_cache`] or the limit returns them
+//!   (`madvise(MADV_DONTNEED)`).
 //!
-//! With a limit, a request that would take the reserved bytes past it first returns every
-//! cached block to the system, then, if still over, fails with libtorch's out-of-memory error
-//! ("CPU out of memory: tried to allocate N bytes ..."), which a `tch` `f_` call returns as
-//! an `Err`.
+//! With a limit, a request that needs fresh pages past it first returns every cached page to
+//! the system, then, if still over, fails with libtorch's out-of-memory error ("CPU out of
+//! memory: tried to allocate N bytes ..."), which a `tch` `f_` call returns as an `Err`.
 //!
 //! Installing is process-wide and cannot be undone; tensors made before it keep the default
 //! allocator's deleter and are freed by it.
@@ -22,7 +24,7 @@
 use crate::{ffi, Error};
 use std::ptr;
 
-/// The caching CPU allocator's figures, in bytes (and counts of mappings).
+/// The caching CPU allocator's figures, in bytes (and counts of events).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct CpuMemoryStats {
     /// Bytes of blocks held by live tensors now (requests rounded to their block).
@@ -33,10 +35,12 @@ pub struct CpuMemoryStats {
     pub peak_allocated: u64,
     /// Most bytes reserved since the last [`reset_cpu_peak`].
     pub peak_reserved: u64,
-    /// Fresh mappings made from the system since installation (blocks from 64 KiB).
-    pub mappings: u64,
-    /// Mappings returned to the system ([`cpu_empty_cache`], or to make room under the limit).
-    pub unmappings: u64,
+    /// Requests from 64 KiB that took pages from the system since installation (the rest
+    /// reused cached ones).
+    pub fresh: u64,
+    /// Free blocks whose pages went back to the system ([`cpu_empty_cache`], or to make room
+    /// under the limit).
+    pub returned: u64,
     /// The cap on reserved bytes, if any.
     pub limit: Option<u64>,
 }
@@ -74,8 +78,8 @@ pub fn cpu_memory_stats() -> Option<CpuMemoryStats> {
         reserved: u(out[1]),
         peak_allocated: u(out[2]),
         peak_reserved: u(out[3]),
-        mappings: u(out[4]),
-        unmappings: u(out[5]),
+        fresh: u(out[4]),
+        returned: u(out[5]),
         limit: (out[6] > 0).then(|| u(out[6])),
     })
 }
@@ -90,7 +94,7 @@ pub fn reset_cpu_peak() {
 /// Returns every cached free block to the system (live tensors keep theirs). Does nothing
 /// where the allocator is not installed.
 pub fn cpu_empty_cache() {
-    // SAFETY: takes a lock; munmap of blocks no tensor holds; cannot throw.
+    // SAFETY: takes a lock; returns pages of blocks no tensor holds; cannot throw.
     unsafe { ffi::zrun_ext_cpu_alloc_empty_cache() }
 }
 

@@ -1,4 +1,4 @@
-//! The caching CPU allocator: a training loop's reserved bytes and mappings stop growing
+//! The caching CPU allocator: a training loop's reserved bytes and fresh pages stop growing
 //! after its first steps; a request past the limit fails catchably with its size; threads
 //! allocating and freeing at once leave the books balanced. Alone in its own test binary
 //! (installing a CPU allocator is process-wide); the tests take turns (one lock), since each
@@ -25,7 +25,7 @@ fn a_training_loop_stops_mapping_after_warm_up() -> anyhow::Result<()> {
     tch::manual_seed(0);
     let vs = nn::VarStore::new(Device::Cpu);
     let p = vs.root();
-    // Weights 256 KiB-1 MiB, activations 128-512 KiB: every block is a cached mapping.
+    // Weights 256 KiB-1 MiB, activations 128-512 KiB: every block comes from the arena.
     let model = nn::seq()
         .add(nn::linear(&p / "a", 256, 512, Default::default()))
         .add_fn(|x| x.gelu("none"))
@@ -46,7 +46,7 @@ fn a_training_loop_stops_mapping_after_warm_up() -> anyhow::Result<()> {
     }
     let warm = stats()?;
     assert!(
-        warm.mappings > start.mappings,
+        warm.fresh > start.fresh,
         "the loop's tensors do not come from the caching allocator: {start:?} -> {warm:?}"
     );
     reset_cpu_peak();
@@ -58,8 +58,8 @@ fn a_training_loop_stops_mapping_after_warm_up() -> anyhow::Result<()> {
     assert!(last < first, "the loop trains: loss {first} -> {last}");
     let end = stats()?;
     assert_eq!(
-        end.mappings, warm.mappings,
-        "no fresh mapping after warm-up: {warm:?} -> {end:?}"
+        end.fresh, warm.fresh,
+        "no fresh pages after warm-up: {warm:?} -> {end:?}"
     );
     assert_eq!(end.reserved, warm.reserved, "reserved stops growing");
     assert!(
@@ -83,19 +83,22 @@ fn past_the_limit_a_request_fails_catchably_and_the_cache_is_returned_first() ->
     let base = stats()?.allocated;
     install_cpu_caching_allocator(Some(base + 64 * MIB))?;
 
-    // 40 MiB cached, then 48 MiB: over the limit with the cache, under it without.
-    drop(Tensor::f_ones([(40 * MIB / 4) as i64], opts)?);
+    // 40 MiB cached (a live 1 MiB after it, so the free block cannot simply grow), then
+    // 48 MiB: over the limit with the cache, under it without.
+    let a = Tensor::f_ones([(40 * MIB / 4) as i64], opts)?;
+    let pin = Tensor::f_ones([(MIB / 4) as i64], opts)?;
+    drop(a);
     let cached = stats()?;
-    assert!(cached.reserved >= base + 40 * MIB, "{cached:?}");
+    assert!(cached.reserved >= base + 41 * MIB, "{cached:?}");
     let b = Tensor::f_ones([(48 * MIB / 4) as i64], opts)?;
     let after = stats()?;
     assert!(
-        after.unmappings > cached.unmappings,
+        after.returned > cached.returned,
         "cache returned: {after:?}"
     );
     assert!(after.reserved <= base + 64 * MIB, "{after:?}");
 
-    let too_big = 32 * MIB; // 48 + 32 > 64
+    let too_big = 32 * MIB; // 1 + 48 + 32 > 64
     let e = Tensor::f_empty([(too_big / 4) as i64], opts)
         .err()
         .ok_or_else(|| anyhow::anyhow!("a request past the limit succeeded"))?
@@ -107,12 +110,12 @@ fn past_the_limit_a_request_fails_catchably_and_the_cache_is_returned_first() ->
     );
     assert!(e.contains("dist.memory_limit"), "{e}");
     // The process goes on; what fits still works.
-    let small = Tensor::f_full([(8 * MIB / 4) as i64], 1.5, opts)?;
+    let small = Tensor::f_full([(8 * MIB / 4) as i64], 1.5, opts)?; // 1 + 48 + 8 <= 64
     assert_eq!(
         small.f_sum(Kind::Float)?.double_value(&[]),
         1.5 * (2 * MIB) as f64
     );
-    drop((b, small));
+    drop((b, small, pin));
     install_cpu_caching_allocator(None)?;
     assert_eq!(stats()?.limit, None);
     let big = Tensor::f_empty([(too_big / 4) as i64], opts)?; // no limit: fine
@@ -138,7 +141,7 @@ fn threads_allocating_and_freeing_at_once_leave_the_books_balanced() -> anyhow::
                     rng ^= rng << 13;
                     rng ^= rng >> 7;
                     rng ^= rng << 17;
-                    // 4 B to 512 KiB: both the heap path and the cached mappings.
+                    // 4 B to 512 KiB: both the heap path and the arena.
                     let numel = 1 + (rng % (128 << 10)) as i64;
                     let x = Tensor::f_empty([numel], (Kind::Float, Device::Cpu))?;
                     let _ = x.narrow(0, numel - 1, 1).f_fill_(i as f64)?;
