@@ -337,7 +337,7 @@ fn train(cli: &Cli) -> anyhow::Result<u8> {
             steps: cfg.train.steps,
         }),
         reports: Some(cfg.log.dir.clone()),
-        env: zrun_train::memory::rank_env(dist.device),
+        env: Vec::new(),
     };
     launch::run(&cli.launch, &program, &opts)
 }

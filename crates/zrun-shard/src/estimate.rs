@@ -42,10 +42,42 @@ pub struct EstimateConfig {
     pub offload_delay: bool,
 }
 
-/// Small allocations the allocator keeps in its heap rather than returning them (LayerNorm
-/// statistics, autograd's nodes, the runtime's bookkeeping): measured at 2-4 MiB on CPU ranks
-/// with the allocator settings zrun sets (docs/memory.md).
-pub const HEAP_BYTES: i64 = 4 << 20;
+/// What a CPU rank's resident memory gains in training outside its tensors: small blocks
+/// glibc's heap keeps (autograd's nodes, the runtime's bookkeeping) and library code paged in
+/// by the first steps; measured at 6.8-7.0 MiB with the caching CPU allocator
+/// (docs/memory.md).
+pub const HEAP_BYTES: i64 = 7 << 20;
+
+/// The kernels oneDNN generates for 16-bit matrix products on CPUs with AVX-512 (its brgemm
+/// kernels, kept in its primitive cache outside libtorch's allocator): measured at 9-10 MiB
+/// per rank for the GPT and Llama steps, whatever their width and batch (docs/memory.md).
+pub const ONEDNN_KERNEL_BYTES: i64 = 10 << 20;
+
+/// Memory a CPU rank's runtime takes from the C heap while it trains, outside the tensors:
+/// [`HEAP_BYTES`], and [`ONEDNN_KERNEL_BYTES`] where 16-bit compute runs through oneDNN's
+/// AVX-512 kernels (without AVX-512 libtorch computes bf16 itself, and they do not exist).
+pub fn runtime_heap_bytes(cuda: bool, precision: Precision) -> i64 {
+    if cuda {
+        return 0;
+    }
+    let kernels = precision != Precision::Fp32 && onednn_avx512();
+    HEAP_BYTES + if kernels { ONEDNN_KERNEL_BYTES } else { 0 }
+}
+
+/// Whether this CPU has the AVX-512 subsets oneDNN's 16-bit kernels need (libtorch then
+/// computes bf16 through oneDNN).
+fn onednn_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+            && std::arch::is_x86_feature_detected!("avx512dq")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
 
 /// One term of a rank's memory at its peak.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -187,7 +219,7 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
     let device_buffers = ledger.buffers - host_buffers;
     let host_on_device = if cfg.cuda { 0 } else { host };
     let states = ledger.device_model_states() + device_buffers + host_on_device;
-    let heap = if cfg.cuda { 0 } else { HEAP_BYTES };
+    let heap = runtime_heap_bytes(cfg.cuda, cfg.precision);
     let batch = 2 * 8 * b * t; // token ids and targets, int64
 
     let gathered = |first: usize, rev: bool| -> i64 {

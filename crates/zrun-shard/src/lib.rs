@@ -20,7 +20,7 @@ mod snapshot;
 mod state;
 
 pub use engine::{Engine, EngineConfig, StepStats, StepTimes};
-pub use estimate::{estimate, Estimate, EstimateConfig, Term, UnitActivations};
+pub use estimate::{estimate, runtime_heap_bytes, Estimate, EstimateConfig, Term, UnitActivations};
 pub use layout::{ShardLayout, UnitLayout, View, SHARD_ALIGN};
 pub use memory::MemoryLedger;
 pub use policy::{Offload, Precision, ReduceDtype, Stage};

@@ -107,7 +107,10 @@ fn run_case(comm: &Arc<dyn Communicator>, c: Case) -> Option<Failed> {
     let failed = if rank == 1 {
         let big = 32;
         let est = zrun_shard::estimate(m.as_ref(), e.layout(), &e.estimate_config(big, 32));
-        let activations = est.peak_bytes - e.memory().total();
+        // The step's own allocations: the peak less what the rank holds and the runtime's heap.
+        let activations = est.peak_bytes
+            - e.memory().total()
+            - zrun_shard::runtime_heap_bytes(false, c.precision);
         limit_data(Some(vm_data() + (c.room * activations as f64) as i64));
         let (bx, by) = batch(big, 32);
         let err = e
@@ -153,8 +156,10 @@ fn run_case(comm: &Arc<dyn Communicator>, c: Case) -> Option<Failed> {
 }
 
 fn worker() {
-    // As zrun's CPU ranks: every tensor of 64 KiB or more is its own mapping, returned when
-    // freed (and glibc's threshold stays put).
+    // glibc's malloc (c10's default allocator) with every tensor of 64 KiB or more its own
+    // mapping, returned when freed, so the data segment limit below tracks the live tensors
+    // (zrun's CPU ranks run the caching allocator, whose limit tests/memory_fit.rs and
+    // zrun-torch-ext's tests cover).
     // SAFETY: mallopt sets a malloc parameter of this process.
     assert_eq!(
         unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 10) },
@@ -164,10 +169,10 @@ fn worker() {
     let comm: Arc<dyn Communicator> =
         Arc::from(zrun_comm::init(&topo, Backend::Tcp, COMM_TIMEOUT).unwrap());
     let cases = [
-        (Stage::Zero2, Precision::Fp32, false, false, 0.1),
-        (Stage::Zero2, Precision::Fp32, true, false, 0.7),
-        (Stage::Zero3, Precision::Bf16, false, true, 0.1),
-        (Stage::Zero3, Precision::Fp32, true, true, 0.7),
+        (Stage::Zero2, Precision::Fp32, false, false, 0.12),
+        (Stage::Zero2, Precision::Fp32, true, false, 0.91),
+        (Stage::Zero3, Precision::Bf16, false, true, 0.13),
+        (Stage::Zero3, Precision::Fp32, true, true, 0.91),
     ];
     let mut phases = Vec::new();
     for (stage, precision, ckpt, tied, room) in cases {

@@ -19,7 +19,7 @@ fn stats() -> anyhow::Result<CpuMemoryStats> {
 }
 
 #[test]
-fn a_training_loop_stops_mapping_after_warm_up() -> anyhow::Result<()> {
+fn a_training_loop_takes_no_fresh_pages_after_warm_up() -> anyhow::Result<()> {
     let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
     install_cpu_caching_allocator(None)?;
     tch::manual_seed(0);

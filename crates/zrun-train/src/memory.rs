@@ -315,6 +315,11 @@ pub fn warm_up(device: Device, kind: Kind) -> Result<(), Error> {
     let logits = zrun_models::forward_model(&gpt, &leaves, &idx)?;
     let loss = zrun_models::lm_loss(&logits, &idx)?;
     loss.f_backward().map_err(torch)?;
+    drop((loss, logits, idx, leaves));
+    // The caching CPU allocator would keep the warm-up's blocks and count them in the base;
+    // they go back, so the base is the runtime's own memory.
+    zrun_torch_ext::cpu_empty_cache();
+    zrun_torch_ext::reset_cpu_peak();
     Ok(())
 }
 
@@ -327,72 +332,48 @@ fn torch(e: tch::TchError) -> Error {
 }
 
 /// The runtime's fixed cost on this machine: this process's resident memory after
-/// [`warm_up`] on CPU (what a rank holds before its model is built).
+/// [`warm_up`] on CPU, with the CPU allocator a rank uses (what a rank holds before its
+/// model is built).
 pub fn fixed_bytes(device: Device, kind: Kind) -> Result<i64, Error> {
+    set_allocator()?;
     warm_up(device, kind)?;
     Ok(crate::metrics::rss_bytes().0)
 }
 
-/// Allocations at least this large get their own mapping from glibc's malloc and go back to
-/// the system when freed. glibc's default threshold rises to the largest block freed (up to
-/// 32 MiB), after which freed tensors stay in its heap: a CPU rank's resident memory then
-/// holds ~20-50% more than its tensors at the peak (benches/memory_fit.py measures both).
-pub const MMAP_THRESHOLD: i32 = 64 << 10;
-
-/// Variables a launcher gives CPU ranks at their start (where the ranks cannot set them
-/// themselves): glibc's malloc asks for transparent huge pages for its blocks, which makes a
-/// new mapping per large tensor ([`set_allocator`]) cheaper to fault in. Nothing with
-/// `ZRUN_GLIBC_MALLOC=1`, with `ZRUN_CPU_ALLOCATOR=caching` or on CUDA.
-pub fn rank_env(device: DeviceKind) -> Vec<(String, String)> {
-    if device == DeviceKind::Cuda
-        || std::env::var("ZRUN_GLIBC_MALLOC").as_deref() == Ok("1")
-        || matches!(cpu_caching_requested(), Ok(true))
-    {
-        return Vec::new();
-    }
-    vec![("GLIBC_TUNABLES".into(), "glibc.malloc.hugetlb=1".into())]
-}
-
-/// The environment variable that picks libtorch's CPU allocator: `caching` installs
-/// zrun-torch-ext's caching allocator at rank start ([`set_allocator`]); unset or `default`
-/// keeps c10's default allocator over glibc's malloc.
+/// The environment variable that picks the CPU allocator of a rank's tensors: unset or
+/// `caching` installs zrun-torch-ext's caching allocator at rank start ([`set_allocator`]);
+/// `glibc` keeps c10's default allocator over glibc's malloc with glibc's own settings (faster
+/// than the old 64 KiB mmap threshold, slower than the caching allocator, and its freed blocks
+/// stay in glibc's heap where the estimate does not see them).
 pub const CPU_ALLOCATOR_ENV: &str = "ZRUN_CPU_ALLOCATOR";
 
-/// Whether [`CPU_ALLOCATOR_ENV`] asks for the caching CPU allocator; an unknown value is an
-/// error naming the allowed ones.
+/// Whether [`CPU_ALLOCATOR_ENV`] asks for the caching CPU allocator (the default); an
+/// unknown value is an error naming the allowed ones.
 pub fn cpu_caching_requested() -> Result<bool, Error> {
     match std::env::var(CPU_ALLOCATOR_ENV) {
-        Err(_) => Ok(false),
-        Ok(v) if v.is_empty() || v == "default" => Ok(false),
-        Ok(v) if v == "caching" => Ok(true),
+        Err(_) => Ok(true),
+        Ok(v) if v.is_empty() || v == "caching" => Ok(true),
+        Ok(v) if v == "glibc" => Ok(false),
         Ok(v) => Err(ConfigError(format!(
-            "{CPU_ALLOCATOR_ENV}={v:?} is not an allocator: use `caching` or `default` (or unset it)"
+            "{CPU_ALLOCATOR_ENV}={v:?} is not an allocator: use `caching` (the default) or `glibc`"
         ))
         .into()),
     }
 }
 
-/// Sets up this rank's CPU memory before it allocates: with `ZRUN_CPU_ALLOCATOR=caching`,
-/// installs the caching CPU allocator (glibc's heap keeps its defaults); otherwise sets
-/// glibc's malloc to return large blocks to the system ([`MMAP_THRESHOLD`]), unless
-/// `MALLOC_MMAP_THRESHOLD_` is set (then glibc read it at start) or `ZRUN_GLIBC_MALLOC=1`
-/// asks for glibc's own defaults. Returns what was set.
+/// Sets up this rank's CPU memory before it allocates: installs the caching CPU allocator
+/// for libtorch's CPU tensors unless `ZRUN_CPU_ALLOCATOR=glibc` asks for c10's default one.
+/// glibc's heap keeps its own settings either way. Returns what was set.
 pub fn set_allocator() -> Result<Option<String>, Error> {
-    if cpu_caching_requested()? {
-        zrun_torch_ext::install_cpu_caching_allocator(None)?;
+    if !cpu_caching_requested()? {
         return Ok(Some(format!(
-            "{CPU_ALLOCATOR_ENV}=caching: libtorch's CPU tensors come from the caching allocator"
+            "{CPU_ALLOCATOR_ENV}=glibc: libtorch's CPU tensors come from glibc's malloc"
         )));
     }
-    if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_some()
-        || std::env::var("ZRUN_GLIBC_MALLOC").as_deref() == Ok("1")
-    {
-        return Ok(None);
-    }
-    // SAFETY: mallopt only changes malloc's tuning parameters; it is called before this
-    // process starts other threads that allocate (the rank's first step).
-    let ok = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD) } == 1;
-    Ok(ok.then(|| format!("malloc: mmap threshold {} KiB", MMAP_THRESHOLD >> 10)))
+    zrun_torch_ext::install_cpu_caching_allocator(None)?;
+    Ok(Some(
+        "libtorch's CPU tensors come from the caching CPU allocator".into(),
+    ))
 }
 
 /// Bytes from a size such as `80GiB`, `6GB`, `512MiB`, `1.5G` or `1000000` (G and GiB are
