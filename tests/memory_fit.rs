@@ -44,7 +44,8 @@ fn estimate(sets: &[String]) -> Vec<serde_json::Value> {
 #[test]
 fn the_estimate_names_its_terms_and_predicts_what_the_ranks_hold() {
     let d = scratch("fit-estimate");
-    let s = sets(&d, 2);
+    let mut s = sets(&d, 4);
+    s.push("log.every=1".into());
     let ranks = estimate(&s);
     assert_eq!(ranks.len(), 2);
     for (r, e) in ranks.iter().enumerate() {
@@ -85,7 +86,29 @@ fn the_estimate_names_its_terms_and_predicts_what_the_ranks_hold() {
         // moves the ratio far outside this.
         let ratio = predicted as f64 / measured as f64;
         assert!((0.85..1.25).contains(&ratio), "rank {r}: {ratio}");
+        // The caching CPU allocator (the default) holds its tensors' peak with little over:
+        // freed blocks merge and serve requests of other sizes.
+        let allocated = summary["cpu_allocated_peak_bytes"][r].as_i64().unwrap();
+        let reserved = summary["cpu_reserved_peak_bytes"][r].as_i64().unwrap();
+        assert!(
+            allocated <= reserved && reserved as f64 <= 1.05 * allocated as f64,
+            "rank {r}: allocated {allocated}, reserved {reserved}"
+        );
     }
+    // After its first steps a step takes no more blocks from the system: rank 0's reserved
+    // peak after step 3 is that after step 2, but for the C heap's small blocks (below the
+    // 64 KiB the cached blocks start at; step 4 ends with the evaluation).
+    let metrics = std::fs::read_to_string(d.join("metrics.jsonl")).unwrap();
+    let reserved: Vec<i64> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|m| m["cpu_reserved_peak_bytes"].as_i64())
+        .collect();
+    assert_eq!(reserved.len(), 4, "{metrics}");
+    assert!(
+        (0..64 << 10).contains(&(reserved[2] - reserved[1])),
+        "{metrics}"
+    );
 }
 
 /// A limit that the config does not fit and a cheaper alternative does: the runtime's fixed

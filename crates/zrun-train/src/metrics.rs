@@ -41,6 +41,13 @@ pub struct StepMetrics {
     /// Peak bytes allocated on this rank's CUDA device so far (on GPU only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cuda_peak_bytes: Option<i64>,
+    /// CPU ranks with the caching CPU allocator: peak bytes its tensors held so far.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_allocated_peak_bytes: Option<i64>,
+    /// CPU ranks with the caching CPU allocator: peak bytes it held from the system so far
+    /// (tensors and its cache).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_reserved_peak_bytes: Option<i64>,
     /// Evaluation loss, on the steps that evaluated.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
@@ -267,6 +274,8 @@ mod tests {
             rss_bytes: 1,
             peak_rss_bytes: 2,
             cuda_peak_bytes: None,
+            cpu_allocated_peak_bytes: None,
+            cpu_reserved_peak_bytes: None,
             eval_loss: None,
             tokens: 64,
             micro_batch: 8,

@@ -112,6 +112,12 @@ impl Diagnosis<'_> {
                     human(self.oom_reserve),
                     human(h.activations)
                 ));
+                let resident = format!(
+                    "resident {} now, {} at the peak, {} before the model",
+                    human(h.rss),
+                    human(h.rss_peak),
+                    human(self.fixed)
+                );
                 let allocator = match (h.cuda_allocated_peak, h.cuda_reserved_peak) {
                     (Some(a), Some(r)) => format!(
                         "CUDA allocated peak {}, reserved peak {}, reserved but unallocated now {}",
@@ -119,12 +125,14 @@ impl Diagnosis<'_> {
                         human(r),
                         human(h.cuda_reserved_unallocated.unwrap_or(0))
                     ),
-                    _ => format!(
-                        "resident {} now, {} at the peak, {} before the model",
-                        human(h.rss),
-                        human(h.rss_peak),
-                        human(self.fixed)
-                    ),
+                    _ => match (h.cpu_allocated_peak, h.cpu_reserved_peak) {
+                        (Some(a), Some(r)) => format!(
+                            "CPU allocated peak {}, reserved peak {}; {resident}",
+                            human(a),
+                            human(r)
+                        ),
+                        _ => resident,
+                    },
                 };
                 out.push(format!(
                     "  allocator: {allocator}; a rank may use {may_use}"

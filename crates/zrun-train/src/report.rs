@@ -132,6 +132,12 @@ pub struct MemoryByKind {
     /// CUDA: reserved but not allocated now (fragmentation and cache).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cuda_reserved_unallocated: Option<i64>,
+    /// CPU ranks with the caching CPU allocator: peak bytes held by tensors.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_allocated_peak: Option<i64>,
+    /// CPU ranks with the caching CPU allocator: peak bytes it held from the system.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_reserved_peak: Option<i64>,
 }
 
 impl MemoryByKind {
@@ -143,6 +149,8 @@ impl MemoryByKind {
             Device::Cuda(i) => zrun_torch_ext::cuda_memory(i),
             _ => None,
         };
+        let cpu =
+            zrun_torch_ext::cpu_memory_stats().filter(|_| engine.config().device == Device::Cpu);
         let held = m.total();
         let activations = match cuda {
             Some(c) => c.peak_allocated as i64 - held,
@@ -162,11 +170,13 @@ impl MemoryByKind {
             cuda_allocated_peak: cuda.map(|c| c.peak_allocated as i64),
             cuda_reserved_peak: cuda.map(|c| c.peak_reserved as i64),
             cuda_reserved_unallocated: cuda.map(|c| c.reserved as i64 - c.allocated as i64),
+            cpu_allocated_peak: cpu.map(|c| c.peak_allocated as i64),
+            cpu_reserved_peak: cpu.map(|c| c.peak_reserved as i64),
         }
     }
 
-    /// The figures as numbers (absent CUDA figures as -1), in field order.
-    fn to_array(self) -> [i64; 13] {
+    /// The figures as numbers (absent CUDA and CPU-allocator figures as -1), in field order.
+    fn to_array(self) -> [i64; 15] {
         let o = |x: Option<i64>| x.unwrap_or(-1);
         [
             self.params,
@@ -182,6 +192,8 @@ impl MemoryByKind {
             o(self.cuda_allocated_peak),
             o(self.cuda_reserved_peak),
             o(self.cuda_reserved_unallocated),
+            o(self.cpu_allocated_peak),
+            o(self.cpu_reserved_peak),
         ]
     }
 
@@ -201,6 +213,8 @@ impl MemoryByKind {
             cuda_allocated_peak: o(a[10]),
             cuda_reserved_peak: o(a[11]),
             cuda_reserved_unallocated: o(a[12]),
+            cpu_allocated_peak: o(a[13]),
+            cpu_reserved_peak: o(a[14]),
         }
     }
 }
@@ -223,7 +237,7 @@ pub(crate) fn gather(
     device: Device,
     mine: &RankFigures,
 ) -> Result<Vec<RankFigures>, Error> {
-    let mut bytes = Vec::with_capacity(20 * 8);
+    let mut bytes = Vec::with_capacity(22 * 8);
     for x in mine.time.to_array() {
         bytes.extend(x.to_le_bytes());
     }
@@ -237,7 +251,7 @@ pub(crate) fn gather(
         .map(|(rank, b)| {
             let word = |i: usize| <[u8; 8]>::try_from(&b[8 * i..8 * i + 8]).unwrap_or_default();
             let t: Vec<f64> = (0..7).map(|i| f64::from_le_bytes(word(i))).collect();
-            let m: Vec<i64> = (7..20).map(|i| i64::from_le_bytes(word(i))).collect();
+            let m: Vec<i64> = (7..22).map(|i| i64::from_le_bytes(word(i))).collect();
             RankFigures {
                 rank,
                 time: Breakdown::from_array(&t),
@@ -264,7 +278,7 @@ pub fn stragglers(ranks: &[RankFigures]) -> Vec<usize> {
 pub fn memory_table(ranks: &[RankFigures]) -> String {
     let mib = |b: i64| format!("{:.1}", b as f64 / (1 << 20) as f64);
     type Get = fn(&MemoryByKind) -> Option<i64>;
-    let rows: [(&str, Get); 12] = [
+    let rows: [(&str, Get); 14] = [
         ("parameters", |m| Some(m.params)),
         ("gradients", |m| Some(m.grads)),
         ("fp32 master", |m| Some(m.master)),
@@ -277,6 +291,8 @@ pub fn memory_table(ranks: &[RankFigures]) -> String {
         ("CUDA allocated peak", |m| m.cuda_allocated_peak),
         ("CUDA reserved peak", |m| m.cuda_reserved_peak),
         ("CUDA reserved, unused", |m| m.cuda_reserved_unallocated),
+        ("CPU allocated peak", |m| m.cpu_allocated_peak),
+        ("CPU reserved peak", |m| m.cpu_reserved_peak),
     ];
     let mut out = format!("{:<22}", "memory (MiB)");
     for r in ranks {
@@ -334,6 +350,7 @@ mod tests {
             memory: MemoryByKind {
                 params: 3 << 20,
                 cuda_allocated_peak: (rank == 1).then_some(5 << 20),
+                cpu_reserved_peak: (rank == 0).then_some(7 << 20),
                 ..MemoryByKind::default()
             },
         }
@@ -364,6 +381,8 @@ mod tests {
         // A CUDA row appears when any rank has the figure, with "-" for the others.
         assert!(t.contains("CUDA allocated peak") && t.contains('-'), "{t}");
         assert!(!t.contains("CUDA reserved peak"), "{t}");
+        assert!(t.contains("CPU reserved peak") && t.contains("7.0"), "{t}");
+        assert!(!t.contains("CPU allocated peak"), "{t}");
         let t = time_table(&[figures(0, 0.5, 0.25)]);
         assert!(
             t.contains("rank 0") && t.contains("500.0") && t.contains("250.0"),

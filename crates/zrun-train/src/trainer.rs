@@ -508,6 +508,8 @@ impl Run {
                 let loss = self.average(loss)?;
                 last_loss = loss;
                 let (rss, peak) = rss_bytes();
+                let cpu = zrun_torch_ext::cpu_memory_stats()
+                    .filter(|_| self.engine.config().device == tch::Device::Cpu);
                 let mem = self.engine.memory();
                 let tokens_per_s = tokens_per_step / dt;
                 let ranks = self.figures(std::mem::take(&mut since_log).mean())?;
@@ -528,6 +530,8 @@ impl Run {
                     rss_bytes: rss,
                     peak_rss_bytes: peak,
                     cuda_peak_bytes: cuda_peak_bytes(self.engine.config().device),
+                    cpu_allocated_peak_bytes: cpu.map(|c| c.peak_allocated as i64),
+                    cpu_reserved_peak_bytes: cpu.map(|c| c.peak_reserved as i64),
                     eval_loss,
                     tokens: loader.cursor().next_sample * self.model.seq_len() as u64,
                     micro_batch: self.cfg.train.micro_batch,

@@ -237,6 +237,8 @@ struct View {
     eval: Option<(u64, f64)>,
     rss_bytes: Option<i64>,
     gpu_peak_bytes: Option<i64>,
+    /// CPU ranks with the caching allocator: (allocated, reserved) peaks.
+    cpu_peaks: Option<(i64, i64)>,
     window: VecDeque<Rate>,
     /// The first (step, time) this job saw arrive, and the newest: the measured pace.
     first_seen: Option<(u64, Instant)>,
@@ -262,6 +264,10 @@ impl View {
             .get("cuda_peak_bytes")
             .and_then(|x| x.as_i64())
             .or(self.gpu_peak_bytes);
+        let i = |k: &str| v.get(k).and_then(|x| x.as_i64());
+        if let (Some(a), Some(r)) = (i("cpu_allocated_peak_bytes"), i("cpu_reserved_peak_bytes")) {
+            self.cpu_peaks = Some((a, r));
+        }
         if let (Some(tokens_per_s), Some(step_time_s)) = (f("tokens_per_s"), f("step_time_s")) {
             if self.window.len() == WINDOW {
                 self.window.pop_front();
@@ -353,6 +359,9 @@ impl View {
         }
         if let Some(b) = self.gpu_peak_bytes {
             mem.push(format!("gpu peak {}", bytes(b)));
+        }
+        if let Some((a, r)) = self.cpu_peaks {
+            mem.push(format!("peak {} ({} reserved)", bytes(a), bytes(r)));
         }
         if !mem.is_empty() {
             parts.push(mem.join(" "));
@@ -495,6 +504,7 @@ mod tests {
             "step": 20, "loss": 2.34567, "eval_loss": 2.5, "tokens_per_s": 33500.0,
             "step_time_s": 0.06, "mfu": 0.412, "rss_bytes": 151i64 << 20
         }));
+
         v.add(&serde_json::json!({
             "step": 25, "loss": 2.2, "tokens_per_s": 33500.0, "step_time_s": 0.06,
             "mfu": 0.412, "rss_bytes": 3i64 << 30, "cuda_peak_bytes": 5i64 << 30
@@ -504,6 +514,28 @@ mod tests {
         assert_eq!(
             text,
             "1:02:05 ETA 0:00 | loss 2.2000 eval 2.5000 | 33.5k tok/s | MFU 41.2% | rss 3.0 GiB gpu peak 5.0 GiB"
+        );
+    }
+
+    #[test]
+    fn cpu_ranks_show_the_caching_allocators_peaks() {
+        let mut v = View::default();
+        let now = Instant::now();
+        v.add(&serde_json::json!({
+            "step": 2, "loss": 2.3, "tokens_per_s": 900.0, "step_time_s": 0.5,
+            "rss_bytes": 151i64 << 20
+        }));
+        let line = v.render(40, Duration::from_secs(3), now);
+        assert!(line.ends_with("| rss 151 MiB"), "{line}");
+        v.add(&serde_json::json!({
+            "step": 3, "loss": 2.3, "tokens_per_s": 900.0, "step_time_s": 0.5,
+            "rss_bytes": 151i64 << 20, "cpu_allocated_peak_bytes": 96i64 << 20,
+            "cpu_reserved_peak_bytes": 100i64 << 20
+        }));
+        let line = v.render(40, Duration::from_secs(3), now);
+        assert!(
+            line.ends_with("| rss 151 MiB peak 96 MiB (100 MiB reserved)"),
+            "{line}"
         );
     }
 
