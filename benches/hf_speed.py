@@ -4,7 +4,7 @@
     python benches/hf_speed.py                          # everything, one JSON under benches/results/
     python benches/hf_speed.py --only speed --rounds 3 --precisions fp32
     python benches/hf_speed.py --only import --import-rounds 2
-    python benches/hf_speed.py --malloc glibc,zrun      # both allocator settings, on both sides
+    python benches/hf_speed.py --malloc glibc,mmap64    # both malloc settings, on both sides
     python benches/hf_speed.py --quiet-wait 120          # on a shared machine: wait for quiet first
 
 Speed. transformers builds a Llama (LLAMA below: vocab 32000, hidden 768, 12 layers, 12 heads,
@@ -87,18 +87,20 @@ LLAMA = {
 GPT2_MEDIUM = {"n_embd": 1024, "n_layer": 24, "n_head": 16, "vocab_size": 50257}
 
 # Environment variables that change malloc; cleared, then set per `--malloc` mode.
-MALLOC_VARS = ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES", "ZRUN_GLIBC_MALLOC", "MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_")
+MALLOC_VARS = ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES", "ZRUN_CPU_ALLOCATOR", "MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_")
 POLL_S = 0.02
 HZ = os.sysconf("SC_CLK_TCK")
 
 
 def malloc_env(mode, side):
-    """`glibc`: glibc's defaults on both sides (zrun: ZRUN_GLIBC_MALLOC=1). `zrun`: what the
-    zrun launcher gives a CPU rank (mmap threshold 64 KiB, huge pages for mapped blocks), on
-    both sides (a set MALLOC_MMAP_THRESHOLD_ makes zrun skip its own mallopt: the same value)."""
+    """glibc's malloc on both sides (zrun: `ZRUN_CPU_ALLOCATOR=glibc`, instead of its caching
+    CPU allocator, which PyTorch has no counterpart of). `glibc`: glibc's defaults. `mmap64`:
+    the mmap threshold fixed at 64 KiB with huge pages for mapped blocks (zrun's CPU setting
+    before the caching allocator)."""
+    zrun = {"ZRUN_CPU_ALLOCATOR": "glibc"} if side == "zrun" else {}
     if mode == "glibc":
-        return {"ZRUN_GLIBC_MALLOC": "1"} if side == "zrun" else {}
-    return {"MALLOC_MMAP_THRESHOLD_": str(64 << 10), "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+        return zrun
+    return {**zrun, "MALLOC_MMAP_THRESHOLD_": str(64 << 10), "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 
 
 def base_env(threads):
@@ -653,7 +655,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=["speed", "import"], help="one part only")
     ap.add_argument("--threads", type=int, default=2, help="libtorch threads on both sides")
-    ap.add_argument("--malloc", default="glibc", help="comma-separated: glibc, zrun (see malloc_env)")
+    ap.add_argument("--malloc", default="glibc", help="comma-separated: glibc, mmap64 (see malloc_env)")
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--rounds", type=int, default=3, help="fp32 rounds (each: one zrun and one transformers run)")
     ap.add_argument("--batch", type=int, default=4)
@@ -680,8 +682,8 @@ def main():
     args.malloc = args.malloc.split(",")
     args.precisions = args.precisions.split(",")
     for m in args.malloc:
-        if m not in ("glibc", "zrun"):
-            raise SystemExit(f"--malloc {m}: allowed glibc, zrun")
+        if m not in ("glibc", "mmap64"):
+            raise SystemExit(f"--malloc {m}: allowed glibc, mmap64")
 
     work = Path(tempfile.mkdtemp(prefix="zrun-hf-speed-"))
     common.ensure_zrun(work)
