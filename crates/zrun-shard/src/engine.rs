@@ -527,7 +527,10 @@ impl Engine {
                 .f_double_value(&[])
                 .ctx("gradient norm", "-")?
         } else {
-            grads.iter().map(sum_of_squares).sum::<Result<f64>>()?
+            grads
+                .iter()
+                .map(crate::norm::sum_of_squares)
+                .sum::<Result<f64>>()?
         };
         // The reduced gradients were just read: they count only if no collective was cut.
         self.mover.check()?;
@@ -661,28 +664,6 @@ impl Engine {
         }
         Ok(out)
     }
-}
-
-/// Sum of squares of a 1-D tensor in f64, over bounded chunks (no full-size temporary).
-fn sum_of_squares(t: &Tensor) -> Result<f64> {
-    const CHUNK: i64 = 1 << 20;
-    let n = t.numel() as i64;
-    let mut sum = 0.0;
-    let mut off = 0;
-    while off < n {
-        let len = CHUNK.min(n - off);
-        let c = t
-            .f_narrow(0, off, len)
-            .and_then(|c| c.f_to_kind(Kind::Double));
-        let s = c
-            .and_then(|c| c.f_square())
-            .and_then(|c| c.f_sum(Kind::Double));
-        sum += s
-            .and_then(|s| s.f_double_value(&[]))
-            .ctx("gradient norm", "-")?;
-        off += len;
-    }
-    Ok(sum)
 }
 
 /// The named parameter tensors of a unit as views of its flat buffer, in the unit's order.

@@ -360,8 +360,8 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
         Stage::Zero1 => shard * rb + shard * elt,
         Stage::Zero2 => shard * elt,
     };
-    // The gradient norm squares chunks of up to 2^20 owned elements in fp64 (8 bytes, and
-    // 8 more for the square).
+    // The gradient norm: on CUDA, libtorch squares chunks of up to 2^20 owned elements in
+    // fp64 (8 bytes, and 8 more for the square); on CPU it reads the gradients in place.
     let owned_piece = match cfg.stage {
         Stage::Zero0 => layout.full_numel(),
         Stage::Zero1 => layout
@@ -372,7 +372,11 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
             .unwrap_or(0),
         Stage::Zero2 | Stage::Zero3 => shard,
     };
-    let norm = 16 * owned_piece.min(1 << 20);
+    let norm = if cfg.cuda {
+        16 * owned_piece.min(1 << 20)
+    } else {
+        0
+    };
     walk.at(
         || "optimizer step".to_string(),
         &[

@@ -12,6 +12,7 @@ mod init;
 pub mod layout;
 mod memory;
 mod micro;
+mod norm;
 mod offload;
 mod policy;
 mod recover;
