@@ -9,6 +9,7 @@ mod buf;
 mod device;
 mod error;
 mod greet;
+mod group;
 mod kernels;
 #[cfg_attr(not(feature = "mpi"), path = "mpi_stub.rs")]
 mod mpi;
@@ -142,6 +143,34 @@ pub trait Communicator: Send + Sync {
     fn check(&self) -> Result<(), Error> {
         Ok(())
     }
+    /// A communicator of the ranks that pass the same `color`, ranked by `key` (ties broken
+    /// by rank in this communicator), as `MPI_Comm_split` does.
+    ///
+    /// Collective over this communicator: every rank calls it, at the same point of its
+    /// sequence of collectives. The new communicator shares this one's communication thread:
+    /// the collectives of both run in the one order this rank issues them (so ranks that issue
+    /// the collectives of all their communicators in one common order cannot deadlock, NCCL
+    /// keeps one stream and MPI one thread). A group of one rank gets a communicator like
+    /// [`solo`]'s. Backends without groups (test doubles) refuse with
+    /// [`Error::InvalidArgument`].
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>, Error> {
+        let _ = (color, key);
+        Err(Error::InvalidArgument {
+            rank: self.rank(),
+            op: "split",
+            detail: format!(
+                "this {} communicator cannot be split into sub-communicators",
+                self.backend()
+            ),
+        })
+    }
+}
+
+/// The communicator of a group of one rank on `backend`: rank 0 of 1, whose collectives are
+/// copies or no-ops (CPU or CUDA tensors alike). For callers that need a group of one without
+/// a collective over the world ([`Communicator::split`] returns the same for a group of one).
+pub fn solo(backend: Backend) -> Box<dyn Communicator> {
+    Box::new(single::SingleComm::new(backend))
 }
 
 /// Sets what the communication libraries read from the environment, before any other thread

@@ -3,13 +3,15 @@
 //! MPI is initialised, used and finalised on the communicator's own thread. Reductions run in
 //! fp32 (16-bit tensors are widened, reduced and rounded once). MPI's blocking collectives
 //! cannot be interrupted: a wait still returns [`Error::Timeout`] at its deadline, and
-//! mpirun ends the job when a rank dies.
+//! mpirun ends the job when a rank dies. Sub-communicators ([`Communicator::split`]) are
+//! `MPI_Comm_split`'s, used on the same thread.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use mpi::collective::SystemOperation;
 use mpi::datatype::PartitionMut;
-use mpi::topology::{Communicator as _, SimpleCommunicator};
+use mpi::topology::{Color, Communicator as _, SimpleCommunicator};
 use mpi::traits::{CommunicatorCollectives, Root};
 use mpi::Count;
 use tch::Tensor;
@@ -20,16 +22,31 @@ use crate::work::Executor;
 use crate::{chunk_offset, chunk_sizes, Backend, Communicator, Error, ReduceOp, Topology, Work};
 
 struct State {
+    /// Communicators split off the world. Declared before `_universe`: fields drop in
+    /// declaration order, and a communicator must be freed before `MPI_Finalize`.
+    subs: Vec<SimpleCommunicator>,
     _universe: mpi::environment::Universe,
     world: SimpleCommunicator,
     rank: usize,
     size: usize,
 }
 
+impl State {
+    /// The world (`None`) or sub-communicator `sub`.
+    fn comm(&self, sub: Option<usize>) -> &SimpleCommunicator {
+        sub.map_or(&self.world, |i| &self.subs[i])
+    }
+}
+
 pub(crate) struct MpiComm {
     rank: usize,
     world: usize,
-    exec: Executor<State>,
+    /// This rank in `MPI_COMM_WORLD` (named by errors).
+    me: usize,
+    /// Which of the state's sub-communicators this is; `None` for the world.
+    sub: Option<usize>,
+    /// The MPI thread, shared by the world and every communicator split off it.
+    exec: Arc<Executor<State>>,
 }
 
 fn count(rank: usize, op: &'static str, n: usize) -> Result<Count, Error> {
@@ -59,6 +76,7 @@ pub(crate) fn init(topo: &Topology, timeout: Duration) -> Result<Box<dyn Communi
             let world = universe.world();
             let (r, size) = (world.rank() as usize, world.size() as usize);
             Ok(State {
+                subs: Vec::new(),
                 _universe: universe,
                 world,
                 rank: r,
@@ -92,7 +110,9 @@ pub(crate) fn init(topo: &Topology, timeout: Duration) -> Result<Box<dyn Communi
     Ok(Box::new(MpiComm {
         rank: r,
         world: w,
-        exec,
+        me: r,
+        sub: None,
+        exec: Arc::new(exec),
     }))
 }
 
@@ -106,15 +126,37 @@ fn widen(b: &RawBuf) -> Vec<f32> {
 
 impl MpiComm {
     fn raw(&self, t: &Tensor, op: &'static str, what: &str) -> Result<RawBuf, Error> {
-        buf::raw(t, self.rank, op, what, Placement::Cpu)
+        buf::raw(t, self.me, op, what, Placement::Cpu)
+    }
+
+    /// [`buf::check_shard`] in this communicator, its error naming the world rank.
+    fn check_shard(&self, f: &RawBuf, s: &RawBuf, op: &'static str) -> Result<(), Error> {
+        buf::check_shard(f, s, self.rank, self.world, op).map_err(|e| match e {
+            Error::InvalidArgument { op, detail, .. } if self.sub.is_some() => {
+                Error::InvalidArgument {
+                    rank: self.me,
+                    op,
+                    detail: format!("{detail} (in a sub-communicator of {} ranks)", self.world),
+                }
+            }
+            e => e,
+        })
+    }
+
+    /// `v` as MPI's `int` (colors, keys).
+    fn int(&self, what: &str, v: usize) -> Result<i32, Error> {
+        i32::try_from(v).map_err(|_| Error::InvalidArgument {
+            rank: self.me,
+            op: "split",
+            detail: format!("{what} {v} is over MPI's limit of 2^31 - 1"),
+        })
     }
 }
 
-/// Sum of `src` over the ranks, in fp32.
-fn sum_f32(st: &State, src: &[f32]) -> Vec<f32> {
+/// Sum of `src` over the ranks of `comm`, in fp32.
+fn sum_f32(comm: &SimpleCommunicator, src: &[f32]) -> Vec<f32> {
     let mut out = vec![0f32; src.len()];
-    st.world
-        .all_reduce_into(src, &mut out[..], SystemOperation::sum());
+    comm.all_reduce_into(src, &mut out[..], SystemOperation::sum());
     out
 }
 
@@ -132,30 +174,32 @@ impl Communicator for MpiComm {
     fn all_gather(&self, shard: &Tensor, full: &Tensor) -> Result<Work, Error> {
         const OP: &str = "all_gather";
         let (s, f) = (self.raw(shard, OP, "shard")?, self.raw(full, OP, "full")?);
-        buf::check_shard(&f, &s, self.rank, self.world, OP)?;
+        self.check_shard(&f, &s, OP)?;
         let es = f.dtype.size();
         let w = self.world;
         // Counted in 2- or 4-byte words so that large tensors stay under MPI's count limit.
         let counts = chunk_sizes(f.numel, w)
             .into_iter()
-            .map(|c| count(self.rank, OP, c))
+            .map(|c| count(self.me, OP, c))
             .collect::<Result<Vec<_>, _>>()?;
         let displs = (0..w)
-            .map(|q| count(self.rank, OP, chunk_offset(f.numel, w, q)))
+            .map(|q| count(self.me, OP, chunk_offset(f.numel, w, q)))
             .collect::<Result<Vec<_>, _>>()?;
+        let sub = self.sub;
         self.exec.submit(OP, f.bytes(), move |st| {
+            let comm = st.comm(sub);
             // SAFETY: both buffers belong to this op until it is waited on; distinct tensors.
             let (sb, fb) = unsafe { (s.as_mut(), f.as_mut()) };
             if es == 4 {
                 let sv = bytes_as::<f32>(sb);
                 let fv = bytes_as_mut::<f32>(fb);
                 let mut part = PartitionMut::new(fv, &counts[..], &displs[..]);
-                st.world.all_gather_varcount_into(sv, &mut part);
+                comm.all_gather_varcount_into(sv, &mut part);
             } else {
                 let sv = bytes_as::<u16>(sb);
                 let fv = bytes_as_mut::<u16>(fb);
                 let mut part = PartitionMut::new(fv, &counts[..], &displs[..]);
-                st.world.all_gather_varcount_into(sv, &mut part);
+                comm.all_gather_varcount_into(sv, &mut part);
             }
             Ok(())
         })
@@ -164,11 +208,11 @@ impl Communicator for MpiComm {
     fn reduce_scatter(&self, full: &Tensor, shard: &Tensor, op: ReduceOp) -> Result<Work, Error> {
         const OP: &str = "reduce_scatter";
         let (f, s) = (self.raw(full, OP, "full")?, self.raw(shard, OP, "shard")?);
-        buf::check_shard(&f, &s, self.rank, self.world, OP)?;
-        count(self.rank, OP, f.numel)?;
-        let (rank, w) = (self.rank, self.world);
+        self.check_shard(&f, &s, OP)?;
+        count(self.me, OP, f.numel)?;
+        let (rank, w, sub) = (self.rank, self.world, self.sub);
         self.exec.submit(OP, f.bytes(), move |st| {
-            let sum = sum_f32(st, &widen(&f));
+            let sum = sum_f32(st.comm(sub), &widen(&f));
             let off = chunk_offset(f.numel, w, rank);
             let div = if op == ReduceOp::Avg { w as f32 } else { 1.0 };
             // SAFETY: the shard belongs to this op until it is waited on.
@@ -182,10 +226,10 @@ impl Communicator for MpiComm {
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Work, Error> {
         const OP: &str = "all_reduce";
         let b = self.raw(t, OP, "tensor")?;
-        count(self.rank, OP, b.numel)?;
-        let w = self.world;
+        count(self.me, OP, b.numel)?;
+        let (w, sub) = (self.world, self.sub);
         self.exec.submit(OP, b.bytes(), move |st| {
-            let sum = sum_f32(st, &widen(&b));
+            let sum = sum_f32(st.comm(sub), &widen(&b));
             let div = if op == ReduceOp::Avg { w as f32 } else { 1.0 };
             // SAFETY: the tensor belongs to this op until it is waited on.
             kernels::store(b.dtype, &sum, div, unsafe { b.as_mut() });
@@ -197,17 +241,18 @@ impl Communicator for MpiComm {
         const OP: &str = "broadcast";
         if root >= self.world {
             return Err(Error::InvalidArgument {
-                rank: self.rank,
+                rank: self.me,
                 op: OP,
                 detail: format!("root {root} is not below the world size {}", self.world),
             });
         }
         let b = self.raw(t, OP, "tensor")?;
-        count(self.rank, OP, b.numel)?;
+        count(self.me, OP, b.numel)?;
+        let sub = self.sub;
         self.exec.submit(OP, b.bytes(), move |st| {
             // SAFETY: the tensor belongs to this op until it is waited on.
             let data = unsafe { b.as_mut() };
-            let p = st.world.process_at_rank(root as i32);
+            let p = st.comm(sub).process_at_rank(root as i32);
             if b.dtype == DType::F32 {
                 p.broadcast_into(bytes_as_mut::<f32>(data));
             } else {
@@ -218,10 +263,55 @@ impl Communicator for MpiComm {
     }
 
     fn barrier(&self) -> Result<Work, Error> {
-        self.exec.submit("barrier", 0, |st| {
-            st.world.barrier();
+        let sub = self.sub;
+        self.exec.submit("barrier", 0, move |st| {
+            st.comm(sub).barrier();
             Ok(())
         })
+    }
+
+    /// `MPI_Comm_split` of this communicator, on the MPI thread.
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>, Error> {
+        const OP: &str = "split";
+        let (c, k) = (self.int("color", color)?, self.int("key", key)?);
+        let (me, sub) = (self.me, self.sub);
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.exec
+            .submit(OP, 0, move |st| {
+                let new = st
+                    .comm(sub)
+                    .split_by_color_with_key(Color::with_value(c), k)
+                    .ok_or_else(|| Error::Backend {
+                        rank: me,
+                        backend: "mpi",
+                        op: OP,
+                        detail: format!("MPI_Comm_split with color {c} gave no communicator"),
+                    })?;
+                let (rank, size) = (new.rank() as usize, new.size() as usize);
+                // A group of one needs no MPI communicator (`new` is freed here).
+                let index = (size > 1).then(|| {
+                    st.subs.push(new);
+                    st.subs.len() - 1
+                });
+                let _ = tx.send((index, rank, size));
+                Ok(())
+            })?
+            .wait()?;
+        let (index, rank, world) = rx.recv().map_err(|_| Error::Poisoned {
+            rank: me,
+            op: OP,
+            first: "the MPI thread stopped".into(),
+        })?;
+        let Some(index) = index else {
+            return Ok(crate::solo(Backend::Mpi));
+        };
+        Ok(Box::new(MpiComm {
+            rank,
+            world,
+            me,
+            sub: Some(index),
+            exec: self.exec.clone(),
+        }))
     }
 }
 

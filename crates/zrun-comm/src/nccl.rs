@@ -27,6 +27,9 @@
 //! peer forever). Connections are made at init (`NCCL_RUNTIME_CONNECT=0`, set by
 //! [`crate::set_process_env`], and a warm-up collective), not inside the first large
 //! collective at the step's peak memory.
+//!
+//! Sub-communicators ([`Communicator::split`]) are `ncclCommSplit`'s (NCCL 2.18 on), made and
+//! used on the same thread and stream, watched and aborted with the world's communicator.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -138,16 +141,21 @@ fn this_rank_gpu(topo: &Topology) -> Result<usize, Error> {
 pub(crate) struct NcclComm {
     rank: usize,
     world: usize,
+    /// This rank in the world (named by errors).
+    me: usize,
+    /// Which of the thread's split-off communicators this is; `None` for the world's.
+    which: Option<usize>,
     /// This rank's GPU: the communication thread's device, and where tensors must be.
     device: usize,
     /// That GPU's primary context, retained here (released on drop).
     ctx: Context,
     cu_device: cusys::CUdevice,
-    exec: Executor<State>,
+    /// The communication thread, shared by the world and every communicator split off it.
+    exec: Arc<Executor<State>>,
     /// `dist.timeout_s`: how long a barrier's host wait lasts.
     timeout: Duration,
-    _store: Option<StoreClient>,
-    _server: Option<StoreServer>,
+    /// The store the world met through, kept as long as any of its communicators lives.
+    _meeting: Arc<(Option<StoreClient>, Option<StoreServer>)>,
 }
 
 /// Creates the NCCL communicator on this rank's GPU; the id comes from rank 0 through the
@@ -215,18 +223,31 @@ pub(crate) fn init(
     Ok(Box::new(NcclComm {
         rank,
         world,
+        me: rank,
+        which: None,
         device: gpu,
         ctx,
         cu_device,
-        exec,
+        exec: Arc::new(exec),
         timeout,
-        _store: store,
-        _server: server,
+        _meeting: Arc::new((store, server)),
     }))
 }
 
 /// How often the communication thread looks at launched collectives while idle.
 const WATCH_EVERY: Duration = Duration::from_millis(50);
+
+/// The first NCCL with `ncclCommSplit` (2.18.0, as `ncclGetVersion` reports it).
+const SPLIT_VERSION: i32 = 21800;
+
+/// `ncclGetVersion`'s code as `major.minor.patch` (codes below 2.9 have one digit less).
+fn version_words(v: i32) -> String {
+    if v >= 10000 {
+        format!("{}.{}.{}", v / 10000, v / 100 % 100, v % 100)
+    } else {
+        format!("{}.{}.{}", v / 1000, v / 100 % 10, v % 100)
+    }
+}
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
@@ -259,7 +280,7 @@ impl NcclComm {
         launch: impl FnOnce(&State) -> Result<(), nc::NcclError> + Send + 'static,
         after: impl FnOnce(&Event) -> Result<(), Error> + Send + 'static,
     ) -> Result<Work, Error> {
-        let rank = self.rank;
+        let rank = self.me;
         let cuerr = move |e: cu::DriverError| backend_err(rank, op, format!("{e:?}"));
         self.ctx.make_current(rank, op)?;
         let start = Event::new().map_err(cuerr)?;
@@ -297,7 +318,7 @@ impl NcclComm {
     fn raw(&self, t: &Tensor, op: &'static str, what: &str) -> Result<RawBuf, Error> {
         if t.device() != Device::Cuda(self.device) {
             return Err(Error::InvalidArgument {
-                rank: self.rank,
+                rank: self.me,
                 op,
                 detail: format!(
                     "`{what}` is on {:?}; this rank's GPU is cuda:{} (zrun_comm::gpu_index of its LOCAL_RANK); put the tensors there",
@@ -306,7 +327,30 @@ impl NcclComm {
                 ),
             });
         }
-        buf::raw(t, self.rank, op, what, Placement::Cuda)
+        buf::raw(t, self.me, op, what, Placement::Cuda)
+    }
+
+    /// [`buf::check_shard`] in this communicator, its error naming the world rank.
+    fn check_shard(&self, f: &RawBuf, s: &RawBuf, op: &'static str) -> Result<(), Error> {
+        buf::check_shard(f, s, self.rank, self.world, op).map_err(|e| match e {
+            Error::InvalidArgument { op, detail, .. } if self.which.is_some() => {
+                Error::InvalidArgument {
+                    rank: self.me,
+                    op,
+                    detail: format!("{detail} (in a sub-communicator of {} ranks)", self.world),
+                }
+            }
+            e => e,
+        })
+    }
+
+    /// `v` as NCCL's `int` (colors, keys).
+    fn int(&self, what: &str, v: usize) -> Result<i32, Error> {
+        i32::try_from(v).map_err(|_| Error::InvalidArgument {
+            rank: self.me,
+            op: "split",
+            detail: format!("{what} {v} is over NCCL's limit of 2^31 - 1"),
+        })
     }
 }
 
@@ -324,8 +368,8 @@ impl Communicator for NcclComm {
     fn all_gather(&self, shard: &Tensor, full: &Tensor) -> Result<Work, Error> {
         const OP: &str = "all_gather";
         let (s, f) = (self.raw(shard, OP, "shard")?, self.raw(full, OP, "full")?);
-        buf::check_shard(&f, &s, self.rank, self.world, OP)?;
-        let (w, bytes) = (self.world, f.bytes());
+        self.check_shard(&f, &s, OP)?;
+        let (w, bytes, which) = (self.world, f.bytes(), self.which);
         let keep = vec![s.keeper(), f.keeper()];
         self.issue(OP, bytes, keep, move |st| {
             let (dt, es) = (dtype(f.dtype), f.dtype.size());
@@ -337,7 +381,7 @@ impl Communicator for NcclComm {
                         f.ptr as *mut c_void,
                         s.numel,
                         dt,
-                        st.comm,
+                        st.comm(which),
                         st.stream as _,
                     )?;
                 } else {
@@ -350,7 +394,7 @@ impl Communicator for NcclComm {
                                 n,
                                 dt,
                                 q as i32,
-                                st.comm,
+                                st.comm(which),
                                 st.stream as _,
                             )?;
                         }
@@ -365,8 +409,8 @@ impl Communicator for NcclComm {
     fn reduce_scatter(&self, full: &Tensor, shard: &Tensor, op: ReduceOp) -> Result<Work, Error> {
         const OP: &str = "reduce_scatter";
         let (f, s) = (self.raw(full, OP, "full")?, self.raw(shard, OP, "shard")?);
-        buf::check_shard(&f, &s, self.rank, self.world, OP)?;
-        let (w, bytes) = (self.world, f.bytes());
+        self.check_shard(&f, &s, OP)?;
+        let (w, bytes, which) = (self.world, f.bytes(), self.which);
         let keep = vec![s.keeper(), f.keeper()];
         self.issue(OP, bytes, keep, move |st| {
             let (dt, es, ro) = (dtype(f.dtype), f.dtype.size(), redop(op));
@@ -379,7 +423,7 @@ impl Communicator for NcclComm {
                         s.numel,
                         dt,
                         ro,
-                        st.comm,
+                        st.comm(which),
                         st.stream as _,
                     )?;
                 } else {
@@ -393,7 +437,7 @@ impl Communicator for NcclComm {
                                 dt,
                                 ro,
                                 q as i32,
-                                st.comm,
+                                st.comm(which),
                                 st.stream as _,
                             )?;
                         }
@@ -408,7 +452,7 @@ impl Communicator for NcclComm {
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Work, Error> {
         const OP: &str = "all_reduce";
         let b = self.raw(t, OP, "tensor")?;
-        let bytes = b.bytes();
+        let (bytes, which) = (b.bytes(), self.which);
         let keep = vec![b.keeper()];
         self.issue(OP, bytes, keep, move |st| {
             // SAFETY: device pointer of a live tensor kept by `b`; in place is allowed.
@@ -419,7 +463,7 @@ impl Communicator for NcclComm {
                     b.numel,
                     dtype(b.dtype),
                     redop(op),
-                    st.comm,
+                    st.comm(which),
                     st.stream as _,
                 )?;
             }
@@ -431,13 +475,13 @@ impl Communicator for NcclComm {
         const OP: &str = "broadcast";
         if root >= self.world {
             return Err(Error::InvalidArgument {
-                rank: self.rank,
+                rank: self.me,
                 op: OP,
                 detail: format!("root {root} is not below the world size {}", self.world),
             });
         }
         let b = self.raw(t, OP, "tensor")?;
-        let bytes = b.bytes();
+        let (bytes, which) = (b.bytes(), self.which);
         let keep = vec![b.keeper()];
         self.issue(OP, bytes, keep, move |st| {
             // SAFETY: device pointer of a live tensor kept by `b`; in place is allowed.
@@ -448,7 +492,7 @@ impl Communicator for NcclComm {
                     b.numel,
                     dtype(b.dtype),
                     root as i32,
-                    st.comm,
+                    st.comm(which),
                     st.stream as _,
                 )?;
             }
@@ -458,14 +502,14 @@ impl Communicator for NcclComm {
 
     fn barrier(&self) -> Result<Work, Error> {
         const OP: &str = "barrier";
-        let (rank, timeout) = (self.rank, self.timeout);
+        let (rank, timeout, which) = (self.me, self.timeout, self.which);
         let failure = self.exec.failure_handle();
         self.issue_then(
             OP,
             0,
             vec![],
             // SAFETY: a live state's own buffer and stream.
-            move |st| unsafe { st.barrier_launch() },
+            move |st| unsafe { st.barrier_launch(which) },
             // The host waits too: every rank leaves the barrier once all arrived.
             move |done| {
                 let until = Instant::now() + timeout;
@@ -509,11 +553,65 @@ impl Communicator for NcclComm {
     fn check(&self) -> Result<(), Error> {
         self.exec.failure().map_or(Ok(()), |first| {
             Err(Error::Poisoned {
-                rank: self.rank,
+                rank: self.me,
                 op: "read of a collective's result",
                 first: first.to_string(),
             })
         })
+    }
+
+    /// `ncclCommSplit` of this communicator on the communication thread, then a warm-up
+    /// all-reduce on the new one (its connections are made now, not in the first step).
+    /// Needs NCCL 2.18 or newer. The split blocks the thread until every rank of this
+    /// communicator calls it; a wait still returns [`Error::Timeout`] at its deadline.
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>, Error> {
+        const OP: &str = "ncclCommSplit";
+        let me = self.me;
+        // Checked first: with NCCL loaded at run time a missing symbol would panic.
+        let v = nc::get_nccl_version().map_err(|e| nccl_err(me, "ncclGetVersion", &e))?;
+        if v < SPLIT_VERSION {
+            return Err(backend_err(
+                me,
+                OP,
+                format!(
+                    "NCCL {} has no ncclCommSplit, which sub-communicators need: install NCCL 2.18 or newer (pip's nvidia-nccl wheel for this CUDA, then `make setup`)",
+                    version_words(v)
+                ),
+            ));
+        }
+        let (c, k) = (self.int("color", color)?, self.int("key", key)?);
+        let which = self.which;
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.exec
+            .submit("split", 0, move |st| {
+                let made = st.split(which, c, k)?;
+                let _ = tx.send(made);
+                Ok(())
+            })?
+            .wait()?;
+        let (index, rank, world) = rx.recv().map_err(|_| Error::Poisoned {
+            rank: me,
+            op: "split",
+            first: "the communication thread stopped".into(),
+        })?;
+        let Some(index) = index else {
+            return Ok(crate::solo(Backend::Nccl));
+        };
+        // SAFETY: plain driver call on a valid device; released in the new NcclComm's Drop.
+        let ctx = unsafe { cu::primary_ctx::retain(self.cu_device) }
+            .map_err(cuerr(me, "retain primary context"))?;
+        Ok(Box::new(NcclComm {
+            rank,
+            world,
+            me,
+            which: Some(index),
+            device: self.device,
+            ctx: Context(ctx),
+            cu_device: self.cu_device,
+            exec: self.exec.clone(),
+            timeout: self.timeout,
+            _meeting: self._meeting.clone(),
+        }))
     }
 }
 
@@ -547,5 +645,17 @@ mod tests {
         );
         let v = nc::get_nccl_version().unwrap_or_else(|e| panic!("{}", nccl_detail(&e)));
         assert!(v >= 21400, "NCCL {v} is older than 2.14");
+        assert!(
+            v >= SPLIT_VERSION,
+            "NCCL {} is older than 2.18: no ncclCommSplit for sub-communicators",
+            version_words(v)
+        );
+    }
+
+    #[test]
+    fn nccl_versions_read_as_words() {
+        assert_eq!(version_words(21805), "2.18.5");
+        assert_eq!(version_words(22703), "2.27.3");
+        assert_eq!(version_words(2708), "2.7.8");
     }
 }

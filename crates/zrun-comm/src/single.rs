@@ -78,6 +78,10 @@ impl Communicator for SingleComm {
     fn barrier(&self) -> Result<Work, Error> {
         Ok(Work::ready())
     }
+    /// Every group of a 1-rank communicator has this one rank.
+    fn split(&self, _color: usize, _key: usize) -> Result<Box<dyn Communicator>, Error> {
+        Ok(Box::new(SingleComm::new(self.backend)))
+    }
 }
 
 #[cfg(test)]
@@ -112,5 +116,24 @@ mod tests {
         assert!(c.broadcast(&out, 1).is_err());
         let short = Tensor::zeros([4], (Kind::Float, Device::Cpu));
         assert!(c.all_gather(&short, &full).is_err());
+    }
+
+    #[test]
+    fn a_split_of_one_rank_is_one_rank_of_the_same_backend() {
+        let c = SingleComm::new(Backend::Mpi);
+        let s = c.split(5, 3).unwrap();
+        assert_eq!(
+            (s.rank(), s.world_size(), s.backend()),
+            (0, 1, Backend::Mpi)
+        );
+        let solo = crate::solo(Backend::Tcp);
+        assert_eq!((solo.rank(), solo.world_size()), (0, 1));
+        let full = Tensor::arange(3, (Kind::Float, Device::Cpu));
+        let out = Tensor::zeros([3], (Kind::Float, Device::Cpu));
+        solo.reduce_scatter(&full, &out, ReduceOp::Avg)
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!(Vec::<f32>::try_from(&out).unwrap(), vec![0., 1., 2.]);
     }
 }

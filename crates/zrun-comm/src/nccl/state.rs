@@ -1,6 +1,6 @@
-//! The nccl backend's communication thread: its state (the communicator, the stream, the
-//! collectives in flight), how it connects, launches, watches and tears down, and the CUDA
-//! events and context that order its stream with libtorch's.
+//! The nccl backend's communication thread: its state (the communicator and those split off
+//! it, the stream, the collectives in flight), how it connects, splits, launches, watches and
+//! tears down, and the CUDA events and context that order its stream with libtorch's.
 
 use std::collections::VecDeque;
 use std::ffi::c_void;
@@ -17,13 +17,16 @@ use crate::{Error, ReduceOp};
 pub(super) struct State {
     rank: usize,
     dev: cusys::CUdevice,
-    pub(super) comm: ncsys::ncclComm_t,
+    /// The world's communicator.
+    comm: ncsys::ncclComm_t,
+    /// Communicators split off it (`ncclCommSplit`): one stream and one issue order for all.
+    subs: Vec<ncsys::ncclComm_t>,
     pub(super) stream: cusys::CUstream,
     one: cusys::CUdeviceptr,
     timeout: Duration,
     /// Launched collectives not yet seen complete, oldest first.
     in_flight: VecDeque<InFlight>,
-    /// Set once `ncclCommAbort` has freed the communicator.
+    /// Set once `ncclCommAbort` has freed the communicators.
     aborted: bool,
 }
 
@@ -101,10 +104,13 @@ impl Drop for State {
         if !self.in_flight.is_empty() {
             self.abort();
         }
-        // SAFETY: every handle was created in `connect` and is destroyed exactly once here
-        // (an aborted communicator is already freed).
+        // SAFETY: every handle was created in `connect` or `split` and is destroyed exactly
+        // once here (aborted communicators are already freed); split ones before their parent.
         unsafe {
             if !self.aborted {
+                for &c in self.subs.iter().rev() {
+                    let _ = nc::comm_destroy(c);
+                }
                 let _ = nc::comm_destroy(self.comm);
             }
             let _ = cu::free_sync(self.one);
@@ -149,6 +155,7 @@ pub(super) fn connect(
         dev,
         // SAFETY: initialised by the successful call above.
         comm: unsafe { comm.assume_init() },
+        subs: Vec::new(),
         stream,
         one,
         timeout,
@@ -159,7 +166,8 @@ pub(super) fn connect(
     // use fails now, under init's deadline, rather than inside the first step.
     if world > 1 {
         // SAFETY: the state's own 4-byte device buffer on its own stream.
-        unsafe { state.barrier_launch() }.map_err(|e| nccl_err(rank, "warm-up all_reduce", &e))?;
+        unsafe { state.barrier_launch(None) }
+            .map_err(|e| nccl_err(rank, "warm-up all_reduce", &e))?;
         // SAFETY: the state's own live stream.
         unsafe { cu::stream::synchronize(stream) }.map_err(cuerr("warm-up all_reduce"))?;
     }
@@ -167,6 +175,101 @@ pub(super) fn connect(
 }
 
 impl State {
+    /// The world's communicator (`None`) or split-off communicator `which`.
+    pub(super) fn comm(&self, which: Option<usize>) -> ncsys::ncclComm_t {
+        which.map_or(self.comm, |i| self.subs[i])
+    }
+
+    /// Splits communicator `parent` (`ncclCommSplit`, a collective over it; NCCL 2.18 on,
+    /// checked by the caller) and connects the new one at once with a warm-up all-reduce, as
+    /// `connect` does. Returns its index (`None` for a group of one, which needs no NCCL
+    /// communicator), this rank's place in it and its size.
+    pub(super) fn split(
+        &mut self,
+        parent: Option<usize>,
+        color: i32,
+        key: i32,
+    ) -> Result<(Option<usize>, usize, usize), Error> {
+        const OP: &str = "ncclCommSplit";
+        let rank = self.rank;
+        let mut new: ncsys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: a live communicator (a job runs only before an abort); NCCL writes `new` on
+        // success. A null config inherits the parent's (blocking, like `connect`'s).
+        unsafe {
+            ncsys::ncclCommSplit(
+                self.comm(parent),
+                color,
+                key,
+                &mut new,
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(|e| nccl_err(rank, OP, &e))?;
+        if new.is_null() {
+            return Err(backend_err(
+                rank,
+                OP,
+                format!("color {color} gave no communicator"),
+            ));
+        }
+        // SAFETY: `new` is the live communicator made above.
+        let (size, mine) = unsafe { (nc::comm_count(new), nc::comm_user_rank(new)) };
+        let checked = size.and_then(|n| mine.map(|r| (n, r)));
+        let (size, mine) = match checked {
+            Ok((n, r)) => (
+                usize::try_from(n).unwrap_or(0),
+                usize::try_from(r).unwrap_or(0),
+            ),
+            Err(e) => {
+                // SAFETY: destroyed once, never used again.
+                let _ = unsafe { nc::comm_destroy(new) };
+                return Err(nccl_err(rank, "ncclCommCount", &e));
+            }
+        };
+        if size <= 1 {
+            // SAFETY: a 1-rank communicator with no work launched, destroyed once.
+            let _ = unsafe { nc::comm_destroy(new) };
+            return Ok((None, 0, 1));
+        }
+        self.subs.push(new);
+        let i = self.subs.len() - 1;
+        // SAFETY: the state's own 4-byte device buffer on its own stream, the new communicator.
+        unsafe { self.barrier_launch(Some(i)) }
+            .map_err(|e| nccl_err(rank, "split warm-up all_reduce", &e))?;
+        self.drain("split warm-up all_reduce")?;
+        Ok((Some(i), mine, size))
+    }
+
+    /// Waits until everything launched on the stream has completed, for at most the timeout
+    /// (polling, so that a peer that never comes fails this job instead of blocking the
+    /// thread forever).
+    fn drain(&self, op: &'static str) -> Result<(), Error> {
+        let err = cuerr(self.rank, op);
+        let done = Event::new().map_err(&err)?;
+        // SAFETY: a live event and stream of this thread's context.
+        unsafe { cu::event::record(done.0, self.stream) }.map_err(&err)?;
+        let until = Instant::now() + self.timeout;
+        loop {
+            // SAFETY: a live event of this context.
+            match unsafe { cu::event::query(done.0) } {
+                Ok(()) => return Ok(()),
+                Err(cu::DriverError(cusys::cudaError_enum::CUDA_ERROR_NOT_READY)) => {}
+                Err(e) => return Err(err(e)),
+            }
+            if Instant::now() > until {
+                return Err(Error::Timeout {
+                    rank: self.rank,
+                    op,
+                    bytes: 0,
+                    peer: "unknown (NCCL does not say which rank is missing)".into(),
+                    timeout: self.timeout,
+                });
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
     /// Launches a collective on the communication stream after `start` (recorded on
     /// libtorch's stream when it was issued) and records `done` after it; returns once it is
     /// queued. `buffers` stay alive until it completes or the work's wait takes them.
@@ -228,24 +331,30 @@ impl State {
         if self.in_flight.is_empty() || self.aborted {
             return Ok(());
         }
-        let mut state = ncsys::ncclResult_t::ncclSuccess;
-        // SAFETY: a live communicator; NCCL writes the result code.
-        unsafe { ncsys::ncclCommGetAsyncError(self.comm, &mut state) };
-        match state {
-            ncsys::ncclResult_t::ncclSuccess | ncsys::ncclResult_t::ncclInProgress => Ok(()),
-            e => Err(nccl_err(
-                self.rank,
-                self.in_flight.front().map_or("collective", |f| f.op),
-                &nc::NcclError(e),
-            )),
+        for &comm in std::iter::once(&self.comm).chain(&self.subs) {
+            let mut state = ncsys::ncclResult_t::ncclSuccess;
+            // SAFETY: a live communicator; NCCL writes the result code.
+            unsafe { ncsys::ncclCommGetAsyncError(comm, &mut state) };
+            match state {
+                ncsys::ncclResult_t::ncclSuccess | ncsys::ncclResult_t::ncclInProgress => {}
+                e => {
+                    return Err(nccl_err(
+                        self.rank,
+                        self.in_flight.front().map_or("collective", |f| f.op),
+                        &nc::NcclError(e),
+                    ))
+                }
+            }
         }
+        Ok(())
     }
 
-    /// Launches the one-element all-reduce of `one` that barriers and the warm-up use.
+    /// Launches the one-element all-reduce of `one` on communicator `which` ([`State::comm`])
+    /// that barriers and the warm-ups use.
     ///
     /// # Safety
     /// The communicator and stream are live (they are for a `State` not yet aborted).
-    pub(super) unsafe fn barrier_launch(&self) -> Result<(), nc::NcclError> {
+    pub(super) unsafe fn barrier_launch(&self, which: Option<usize>) -> Result<(), nc::NcclError> {
         // SAFETY: the state's own 4-byte device buffer, in place.
         unsafe {
             nc::all_reduce(
@@ -254,17 +363,25 @@ impl State {
                 1,
                 ncsys::ncclDataType_t::ncclFloat32,
                 ncsys::ncclRedOp_t::ncclSum,
-                self.comm,
+                self.comm(which),
                 self.stream as _,
             )?;
         }
         Ok(())
     }
 
+    /// Aborts every communicator of the thread (one failure ends them all: they share the
+    /// stream and the issue order).
     pub(super) fn abort(&mut self) {
         if !self.aborted {
-            // SAFETY: aborting a live communicator once; Drop then skips destroying it.
-            let _ = unsafe { nc::comm_abort(self.comm) };
+            // SAFETY: aborting each live communicator once, split ones before their parent;
+            // Drop then skips destroying them.
+            unsafe {
+                for &c in self.subs.iter().rev() {
+                    let _ = nc::comm_abort(c);
+                }
+                let _ = nc::comm_abort(self.comm);
+            }
             self.aborted = true;
         }
     }

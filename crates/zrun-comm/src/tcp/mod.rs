@@ -1,13 +1,16 @@
 //! The built-in `tcp` backend: ring algorithms over sockets between every pair of ranks, and
 //! direct cross-memory copies (`process_vm_readv`, one kernel copy) when all ranks share a host.
-//! CUDA tensors are staged through pinned host memory ([`stage`]).
+//! CUDA tensors are staged through pinned host memory ([`stage`]). Sub-communicators are
+//! views over the world's sockets, run on the world's thread ([`group`]).
 
 mod cma;
+mod group;
 mod mesh;
 mod ring;
 mod stage;
 
 use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tch::Tensor;
@@ -15,6 +18,7 @@ use tch::Tensor;
 use crate::buf::{self, DType, Placement, RawBuf};
 use crate::work::Executor;
 use crate::{Backend, Communicator, Error, ReduceOp, StoreClient, StoreServer, Topology, Work};
+use group::Group;
 use mesh::Ctx;
 
 /// Bytes per socket transfer piece in the ring (the receive scratch of reductions).
@@ -25,12 +29,15 @@ pub(crate) const SEG: usize = 1 << 20;
 pub(crate) struct Header {
     pub(crate) code: u8,
     pub(crate) dtype: u8,
+    /// The communicator: 0 for the world, a sub-communicator's tag ([`crate::group`]).
+    pub(crate) tag: u64,
+    /// Position in that communicator's issue order.
     pub(crate) seq: u64,
     pub(crate) numel: u64,
     pub(crate) aux: u64,
 }
 
-const MSG: usize = 40;
+const MSG: usize = 48;
 const MSG_MAGIC: &[u8; 4] = b"ZRop";
 
 impl Header {
@@ -43,6 +50,7 @@ impl Header {
         m[16..24].copy_from_slice(&self.numel.to_le_bytes());
         m[24..32].copy_from_slice(&self.aux.to_le_bytes());
         m[32..40].copy_from_slice(&addr.to_le_bytes());
+        m[40..48].copy_from_slice(&self.tag.to_le_bytes());
         m
     }
 
@@ -56,6 +64,7 @@ impl Header {
                     seq: u(8..16),
                     numel: u(16..24),
                     aux: u(24..32),
+                    tag: u(40..48),
                 },
                 u(32..40),
             )
@@ -71,38 +80,61 @@ impl Header {
             5 => "all_reduce(avg)",
             6 => "broadcast",
             7 => "barrier",
+            8 => "split",
             _ => "an unknown message",
         };
+        let comm = match self.tag {
+            0 => "the world communicator".to_string(),
+            t => format!("sub-communicator {t:016x}"),
+        };
         format!(
-            "{op} #{} of {} elements (dtype code {}, arg {})",
+            "{op} #{} of {} elements (dtype code {}, arg {}) on {comm}",
             self.seq, self.numel, self.dtype, self.aux
         )
     }
 }
 
 /// State owned by the communication thread.
+///
+/// `rank`, `world`, `pids`, `seq`, `tag` and `members` describe the communicator whose job
+/// runs: the world's between jobs, a sub-communicator's for the length of one of its jobs
+/// ([`State::in_group`]), so that ring.rs and cma.rs, which see only these, work on any
+/// group unchanged.
 pub(crate) struct State {
+    /// This rank in the world (named by errors).
+    pub(crate) me: usize,
     pub(crate) rank: usize,
     pub(crate) world: usize,
     pub(crate) timeout: Duration,
+    /// A socket to every other rank of the world, indexed by world rank.
     pub(crate) peers: Vec<Option<TcpStream>>,
-    /// Process ids of all ranks when cross-memory copies work between all of them.
+    /// Process ids of the ranks when cross-memory copies work between all of them.
     pub(crate) pids: Option<Vec<i32>>,
     pub(crate) seq: u64,
+    /// The communicator's tag in every message header (0: the world).
+    pub(crate) tag: u64,
+    /// World rank of each rank of the communicator; `None` for the world itself.
+    pub(crate) members: Option<Vec<usize>>,
+    /// The sub-communicators split off the world (and off each other), while not running.
+    pub(crate) groups: Vec<Group>,
     pub(crate) scratch: Vec<u64>,
     pub(crate) acc: Vec<f32>,
     pub(crate) ring_bufs: [Vec<u64>; 2],
 }
 
 impl State {
+    /// The socket to rank `q` of the running communicator.
     pub(crate) fn peer(&self, ctx: &Ctx, q: usize) -> Result<&TcpStream, Error> {
-        self.peers[q].as_ref().ok_or_else(|| Error::PeerLost {
-            rank: ctx.rank,
-            op: ctx.op,
-            bytes: ctx.bytes,
-            peer: q,
-            detail: "no connection".into(),
-        })
+        let world_rank = self.members.as_ref().map_or(q, |m| m[q]);
+        self.peers[world_rank]
+            .as_ref()
+            .ok_or_else(|| Error::PeerLost {
+                rank: ctx.rank,
+                op: ctx.op,
+                bytes: ctx.bytes,
+                peer: q,
+                detail: "no connection".into(),
+            })
     }
 
     /// Sends `hdr` (with `addr`) to `to` and checks the headers received from `from`;
@@ -164,13 +196,18 @@ pub(crate) unsafe fn sub<'a>(base: usize, off: usize, len: usize) -> &'a mut [u8
     unsafe { std::slice::from_raw_parts_mut((base + off) as *mut u8, len) }
 }
 
-/// The `tcp` communicator.
+/// The `tcp` communicator: the world, or a sub-communicator viewing the world's sockets.
 pub(crate) struct TcpComm {
     rank: usize,
     world: usize,
-    exec: Executor<State>,
-    _store: StoreClient,
-    _server: Option<StoreServer>,
+    /// This rank in the world (named by errors).
+    me: usize,
+    /// Which of the state's groups this is; `None` for the world.
+    group: Option<usize>,
+    /// The thread (and sockets) of the world and of every communicator split off it.
+    exec: Arc<Executor<State>>,
+    /// The store this world met through, kept as long as any of its communicators lives.
+    _meeting: Arc<(StoreClient, Option<StoreServer>)>,
 }
 
 impl TcpComm {
@@ -235,12 +272,16 @@ impl TcpComm {
             timeout,
             move || {
                 Ok(State {
+                    me: rank,
                     rank,
                     world,
                     timeout,
                     peers,
                     pids,
                     seq: 0,
+                    tag: 0,
+                    members: None,
+                    groups: Vec::new(),
                     scratch: vec![0u64; SEG / 8],
                     acc: vec![0f32; crate::kernels::BLOCK],
                     ring_bufs: [Vec::new(), Vec::new()],
@@ -251,20 +292,47 @@ impl TcpComm {
         let comm = TcpComm {
             rank,
             world,
-            exec,
-            _store: store,
-            _server: server,
+            me: rank,
+            group: None,
+            exec: Arc::new(exec),
+            _meeting: Arc::new((store, server)),
         };
         comm.barrier()?.wait()?;
         Ok(comm)
     }
 
     fn raw(&self, t: &Tensor, op: &'static str, what: &str) -> Result<RawBuf, Error> {
-        buf::raw(t, self.rank, op, what, Placement::Cpu)
+        buf::raw(t, self.me, op, what, Placement::Cpu)
     }
 
     fn stage(&self, t: &Tensor, input: bool, op: &'static str) -> Result<stage::Staged, Error> {
-        stage::stage(t, input, self.rank, op)
+        stage::stage(t, input, self.me, op)
+    }
+
+    /// [`buf::check_shard`] in this communicator, its error naming the world rank.
+    fn check_shard(&self, f: &RawBuf, s: &RawBuf, op: &'static str) -> Result<(), Error> {
+        buf::check_shard(f, s, self.rank, self.world, op).map_err(|e| match e {
+            Error::InvalidArgument { op, detail, .. } if self.group.is_some() => {
+                Error::InvalidArgument {
+                    rank: self.me,
+                    op,
+                    detail: format!("{detail} (in a sub-communicator of {} ranks)", self.world),
+                }
+            }
+            e => e,
+        })
+    }
+
+    /// Queues `job` to run on this communicator's view of the state.
+    fn submit(
+        &self,
+        op: &'static str,
+        bytes: usize,
+        job: impl FnOnce(&mut State) -> Result<(), Error> + Send + 'static,
+    ) -> Result<Work, Error> {
+        let group = self.group;
+        self.exec
+            .submit(op, bytes, move |st| st.in_group(group, job))
     }
 }
 
@@ -274,6 +342,7 @@ fn header(code: u8, dtype: DType, numel: usize, aux: u64) -> impl FnOnce(&mut St
         Header {
             code,
             dtype: dtype.code(),
+            tag: st.tag,
             seq: st.seq,
             numel: numel as u64,
             aux,
@@ -283,7 +352,7 @@ fn header(code: u8, dtype: DType, numel: usize, aux: u64) -> impl FnOnce(&mut St
 
 fn ctx(st: &State, op: &'static str, bytes: usize) -> Ctx {
     Ctx {
-        rank: st.rank,
+        rank: st.me,
         op,
         bytes,
         timeout: st.timeout,
@@ -308,9 +377,9 @@ impl Communicator for TcpComm {
             self.raw(&sh.host, OP, "shard")?,
             self.raw(&fh.host, OP, "full")?,
         );
-        buf::check_shard(&f, &s, self.rank, self.world, OP)?;
+        self.check_shard(&f, &s, OP)?;
         let bytes = f.bytes();
-        let work = self.exec.submit(OP, bytes, move |st| {
+        let work = self.submit(OP, bytes, move |st| {
             let h = header(1, f.dtype, f.numel, 0)(st);
             let c = ctx(st, OP, bytes);
             if st.pids.is_some() {
@@ -329,10 +398,10 @@ impl Communicator for TcpComm {
             self.raw(&fh.host, OP, "full")?,
             self.raw(&sh.host, OP, "shard")?,
         );
-        buf::check_shard(&f, &s, self.rank, self.world, OP)?;
+        self.check_shard(&f, &s, OP)?;
         let bytes = f.bytes();
         let code = if op == ReduceOp::Sum { 2 } else { 3 };
-        let work = self.exec.submit(OP, bytes, move |st| {
+        let work = self.submit(OP, bytes, move |st| {
             let h = header(code, f.dtype, f.numel, 0)(st);
             let c = ctx(st, OP, bytes);
             let div = if op == ReduceOp::Avg {
@@ -355,7 +424,7 @@ impl Communicator for TcpComm {
         let b = self.raw(&th.host, OP, "tensor")?;
         let bytes = b.bytes();
         let code = if op == ReduceOp::Sum { 4 } else { 5 };
-        let work = self.exec.submit(OP, bytes, move |st| {
+        let work = self.submit(OP, bytes, move |st| {
             let h = header(code, b.dtype, b.numel, 0)(st);
             let c = ctx(st, OP, bytes);
             let div = if op == ReduceOp::Avg {
@@ -376,7 +445,7 @@ impl Communicator for TcpComm {
         const OP: &str = "broadcast";
         if root >= self.world {
             return Err(Error::InvalidArgument {
-                rank: self.rank,
+                rank: self.me,
                 op: OP,
                 detail: format!("root {root} is not below the world size {}", self.world),
             });
@@ -384,7 +453,7 @@ impl Communicator for TcpComm {
         let th = self.stage(t, true, OP)?;
         let b = self.raw(&th.host, OP, "tensor")?;
         let bytes = b.bytes();
-        let work = self.exec.submit(OP, bytes, move |st| {
+        let work = self.submit(OP, bytes, move |st| {
             let h = header(6, b.dtype, b.numel, root as u64)(st);
             let c = ctx(st, OP, bytes);
             if st.pids.is_some() {
@@ -398,11 +467,43 @@ impl Communicator for TcpComm {
 
     fn barrier(&self) -> Result<Work, Error> {
         const OP: &str = "barrier";
-        self.exec.submit(OP, 0, move |st| {
+        self.submit(OP, 0, move |st| {
             let h = header(7, DType::F32, 0, 0)(st);
             let c = ctx(st, OP, 0);
             let others = st.others();
             st.exchange(&c, &h, 0, &others, &others).map(|_| ())
         })
+    }
+
+    /// A view over the world's sockets (no new connections): the members exchange colors
+    /// and keys with one another, then each records the group on the shared thread.
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>, Error> {
+        const OP: &str = "split";
+        let (tx, rx) = std::sync::mpsc::channel();
+        let parent = self.group;
+        self.exec
+            .submit(OP, 0, move |st| {
+                let made = group::split(st, parent, OP, color as u64, key as u64)?;
+                let _ = tx.send(made);
+                Ok(())
+            })?
+            .wait()?;
+        let lost = || Error::Poisoned {
+            rank: self.me,
+            op: OP,
+            first: "the communication thread stopped".into(),
+        };
+        let (index, rank, world) = rx.recv().map_err(|_| lost())?;
+        let Some(index) = index else {
+            return Ok(crate::solo(Backend::Tcp));
+        };
+        Ok(Box::new(TcpComm {
+            rank,
+            world,
+            me: self.me,
+            group: Some(index),
+            exec: self.exec.clone(),
+            _meeting: self._meeting.clone(),
+        }))
     }
 }

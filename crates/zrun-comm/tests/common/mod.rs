@@ -4,6 +4,8 @@
 //! `ZRUN_TEST_ROLE=<test>`; in that child the same test function runs the rank's body.
 #![allow(dead_code)]
 
+pub mod split;
+
 use std::io::Read;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
