@@ -60,6 +60,10 @@ pub struct EngineConfig {
     /// ZeRO-Offload's delayed parameter update (offload only; `delay.rs`): `Some(w)` applies
     /// every update after the first `w` one step late; `None`: off.
     pub offload_delay: Option<u64>,
+    /// Hybrid sharding (`zero.shard_group`, stages 1-3): `Some(g)` shards the model states
+    /// over groups of `g` consecutive ranks (`g` divides the world size) and replicates them
+    /// across the groups; `None`: one group of all ranks. Ignored at stage 0.
+    pub shard_group: Option<usize>,
 }
 
 impl EngineConfig {
@@ -81,6 +85,7 @@ impl EngineConfig {
             adamw,
             oom_recovery: true,
             offload_delay: None,
+            shard_group: None,
         }
     }
 }
@@ -175,14 +180,22 @@ pub(crate) enum Phase {
 
 impl Engine {
     /// Builds the engine of rank `comm.rank()` for `model`, initialising exactly the
-    /// parameters this stage keeps on this rank from `cfg.seed`.
+    /// parameters this stage keeps on this rank from `cfg.seed`. With a shard group
+    /// smaller than the world (`cfg.shard_group`) every rank splits `comm` into its shard
+    /// and replica groups here: a collective over `comm`, so all ranks build their engines
+    /// at the same point of their collectives.
     pub fn new(
         model: Arc<dyn Model>,
         comm: Arc<dyn Communicator>,
         cfg: EngineConfig,
     ) -> Result<Engine> {
         let (rank, world) = (comm.rank() as i64, comm.world_size() as i64);
-        let layout = ShardLayout::new(model.units(), rank, world);
+        let group = match (cfg.stage, cfg.shard_group) {
+            (Stage::Zero0, _) | (_, None) => world,
+            (_, Some(g)) => g as i64,
+        };
+        let layout = ShardLayout::hybrid(model.units(), rank, world, group)?;
+        let (shard, replica) = groups(&comm, &layout)?;
         let dev = cfg.device;
         let param_extent = if cfg.stage == Stage::Zero3 {
             Extent::Shard
@@ -268,7 +281,7 @@ impl Engine {
         Ok(Engine {
             model,
             cfg,
-            mover: Mover::new(comm, layout),
+            mover: Mover::new(comm, shard, replica, layout),
             params,
             master,
             grads,
@@ -303,7 +316,8 @@ impl Engine {
         &self.cfg
     }
 
-    /// The communicator this engine uses.
+    /// The communicator of every rank this engine was built with (the world, also with
+    /// hybrid sharding, whose shard and replica groups are the engine's own).
     pub fn comm(&self) -> &Arc<dyn Communicator> {
         &self.mover.comm
     }
@@ -534,6 +548,13 @@ impl Engine {
         };
         // The reduced gradients were just read: they count only if no collective was cut.
         self.mover.check()?;
+        // Replicated shard groups hold the same shards: only the first group's count, so
+        // every element is summed once.
+        let local = if self.mover.layout.replica == 0 {
+            local
+        } else {
+            0.0
+        };
         // Stage 0 holds the whole reduced gradient on every rank; the others own a part.
         let sum_sq = if self.cfg.stage == Stage::Zero0 {
             local
@@ -664,6 +685,44 @@ impl Engine {
         }
         Ok(out)
     }
+}
+
+/// A shared communicator.
+type Comm = Arc<dyn Communicator>;
+
+/// The shard group's and (hybrid sharding) replica group's communicators of `layout`'s rank
+/// in the world `comm`: the world itself and none when one group holds all ranks; a group of
+/// one ([`zrun_comm::solo`]) and the world when every rank holds a replica; else two splits
+/// of the world, made in the same order on every rank.
+fn groups(comm: &Comm, layout: &ShardLayout) -> Result<(Comm, Option<Comm>)> {
+    if layout.replicas == 1 {
+        return Ok((comm.clone(), None));
+    }
+    let rank = comm.rank();
+    let (g, replica) = (layout.world_size as usize, layout.replica as usize);
+    let (shard, across): (Comm, Comm) = if g == 1 {
+        (Arc::from(zrun_comm::solo(comm.backend())), comm.clone())
+    } else {
+        let split = |color| comm.split(color, rank).map(Arc::from).map_err(Error::Comm);
+        // The shard group (same replica index), then the replica group (same position).
+        let shard = split(replica)?;
+        (shard, split(rank % g)?)
+    };
+    let want = [
+        ("shard", &shard, layout.rank, layout.world_size),
+        ("replica", &across, layout.replica, layout.replicas),
+    ];
+    for (what, c, r, n) in want {
+        if (c.rank() as i64, c.world_size() as i64) != (r, n) {
+            return Err(Error::Unsupported(format!(
+                "rank {rank}: the {what} group's communicator made the rank {} of {}, where the layout (zero.shard_group = {g} of {} ranks) wants {r} of {n}",
+                c.rank(),
+                c.world_size(),
+                comm.world_size()
+            )));
+        }
+    }
+    Ok((shard, Some(across)))
 }
 
 /// The named parameter tensors of a unit as views of its flat buffer, in the unit's order.

@@ -95,14 +95,26 @@ impl UnitLayout {
 }
 
 /// Every unit's layout plus where this rank's slices sit in its contiguous shard buffer.
+///
+/// With hybrid sharding (`zero.shard_group` = G of W ranks) the model states are sharded
+/// over a shard group of G consecutive ranks and replicated across the W/G groups: `rank`
+/// and `world_size` are then the rank's position in its shard group and G (every shard
+/// figure is per group), `replica` and `replicas` its group's index and the number of groups.
 #[derive(Clone, Debug)]
 pub struct ShardLayout {
     /// Unit layouts in model order.
     pub units: Vec<UnitLayout>,
-    /// This rank.
+    /// This rank's position in its shard group (its global rank without hybrid sharding).
     pub rank: i64,
-    /// Number of ranks.
+    /// Ranks the model states are sharded over: the shard group's size (the world size
+    /// without hybrid sharding).
     pub world_size: i64,
+    /// This rank's shard group (replica) index, `global rank / world_size`: 0 without hybrid
+    /// sharding.
+    pub replica: i64,
+    /// Shard groups, each holding a whole replica of the model states: 1 without hybrid
+    /// sharding.
+    pub replicas: i64,
     /// Offset of each unit's owned slice in the rank's contiguous shard buffer.
     pub shard_offsets: Vec<i64>,
     /// Offset of each unit's full flat buffer in a buffer of all units (stages 0-2).
@@ -110,8 +122,49 @@ pub struct ShardLayout {
 }
 
 impl ShardLayout {
-    /// Layout of `units` for `rank` of `world_size`.
+    /// Layout of `units` for `rank` of `world_size`, sharded over all ranks.
     pub fn new(units: &[Box<dyn Unit>], rank: i64, world_size: i64) -> ShardLayout {
+        ShardLayout::sharded(units, rank, world_size, 0, 1)
+    }
+
+    /// Layout of `units` for global `rank` of `world` ranks sharding over groups of `group`
+    /// consecutive ranks (hybrid sharding): shard group `rank / group`, position
+    /// `rank % group`. `group == world` is [`ShardLayout::new`]. Fails unless `group`
+    /// divides `world`.
+    pub fn hybrid(
+        units: &[Box<dyn Unit>],
+        rank: i64,
+        world: i64,
+        group: i64,
+    ) -> crate::Result<ShardLayout> {
+        if group < 1 || world < 1 || world % group != 0 {
+            return Err(crate::Error::Unsupported(format!(
+                "zero.shard_group = {group} does not divide the world size {world}: give a divisor of {world} (1 replicates the model states on every rank, {world} shards them over all ranks)"
+            )));
+        }
+        if !(0..world).contains(&rank) {
+            return Err(crate::Error::Unsupported(format!(
+                "rank {rank} is not below the world size {world}"
+            )));
+        }
+        Ok(ShardLayout::sharded(
+            units,
+            rank % group,
+            group,
+            rank / group,
+            world / group,
+        ))
+    }
+
+    /// Layout of `units` for position `rank` of a shard group of `world_size`, replica
+    /// `replica` of `replicas`.
+    fn sharded(
+        units: &[Box<dyn Unit>],
+        rank: i64,
+        world_size: i64,
+        replica: i64,
+        replicas: i64,
+    ) -> ShardLayout {
         let units: Vec<UnitLayout> = units
             .iter()
             .map(|u| UnitLayout::new(u.as_ref(), world_size))
@@ -132,9 +185,21 @@ impl ShardLayout {
             units,
             rank,
             world_size,
+            replica,
+            replicas,
             shard_offsets,
             full_offsets,
         }
+    }
+
+    /// Ranks in all: shard group size times shard groups.
+    pub fn global_world_size(&self) -> i64 {
+        self.world_size * self.replicas
+    }
+
+    /// This rank's global rank.
+    pub fn global_rank(&self) -> i64 {
+        self.replica * self.world_size + self.rank
     }
 
     /// Elements of this rank's contiguous shard buffer (sum of owned slices).
@@ -221,6 +286,39 @@ mod tests {
                 assert!(u.padded - u.numel < w * SHARD_ALIGN);
             }
             assert_eq!(l.param_count(), g.param_count());
+        }
+    }
+
+    #[test]
+    fn a_hybrid_layout_shards_within_its_group_and_checks_the_group_divides_the_world() {
+        let g = gpt();
+        let (w, group) = (6, 3);
+        for r in 0..w {
+            let h = ShardLayout::hybrid(g.units(), r, w, group).unwrap();
+            let plain = ShardLayout::new(g.units(), r % group, group);
+            assert_eq!((h.rank, h.world_size), (r % group, group));
+            assert_eq!((h.replica, h.replicas), (r / group, w / group));
+            assert_eq!((h.global_rank(), h.global_world_size()), (r, w));
+            assert_eq!(h.units, plain.units, "rank {r}: the group's unit layouts");
+            assert_eq!(h.shard_offsets, plain.shard_offsets);
+            assert_eq!(h.shard_numel(), plain.shard_numel());
+            // Sharded over all ranks, `hybrid` is `new`.
+            let all = ShardLayout::hybrid(g.units(), r, w, w).unwrap();
+            let new = ShardLayout::new(g.units(), r, w);
+            assert_eq!((all.rank, all.world_size), (new.rank, new.world_size));
+            assert_eq!((all.replica, all.replicas), (0, 1));
+            assert_eq!((new.replica, new.replicas), (0, 1));
+            assert_eq!(all.units, new.units);
+        }
+        for (world, group) in [(6, 4), (4, 0), (4, 8)] {
+            let e = ShardLayout::hybrid(g.units(), 0, world, group)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("zero.shard_group = {group}"))
+                    && e.contains(&format!("world size {world}")),
+                "{e}"
+            );
         }
     }
 

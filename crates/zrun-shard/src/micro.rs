@@ -2,8 +2,10 @@
 //! call per unit. Stage 3 gathers units ahead of use (prefetch), frees each unit's gathered
 //! parameters as soon as its forward is done and gathers them again into the same storage
 //! for its backward (autograd's saved views see them), without recomputing the forward.
-//! Stages 2-3 reduce each unit's gradient as soon as its backward is done. Activation
-//! checkpointing keeps only unit inputs and recomputes each unit's forward in its backward.
+//! Stages 2-3 reduce each unit's gradient as soon as its backward is done (with hybrid
+//! sharding: reduce-scatter in the shard group, then all-reduce of the shard across the
+//! replica group, one of each in flight). Activation checkpointing keeps only unit inputs and
+//! recomputes each unit's forward in its backward.
 
 use crate::engine::{views, EarlyStep, Engine, Optimizer, Phase};
 use crate::state::{Mover, Pending};
@@ -12,6 +14,15 @@ use std::collections::VecDeque;
 use std::time::Instant;
 use tch::{Device, Tensor};
 use zrun_models::lm_loss;
+
+/// The gradient reductions of a backward in flight (stages 2-3), oldest first, each with
+/// whether it completes its unit's gradient: reduce-scatters in the shard group, then (hybrid
+/// sharding) all-reduces of their shards across the replica group.
+#[derive(Default)]
+struct Reductions {
+    scattering: VecDeque<(Pending, bool)>,
+    replicating: VecDeque<(Pending, bool)>,
+}
 
 /// What one unit's forward leaves for its backward.
 struct Saved {
@@ -231,7 +242,7 @@ impl Engine {
             Gathers::new(order, self.cfg.prefetch)
         };
         let mut upstream: Option<Tensor> = None;
-        let mut reducing: VecDeque<(Pending, bool)> = VecDeque::new();
+        let mut reducing = Reductions::default();
         for u in (0..n).rev() {
             let s = saved.pop().expect("one saved entry per unit");
             let name = units[u].name();
@@ -300,7 +311,10 @@ impl Engine {
             }
             self.absorb_into(u, None, g, &mut reducing, true)?;
         }
-        while let Some((p, last)) = reducing.pop_front() {
+        while let Some((p, last)) = reducing.scattering.pop_front() {
+            self.retire(p, last, &mut reducing)?;
+        }
+        while let Some((p, last)) = reducing.replicating.pop_front() {
             self.accumulate_shard(p, last)?;
         }
         let value = value.f_double_value(&[]).ctx("read loss", "head")?;
@@ -317,14 +331,14 @@ impl Engine {
     /// Adds unit `u`'s parameter gradients (in the unit's parameter order, or only parameter
     /// `only`'s) into the full gradients (stages 0-1), or lays them out in one flat buffer of
     /// the reduce dtype (zeros elsewhere) and starts its reduce-scatter (stages 2-3),
-    /// finishing older reductions so one stays in flight. `last` says no more of unit `u`'s
-    /// gradient follows in this micro-step.
+    /// retiring older reductions so one stays in flight (and, replicated, one all-reduce).
+    /// `last` says no more of unit `u`'s gradient follows in this micro-step.
     fn absorb_into(
         &mut self,
         u: usize,
         only: Option<usize>,
         grads: Vec<Tensor>,
-        reducing: &mut VecDeque<(Pending, bool)>,
+        reducing: &mut Reductions,
         last: bool,
     ) -> Result<()> {
         let layout = &self.mover.layout.units[u];
@@ -360,14 +374,32 @@ impl Engine {
                         .done("zero gradient padding", &name)?;
                 }
                 drop(grads);
-                reducing.push_back((self.mover.start_reduce_scatter(flat, u)?, last));
-                if reducing.len() > 1 {
-                    let (p, last) = reducing.pop_front().expect("two in flight");
-                    self.accumulate_shard(p, last)?;
+                let p = self.mover.start_reduce_scatter(flat, u)?;
+                reducing.scattering.push_back((p, last));
+                if reducing.scattering.len() > 1 {
+                    let (p, last) = reducing.scattering.pop_front().expect("two in flight");
+                    self.retire(p, last, reducing)?;
                 }
                 Ok(())
             }
         }
+    }
+
+    /// The next step of a reduce-scatter that is no longer the newest: without replicas its
+    /// shard is added into the gradients; with them the shard's all-reduce across the
+    /// replica group starts (once the reduce-scatter is done), and the all-reduce before it
+    /// is finished and added, so one stays in flight.
+    fn retire(&mut self, p: Pending, last: bool, reducing: &mut Reductions) -> Result<()> {
+        if !self.mover.replicated() {
+            return self.accumulate_shard(p, last);
+        }
+        let p = self.mover.start_replicate(p)?;
+        reducing.replicating.push_back((p, last));
+        if reducing.replicating.len() > 1 {
+            let (p, last) = reducing.replicating.pop_front().expect("two in flight");
+            self.accumulate_shard(p, last)?;
+        }
+        Ok(())
     }
 
     /// Adds a finished reduction into this rank's gradient shard; once the unit's gradient

@@ -10,7 +10,8 @@
 //! reduce dtype and (stage 3) the compute dtype: a stand-in gather fills a slice of it, a
 //! stand-in reduce-scatter reads a zeroed slice of it and writes this rank's reduced slice
 //! into its own gradient shard, which [`Engine::abandon_step`] clears. The collectives run
-//! one at a time, so one unit's room serves them all.
+//! one at a time, so one unit's room serves them all. With hybrid sharding a stand-in
+//! all-reduce across the replica group reduces the rank's own gradient shard in place.
 
 use crate::engine::{EarlyStep, Engine};
 use crate::layout::ShardLayout;
@@ -56,10 +57,13 @@ fn reserve_view(reserve: &Tensor, numel: i64, kind: Kind, unit: &str) -> Result<
 /// right after its owner again; backward, for each unit from the last, gathers ahead (the
 /// unit, then its tied owner) then reduce-scatters the tied parameter's gradient into its
 /// owner and the unit's own gradient (gathers at stage 3 only, reduce-scatters at stages 2-3).
+/// `replicated` (hybrid sharding): each reduce-scatter's shard is all-reduced across the
+/// replica group right after the next reduce-scatter is issued, the last one's at the end.
 pub(crate) fn schedule(
     stage: Stage,
     ties: &[Option<usize>],
     depth: usize,
+    replicated: bool,
 ) -> Vec<(Collective, usize)> {
     let mut forward = Vec::new();
     for (u, t) in ties.iter().enumerate() {
@@ -89,6 +93,27 @@ pub(crate) fn schedule(
         out.extend(ties[u].map(|s| (Collective::ReduceScatter, s)));
         out.push((Collective::ReduceScatter, u));
     }
+    if replicated {
+        out = with_replicates(out);
+    }
+    out
+}
+
+/// `ops` with each reduce-scatter's replica all-reduce where the engine issues it: after
+/// the next reduce-scatter (one reduce-scatter stays in flight; the older one is then
+/// waited for and its shard all-reduced), the last one's at the end.
+fn with_replicates(ops: Vec<(Collective, usize)>) -> Vec<(Collective, usize)> {
+    let mut out = Vec::with_capacity(ops.len() * 3 / 2);
+    let mut scattering: Option<usize> = None;
+    for (op, u) in ops {
+        out.push((op, u));
+        if op == Collective::ReduceScatter {
+            if let Some(older) = scattering.replace(u) {
+                out.push((Collective::Replicate, older));
+            }
+        }
+    }
+    out.extend(scattering.map(|u| (Collective::Replicate, u)));
     out
 }
 
@@ -112,6 +137,7 @@ impl Engine {
             self.cfg.stage,
             &ties(self.model.as_ref()),
             self.cfg.prefetch,
+            self.mover.replicated(),
         );
         let done = std::mem::take(&mut self.mover.issued);
         if !all.starts_with(&done) {
@@ -145,6 +171,11 @@ impl Engine {
                         .f_zero_()
                         .done("zero the stand-in gradient", &l.unit)?;
                     (zeros, self.mover.shard_of(&self.grads, u)?)
+                }
+                Collective::Replicate => {
+                    // In place on this rank's own gradient shard (cleared by abandon_step).
+                    let own = self.mover.shard_of(&self.grads, u)?;
+                    (own.shallow_clone(), own)
                 }
             };
             self.mover.stand_in(op, u, &input, &output)?;
@@ -181,25 +212,44 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use Collective::{Gather as G, ReduceScatter as R};
+    use std::sync::Arc;
+    use zrun_comm::{Backend, Communicator, ReduceOp, Work};
+
+    type CommResult<T> = std::result::Result<T, zrun_comm::Error>;
+    use Collective::{Gather as G, ReduceScatter as R, Replicate as A};
 
     /// The engine's real micro-step issues exactly the schedule, at every stage, prefetch
-    /// depth and checkpointing setting.
+    /// depth and checkpointing setting, sharded over all ranks and (hybrid sharding) over
+    /// groups of 2 and of 1 of 4 ranks.
     #[test]
     fn a_micro_step_issues_its_schedule() {
-        use std::sync::Arc;
         for tied in [false, true] {
             let cfg = zrun_models::GptConfig {
                 tied,
                 ..zrun_models::GptConfig::preset("tiny").unwrap()
             };
             let model: Arc<dyn zrun_models::Model> = Arc::new(zrun_models::Gpt::new(cfg).unwrap());
-            issues_its_schedule(model);
+            let topo = zrun_comm::Topology::single();
+            let timeout = std::time::Duration::from_secs(5);
+            let single: Arc<dyn Communicator> =
+                Arc::from(zrun_comm::init(&topo, Backend::Tcp, timeout).unwrap());
+            issues_its_schedule(model.clone(), single, None);
+            for group in [2, 1] {
+                let echo = Arc::new(Echo {
+                    rank: 0,
+                    world: 4,
+                    sub: Some((0, 4 / group)),
+                });
+                issues_its_schedule(model.clone(), echo, Some(group));
+            }
         }
     }
 
-    fn issues_its_schedule(model: std::sync::Arc<dyn zrun_models::Model>) {
-        use std::sync::Arc;
+    fn issues_its_schedule(
+        model: Arc<dyn zrun_models::Model>,
+        comm: Arc<dyn Communicator>,
+        shard_group: Option<usize>,
+    ) {
         let adamw = zrun_optim::AdamWConfig {
             beta1: 0.9,
             beta2: 0.95,
@@ -208,40 +258,138 @@ mod tests {
         };
         for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
             for (prefetch, ckpt) in [(1, false), (2, false), (1, true)] {
-                let topo = zrun_comm::Topology::single();
-                let comm = zrun_comm::init(
-                    &topo,
-                    zrun_comm::Backend::Tcp,
-                    std::time::Duration::from_secs(5),
-                )
-                .unwrap();
                 let cfg = crate::EngineConfig {
                     prefetch,
                     activation_checkpointing: ckpt,
+                    shard_group,
                     ..crate::EngineConfig::fp32(stage, tch::Device::Cpu, 1, adamw)
                 };
-                let mut e = Engine::new(model.clone(), Arc::from(comm), cfg).unwrap();
+                let mut e = Engine::new(model.clone(), comm.clone(), cfg).unwrap();
+                let replicated = shard_group.is_some() && stage != Stage::Zero0;
+                assert_eq!(e.mover.replicated(), replicated);
                 let x = Tensor::zeros([2, 8], (tch::Kind::Int64, tch::Device::Cpu));
                 e.forward_backward(&x, &x, 1.0).unwrap();
-                let want = schedule(stage, &ties(model.as_ref()), prefetch);
+                let want = schedule(stage, &ties(model.as_ref()), prefetch, replicated);
                 assert_eq!(
                     e.mover.issued, want,
-                    "stage {stage} prefetch {prefetch} ckpt {ckpt}"
+                    "stage {stage} prefetch {prefetch} ckpt {ckpt} shard group {shard_group:?}"
                 );
+                if replicated && stage != Stage::Zero1 {
+                    assert!(want.contains(&(A, 0)));
+                }
             }
         }
     }
 
+    /// A communicator whose every rank holds the same data: a gather repeats this rank's
+    /// shard, a reduce-scatter keeps its chunk, an all-reduce changes nothing. Its splits are
+    /// rank `sub.0` of `sub.1`. For checking the order of collectives without peers.
+    struct Echo {
+        rank: usize,
+        world: usize,
+        sub: Option<(usize, usize)>,
+    }
+
+    impl Communicator for Echo {
+        fn rank(&self) -> usize {
+            self.rank
+        }
+        fn world_size(&self) -> usize {
+            self.world
+        }
+        fn backend(&self) -> Backend {
+            Backend::Tcp
+        }
+        fn all_gather(&self, shard: &Tensor, full: &Tensor) -> CommResult<Work> {
+            let n = shard.numel() as i64;
+            for i in 0..full.numel() as i64 / n {
+                full.narrow(0, i * n, n).copy_(shard);
+            }
+            Ok(Work::ready())
+        }
+        fn reduce_scatter(&self, full: &Tensor, shard: &Tensor, _: ReduceOp) -> CommResult<Work> {
+            let n = shard.numel() as i64;
+            shard
+                .shallow_clone()
+                .copy_(&full.narrow(0, self.rank as i64 * n, n));
+            Ok(Work::ready())
+        }
+        fn all_reduce(&self, _: &Tensor, _: ReduceOp) -> CommResult<Work> {
+            Ok(Work::ready())
+        }
+        fn broadcast(&self, _: &Tensor, _: usize) -> CommResult<Work> {
+            Ok(Work::ready())
+        }
+        fn barrier(&self) -> CommResult<Work> {
+            Ok(Work::ready())
+        }
+        fn split(&self, _: usize, _: usize) -> CommResult<Box<dyn Communicator>> {
+            let (rank, world) = self.sub.expect("a split of a split");
+            Ok(Box::new(Echo {
+                rank,
+                world,
+                sub: None,
+            }))
+        }
+    }
+
+    #[test]
+    fn replicated_reductions_follow_the_next_reduce_scatter_and_the_last_ends_the_step() {
+        for stage in [Stage::Zero0, Stage::Zero1] {
+            assert!(schedule(stage, &[None; 3], 1, true).is_empty());
+        }
+        assert_eq!(
+            schedule(Stage::Zero2, &[None; 3], 1, true),
+            vec![(R, 2), (R, 1), (A, 2), (R, 0), (A, 1), (A, 0)]
+        );
+        assert_eq!(
+            schedule(Stage::Zero3, &[None; 3], 1, true),
+            vec![
+                (G, 0),
+                (G, 1),
+                (G, 2),
+                (G, 2),
+                (G, 1),
+                (R, 2),
+                (G, 0),
+                (R, 1),
+                (A, 2),
+                (R, 0),
+                (A, 1),
+                (A, 0)
+            ]
+        );
+        // A tied head: its share of the embedding's gradient is reduced (and replicated)
+        // on its own, before the head's.
+        assert_eq!(
+            schedule(Stage::Zero2, &[None, None, Some(0)], 1, true),
+            vec![
+                (R, 0),
+                (R, 2),
+                (A, 0),
+                (R, 1),
+                (A, 2),
+                (R, 0),
+                (A, 1),
+                (A, 0)
+            ]
+        );
+        assert_eq!(
+            schedule(Stage::Zero2, &[None], 1, true),
+            vec![(R, 0), (A, 0)]
+        );
+    }
+
     #[test]
     fn the_schedule_is_forward_gathers_then_backward_gathers_ahead_and_reductions() {
-        assert!(schedule(Stage::Zero0, &[None; 3], 1).is_empty());
-        assert!(schedule(Stage::Zero1, &[None; 3], 1).is_empty());
+        assert!(schedule(Stage::Zero0, &[None; 3], 1, false).is_empty());
+        assert!(schedule(Stage::Zero1, &[None; 3], 1, false).is_empty());
         assert_eq!(
-            schedule(Stage::Zero2, &[None; 3], 1),
+            schedule(Stage::Zero2, &[None; 3], 1, false),
             vec![(R, 2), (R, 1), (R, 0)]
         );
         assert_eq!(
-            schedule(Stage::Zero3, &[None; 3], 1),
+            schedule(Stage::Zero3, &[None; 3], 1, false),
             vec![
                 (G, 0),
                 (G, 1),
@@ -255,7 +403,7 @@ mod tests {
             ]
         );
         assert_eq!(
-            schedule(Stage::Zero3, &[None; 3], 5),
+            schedule(Stage::Zero3, &[None; 3], 5, false),
             vec![
                 (G, 0),
                 (G, 1),
@@ -272,11 +420,11 @@ mod tests {
         // and its gradient reduced into the embedding's before the head's own.
         let tied = [None, None, Some(0)];
         assert_eq!(
-            schedule(Stage::Zero2, &tied, 1),
+            schedule(Stage::Zero2, &tied, 1, false),
             vec![(R, 0), (R, 2), (R, 1), (R, 0)]
         );
         assert_eq!(
-            schedule(Stage::Zero3, &tied, 1),
+            schedule(Stage::Zero3, &tied, 1, false),
             vec![
                 (G, 0),
                 (G, 1),

@@ -5,7 +5,8 @@
 //! Element `e` of unit `u` is the same parameter element at every world size (the flat
 //! buffer's order does not depend on W; only its padding does), so a checkpoint holds each
 //! unit's elements `[0, numel)` split among the ranks that wrote it, and a loader asks for
-//! the range it keeps: its shard range at stages 1-3, the whole unit at stage 0.
+//! the range it keeps: its shard range at stages 1-3, the whole unit at stage 0. With
+//! hybrid sharding the first shard group writes and every group reads its replica.
 
 #[cfg(target_endian = "big")]
 compile_error!(
@@ -72,21 +73,34 @@ impl Engine {
         }
     }
 
-    /// `(start, len)`: the elements of unit `u` this rank writes into a checkpoint, its
-    /// shard range without the padding (at stage 0 too, so the ranks share the writing).
-    pub fn saved_range(&self, u: usize) -> (i64, i64) {
+    /// `(start, len)`: the elements of unit `u` this rank owns, its shard range (in its
+    /// shard group) without the padding; at stage 0, where every rank keeps the whole unit,
+    /// the range it writes into a checkpoint.
+    pub fn owned_range(&self, u: usize) -> (i64, i64) {
         let l = &self.mover.layout.units[u];
         let (start, len) = l.shard_range(self.mover.layout.rank);
         let start = start.min(l.numel);
         (start, (start + len).min(l.numel) - start)
     }
 
+    /// `(start, len)`: the elements of unit `u` this rank writes into a checkpoint: its
+    /// [`Engine::owned_range`] (at stage 0 too, so the ranks share the writing), except with
+    /// hybrid sharding outside the first shard group, whose replica the first one writes:
+    /// nothing, `(numel, 0)`.
+    pub fn saved_range(&self, u: usize) -> (i64, i64) {
+        if self.mover.layout.replica != 0 {
+            return (self.mover.layout.units[u].numel, 0);
+        }
+        self.owned_range(u)
+    }
+
     /// `(start, len)`: the elements of unit `u` this rank reads from a checkpoint, the whole
-    /// unit at stage 0 (every rank keeps all of it), else [`Engine::saved_range`].
+    /// unit at stage 0 (every rank keeps all of it), else [`Engine::owned_range`] (every
+    /// shard group reads its replica).
     pub fn loaded_range(&self, u: usize) -> (i64, i64) {
         match self.cfg.stage {
             Stage::Zero0 => (0, self.mover.layout.units[u].numel),
-            _ => self.saved_range(u),
+            _ => self.owned_range(u),
         }
     }
 

@@ -1,5 +1,14 @@
 //! Where a rank's parameters and gradients live at each stage, and the collectives that
 //! move them: gathers of parameters, reductions of gradients.
+//!
+//! With hybrid sharding (`zero.shard_group` = G of W ranks) three communicators are at work:
+//! parameters are gathered and gradients reduce-scattered within the rank's shard group (G
+//! ranks), each reduced gradient shard is then all-reduced across its replica group (the W/G
+//! ranks at the same position of every shard group), and what concerns every rank (the
+//! gradient norm's sum) goes over the world. Both reductions average, so the result is
+//! `(1/R) Σ_replicas (1/G) Σ_group g = (1/W) Σ_all g`, the average over all W ranks' gradients
+//! that a reduce-scatter over the world gives; with G and R = W/G powers of two each division
+//! is exact in binary floating point, so only the order of the additions differs.
 
 use crate::layout::ShardLayout;
 use crate::{Context, Error, Result, Stage};
@@ -51,7 +60,14 @@ impl Drop for Pending {
 
 /// Communication of one rank, with byte accounting of buffers in flight.
 pub(crate) struct Mover {
+    /// Every rank (the gradient norm's sum).
     pub(crate) comm: Arc<dyn Communicator>,
+    /// The rank's shard group: gathers and reduce-scatters (the world without hybrid
+    /// sharding).
+    pub(crate) shard: Arc<dyn Communicator>,
+    /// The rank's replica group, with hybrid sharding: the all-reduce of each reduced
+    /// gradient shard across the shard groups.
+    pub(crate) replica: Option<Arc<dyn Communicator>>,
     pub(crate) layout: ShardLayout,
     in_flight: i64,
     /// The most bytes of temporary communication buffers alive at once.
@@ -72,12 +88,24 @@ pub(crate) enum Collective {
     Gather,
     /// Reduce-scatter of a unit's gradient.
     ReduceScatter,
+    /// All-reduce of a unit's reduced gradient shard across the replica group (hybrid
+    /// sharding).
+    Replicate,
 }
 
 impl Mover {
-    pub(crate) fn new(comm: Arc<dyn Communicator>, layout: ShardLayout) -> Mover {
+    /// The mover of a rank whose world is `comm`, sharding within `shard` and replicating
+    /// across `replica` (`None`: one shard group).
+    pub(crate) fn new(
+        comm: Arc<dyn Communicator>,
+        shard: Arc<dyn Communicator>,
+        replica: Option<Arc<dyn Communicator>>,
+        layout: ShardLayout,
+    ) -> Mover {
         Mover {
             comm,
+            shard,
+            replica,
             layout,
             in_flight: 0,
             peak_in_flight: 0,
@@ -136,7 +164,7 @@ impl Mover {
         let full = self.alloc(numel, shard.kind(), shard.device(), u)?;
         self.count_gathered(numel * shard.kind().elt_size_in_bytes() as i64);
         let input = self.shard_of(shard, u)?;
-        let work = self.comm.all_gather(&input, &full).map_err(Error::Comm)?;
+        let work = self.shard.all_gather(&input, &full).map_err(Error::Comm)?;
         self.issued.push((Collective::Gather, u));
         Ok(Pending::new(work, u, input, full))
     }
@@ -170,7 +198,10 @@ impl Mover {
         self.count_gathered(bytes);
         let input = self.shard_of(shard, u)?;
         let output = full.data();
-        let work = self.comm.all_gather(&input, &output).map_err(Error::Comm)?;
+        let work = self
+            .shard
+            .all_gather(&input, &output)
+            .map_err(Error::Comm)?;
         self.issued.push((Collective::Gather, u));
         Ok(Pending::new(work, u, input, output))
     }
@@ -188,23 +219,50 @@ impl Mover {
         self.release_gathered(full);
     }
 
-    /// Starts averaging unit `u`'s full gradient `grad` over the ranks into a new shard buffer.
+    /// Starts averaging unit `u`'s full gradient `grad` over the shard group into a new
+    /// shard buffer.
     pub(crate) fn start_reduce_scatter(&mut self, grad: Tensor, u: usize) -> Result<Pending> {
         let len = self.layout.units[u].shard_len();
         let shard = self.alloc(len, grad.kind(), grad.device(), u)?;
         self.count(len * grad.kind().elt_size_in_bytes() as i64);
         let work = self
-            .comm
+            .shard
             .reduce_scatter(&grad, &shard, ReduceOp::Avg)
             .map_err(Error::Comm)?;
         self.issued.push((Collective::ReduceScatter, u));
         Ok(Pending::new(work, u, grad, shard))
     }
 
+    /// Whether reduced gradient shards are all-reduced across a replica group (hybrid
+    /// sharding).
+    pub(crate) fn replicated(&self) -> bool {
+        self.replica.is_some()
+    }
+
+    /// Waits for the reduce-scatter `p` (its full gradient is freed), then starts averaging
+    /// its shard over the replica group, in place: the shard stays counted in flight until
+    /// [`Mover::finish_reduce_scatter`]. Issued only after the wait: on a staging backend
+    /// (tcp with CUDA tensors) the reduced shard reaches the device only then.
+    pub(crate) fn start_replicate(&mut self, p: Pending) -> Result<Pending> {
+        let (u, grad, shard) = self.timed(|| p.wait())?;
+        drop(grad);
+        let Some(replica) = &self.replica else {
+            return Err(Error::Unsupported(
+                "a replica all-reduce without a replica group".into(),
+            ));
+        };
+        let work = replica
+            .all_reduce(&shard, ReduceOp::Avg)
+            .map_err(Error::Comm)?;
+        self.issued.push((Collective::Replicate, u));
+        Ok(Pending::new(work, u, shard.shallow_clone(), shard))
+    }
+
     /// Issues collective `op` of unit `u` with buffers the caller holds (`input`: this rank's
-    /// shard for a gather, the full gradient for a reduce-scatter; `output` the other), and
-    /// waits for it: a stand-in that keeps the other ranks' collectives in step. Allocates
-    /// no tensor and counts nothing in flight: the buffers are the caller's.
+    /// shard for a gather, the full gradient for a reduce-scatter; `output` the other; for a
+    /// replica all-reduce `output`, reduced in place), and waits for it: a stand-in that
+    /// keeps the other ranks' collectives in step. Allocates no tensor and counts nothing in
+    /// flight: the buffers are the caller's.
     pub(crate) fn stand_in(
         &mut self,
         op: Collective,
@@ -213,15 +271,24 @@ impl Mover {
         output: &Tensor,
     ) -> Result<()> {
         let work = match op {
-            Collective::Gather => self.comm.all_gather(input, output),
-            Collective::ReduceScatter => self.comm.reduce_scatter(input, output, ReduceOp::Avg),
+            Collective::Gather => self.shard.all_gather(input, output),
+            Collective::ReduceScatter => self.shard.reduce_scatter(input, output, ReduceOp::Avg),
+            Collective::Replicate => match &self.replica {
+                Some(r) => r.all_reduce(output, ReduceOp::Avg),
+                None => {
+                    return Err(Error::Unsupported(
+                        "a stand-in replica all-reduce without a replica group".into(),
+                    ))
+                }
+            },
         }
         .map_err(Error::Comm)?;
         self.issued.push((op, u));
         self.timed(|| work.wait()).map_err(Error::Comm)
     }
 
-    /// Waits for a reduce-scatter; returns the unit and its reduced shard (count released).
+    /// Waits for a gradient reduction (a reduce-scatter, or the replica all-reduce that
+    /// followed it); returns the unit and its reduced shard (count released).
     pub(crate) fn finish_reduce_scatter(&mut self, p: Pending) -> Result<(usize, Tensor)> {
         let (u, _grad, shard) = self.timed(|| p.wait())?;
         self.release(&shard);
@@ -250,11 +317,19 @@ impl Mover {
 
     /// Averages every unit of the full buffer `grads` over the ranks and writes the owned
     /// slice of each unit back in place (stage 1); the rest of the buffer is left stale.
+    /// With hybrid sharding each reduced shard is all-reduced across the replica group as
+    /// its reduce-scatter completes.
     pub(crate) fn reduce_scatter_units(&mut self, grads: &Tensor) -> Result<()> {
         let mut pending = Vec::new();
         for u in 0..self.layout.units.len() {
             let g = self.unit_full(grads, u)?;
             pending.push(self.start_reduce_scatter(g, u)?);
+        }
+        if self.replicated() {
+            pending = pending
+                .into_iter()
+                .map(|p| self.start_replicate(p))
+                .collect::<Result<_>>()?;
         }
         // Every reduction has read its input before any owned slice is overwritten.
         let done: Vec<(usize, Tensor)> = pending
@@ -280,7 +355,7 @@ impl Mover {
                 .f_detach_copy()
                 .ctx("copy owned slice", &self.layout.units[u].unit)?;
             let full = self.unit_full(params, u)?;
-            let work = self.comm.all_gather(&mine, &full).map_err(Error::Comm)?;
+            let work = self.shard.all_gather(&mine, &full).map_err(Error::Comm)?;
             pending.push(Pending::new(work, u, mine, full));
         }
         self.timed(|| pending.into_iter().try_for_each(|p| p.wait().map(drop)))
@@ -336,9 +411,20 @@ impl Mover {
         Ok(sum)
     }
 
-    /// Fails when the communicator failed since it was made: after a host read of what the
-    /// collectives wrote (an aborted NCCL collective ends without finishing, silently).
+    /// Fails when a communicator (the world, the shard group's, the replica group's) failed
+    /// since it was made: after a host read of what the collectives wrote (an aborted NCCL
+    /// collective ends without finishing, silently).
     pub(crate) fn check(&self) -> Result<()> {
-        self.comm.check().map_err(Error::Comm)
+        // Without hybrid sharding the shard group is the world (and with groups of one, the
+        // replica group is): each is checked once.
+        let shard = (!Arc::ptr_eq(&self.shard, &self.comm)).then_some(&self.shard);
+        let replica = self
+            .replica
+            .as_ref()
+            .filter(|r| !Arc::ptr_eq(r, &self.comm));
+        [Some(&self.comm), shard, replica]
+            .into_iter()
+            .flatten()
+            .try_for_each(|c| c.check().map_err(Error::Comm))
     }
 }

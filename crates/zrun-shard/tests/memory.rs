@@ -404,3 +404,133 @@ fn the_estimators_model_states_equal_the_engines_ledger_everywhere() {
     }
     assert_eq!(cases, 4 * (4 * 4 + 3 * 4 * 2));
 }
+
+/// Rank and world size of a rank with hybrid sharding over groups of `group`: its splits
+/// answer as the engine makes them, the shard group's first (position `rank % group` of
+/// `group`), then the replica group's (`rank / group` of `world / group`).
+struct Grouped {
+    rank: usize,
+    world: usize,
+    group: usize,
+    splits: std::sync::atomic::AtomicUsize,
+}
+
+impl Communicator for Grouped {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world
+    }
+    fn backend(&self) -> Backend {
+        Backend::Tcp
+    }
+    fn all_gather(&self, _: &Tensor, _: &Tensor) -> Result<Work, Error> {
+        unreachable!("construction does not communicate")
+    }
+    fn reduce_scatter(&self, _: &Tensor, _: &Tensor, _: ReduceOp) -> Result<Work, Error> {
+        unreachable!("construction does not communicate")
+    }
+    fn all_reduce(&self, _: &Tensor, _: ReduceOp) -> Result<Work, Error> {
+        unreachable!("construction does not communicate")
+    }
+    fn broadcast(&self, _: &Tensor, _: usize) -> Result<Work, Error> {
+        unreachable!("construction does not communicate")
+    }
+    fn barrier(&self) -> Result<Work, Error> {
+        unreachable!("construction does not communicate")
+    }
+    fn split(&self, _: usize, _: usize) -> Result<Box<dyn Communicator>, Error> {
+        let n = self
+            .splits
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let (rank, world) = match n {
+            0 => (self.rank % self.group, self.group),
+            _ => (self.rank / self.group, self.world / self.group),
+        };
+        Ok(Box::new(Placement { rank, world }))
+    }
+}
+
+#[test]
+fn hybrid_sharding_holds_the_model_states_of_its_shard_group() {
+    let model = tiny();
+    let (mut cases, mut grown) = (0, 0);
+    for (world, group) in [(4, 2), (4, 1), (6, 3), (6, 2)] {
+        for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+            for (precision, reduce_dtype, offload) in [
+                (Precision::Fp32, ReduceDtype::Fp32, Offload::None),
+                (Precision::Bf16, ReduceDtype::Bf16, Offload::None),
+                (Precision::Bf16, ReduceDtype::Fp32, Offload::Cpu),
+            ] {
+                if offload == Offload::Cpu && stage == Stage::Zero0 {
+                    continue;
+                }
+                for rank in [0, world - 1] {
+                    let cfg = EngineConfig {
+                        precision,
+                        reduce_dtype,
+                        offload,
+                        shard_group: Some(group),
+                        ..EngineConfig::fp32(stage, Device::Cpu, 1, adamw())
+                    };
+                    let comm = Arc::new(Grouped {
+                        rank,
+                        world,
+                        group,
+                        splits: Default::default(),
+                    });
+                    let e = Engine::new(model.clone(), comm, cfg).unwrap();
+                    // Stage 0 shards nothing: the shard group does not apply.
+                    let (g, r) = match stage {
+                        Stage::Zero0 => (world, rank),
+                        _ => (group, rank % group),
+                    };
+                    let same = Arc::new(Placement { rank: r, world: g });
+                    let plain = EngineConfig {
+                        shard_group: None,
+                        ..cfg
+                    };
+                    let e_g = Engine::new(model.clone(), same, plain).unwrap();
+                    let what = format!(
+                        "W={world} G={group} rank {rank} stage {stage} {precision} reduce {reduce_dtype} offload {offload:?}"
+                    );
+                    assert_eq!(e.memory(), e_g.memory(), "{what}: as a world of {g}");
+                    let l = e.layout();
+                    let hybrid = zrun_shard::ShardLayout::hybrid(
+                        model.units(),
+                        rank as i64,
+                        world as i64,
+                        g as i64,
+                    )
+                    .unwrap();
+                    assert_eq!(
+                        (l.rank, l.world_size, l.replica, l.replicas),
+                        (
+                            hybrid.rank,
+                            hybrid.world_size,
+                            hybrid.replica,
+                            hybrid.replicas
+                        ),
+                        "{what}"
+                    );
+                    let ec = e.estimate_config(2, 16);
+                    let planned = zrun_shard::MemoryLedger::planned(&hybrid, &ec);
+                    assert_eq!(planned, e.memory(), "{what}");
+                    let est = zrun_shard::estimate(model.as_ref(), &hybrid, &ec);
+                    assert_eq!(est.ledger, planned, "{what}");
+                    // The replica all-reduce in flight: never less than sharding alone.
+                    let alone = zrun_shard::estimate(model.as_ref(), e_g.layout(), &ec);
+                    assert!(est.peak_bytes >= alone.peak_bytes, "{what}");
+                    if matches!(stage, Stage::Zero0 | Stage::Zero1) {
+                        assert_eq!(est.peak_bytes, alone.peak_bytes, "{what}");
+                    }
+                    grown += usize::from(est.peak_bytes > alone.peak_bytes);
+                    cases += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 4 * 2 * (2 + 3 * 3));
+    assert!(grown > 0, "no peak holds a replica all-reduce in flight");
+}
