@@ -227,3 +227,70 @@ fn offload_delay_without_offload_or_out_of_range_is_refused() {
         &["zero.offload_delay", "train.on_oom = \"shrink\""],
     );
 }
+
+#[test]
+fn a_shard_group_that_does_not_fit_the_job_is_refused_before_any_rank_starts() {
+    let c = "configs/tiny-cpu.toml";
+    // Does not divide the world size: both numbers named.
+    rejects(
+        &["--nproc", "4", c, "--set", "zero.shard_group=3"],
+        &["zero.shard_group = 3", "world size 4"],
+    );
+    // Splits the nodes of 2 ranks unevenly (groups of 3 over 3 nodes of 2).
+    rejects(
+        &[
+            "--nnodes",
+            "3",
+            "--node-rank",
+            "0",
+            "--master-addr",
+            "127.0.0.1",
+            "--nproc",
+            "2",
+            c,
+            "--set",
+            "zero.shard_group=3",
+        ],
+        &["zero.shard_group = 3", "nodes of 2 ranks"],
+    );
+    rejects(
+        &[c, "--set", "zero.shard_group=\"nodes\""],
+        &["zero.shard_group", "\"nodes\"", "\"node\""],
+    );
+    rejects(
+        &[c, "--set", "zero.shard_group=0"],
+        &["zero.shard_group", "at least 1"],
+    );
+}
+
+#[test]
+fn a_dry_run_shows_the_shard_groups() {
+    let d = scratch("dry-hybrid");
+    let out = zrun(&[
+        "--dry-run",
+        "--nproc",
+        "4",
+        "configs/tiny-cpu.toml",
+        "--set",
+        "zero.stage=3",
+        "--set",
+        "zero.shard_group=2",
+        "--set",
+        &format!("log.dir=\"{}\"", d.display()),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("shard groups: 2 of 2 ranks"), "{text}");
+    // Ranks 0 and 2 hold the same shard: model states per group of 2, not of 4.
+    let states = |r: usize| {
+        text.lines()
+            .find(|l| l.starts_with(&format!("rank {r}: model states")))
+            .map(str::to_string)
+            .unwrap_or_default()
+    };
+    assert!(!states(0).is_empty(), "{text}");
+    assert_eq!(
+        states(0).replace("rank 0", ""),
+        states(2).replace("rank 2", "")
+    );
+}

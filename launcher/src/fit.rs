@@ -76,6 +76,7 @@ fn setting(a: &FitArgs) -> anyhow::Result<Setting> {
         memory::fixed_bytes(Device::Cpu, cfg.zero.precision.kind())?
     };
     let mut cfg = cfg;
+    cfg.resolve_shard_group(world, a.nproc)?;
     if cfg.auto.stage || cfg.auto.micro_batch {
         let budget = match limit {
             Some(l) => l,
@@ -120,6 +121,13 @@ pub fn estimate(a: &FitArgs) -> anyhow::Result<u8> {
         on_off(c.zero.activation_checkpointing),
         c.zero.offload_optimizer,
     );
+    let g = c.shard_group_size(s.world)?;
+    if g < s.world {
+        println!(
+            "zero.shard_group = {g}: model states sharded over groups of {g} ranks, replicated {} times",
+            s.world / g
+        );
+    }
     let mut shown: Option<&RankEstimate> = None;
     for r in &ranks {
         if shown.is_some_and(|p| same(p, r)) {

@@ -280,7 +280,7 @@ fn train(cli: &Cli) -> anyhow::Result<u8> {
     let topo = topology_for(&cli.launch)?;
     if is_rank(&topo, &cli.launch)? {
         if cli.dry_run {
-            worker::dry_run(config, &cli.set, topo.world_size)?;
+            worker::dry_run(config, &cli.set, topo.world_size, topo.local_world_size)?;
         } else {
             worker::run(config, &cli.set)?;
         }
@@ -288,7 +288,8 @@ fn train(cli: &Cli) -> anyhow::Result<u8> {
     }
     if cli.dry_run {
         let world = cli.launch.world_size()?;
-        worker::dry_run(config, &cli.set, world)?;
+        let local = world / cli.launch.nnodes.unwrap_or(1).max(1);
+        worker::dry_run(config, &cli.set, world, local)?;
         return Ok(0);
     }
     // Check the config once here, so a mistake is one line rather than one per rank: its
@@ -298,6 +299,11 @@ fn train(cli: &Cli) -> anyhow::Result<u8> {
     let caps = zrun_train::config::Capabilities::detect();
     let nproc = cli.launch.nproc.unwrap_or(caps.gpus.max(1));
     let dist = cfg.dist.resolve_for(caps, nproc)?;
+    // A shard group that does not divide the job, or splits a node, is refused here, before
+    // any rank starts.
+    cfg.zero
+        .shard_group
+        .resolve(cli.launch.world_size()?, nproc)?;
     if dist.device == zrun_train::config::DeviceKind::Cuda {
         dist.check_node(nproc, cli.launch.world_size()?, caps)?;
     }

@@ -87,8 +87,9 @@ pub fn run(config: &Path, overrides: &[String]) -> Result<()> {
 /// Validates the config for `world_size` ranks and prints the parameter count, every rank's
 /// unit shards and its model-state bytes (offloaded ones included), without allocating the
 /// model; `zrun estimate` adds activations and buffers.
-pub fn dry_run(config: &Path, overrides: &[String], world_size: usize) -> Result<()> {
-    let cfg = Config::load(config, overrides)?;
+pub fn dry_run(config: &Path, overrides: &[String], world_size: usize, local: usize) -> Result<()> {
+    let mut cfg = Config::load(config, overrides)?;
+    let g = cfg.resolve_shard_group(world_size.max(1), local.max(1))? as i64;
     let model = cfg.build_model()?;
     let units = model.units();
     let w = world_size.max(1) as i64;
@@ -99,8 +100,16 @@ pub fn dry_run(config: &Path, overrides: &[String], world_size: usize) -> Result
         "world size: {w}  stage: {}  precision: {}",
         cfg.zero.stage, cfg.zero.precision
     );
+    if g < w {
+        println!(
+            "shard groups: {} of {g} ranks (ranks {}..{} and so on), each holding one copy of the model states",
+            w / g,
+            0,
+            g - 1
+        );
+    }
     for r in 0..w {
-        let l = ShardLayout::new(units, r, w);
+        let l = ShardLayout::hybrid(units, r, w, g)?;
         let m = MemoryLedger::planned(&l, &zrun_train::memory::estimate_config(&cfg)?);
         println!(
             "rank {r}: model states {:.1} MiB (params {:.1}, grads {:.1}, master {:.1}, optimizer {:.1}, on the host {:.1})",
@@ -112,7 +121,7 @@ pub fn dry_run(config: &Path, overrides: &[String], world_size: usize) -> Result
             mib(m.host)
         );
         for (u, at) in l.units.iter().zip(&l.shard_offsets) {
-            let (start, len) = u.shard_range(r);
+            let (start, len) = u.shard_range(l.rank);
             println!(
                 "  unit {:<8} params {:>12}  padded {:>12}  owns [{start}, {}) at {at}",
                 u.unit,

@@ -220,11 +220,12 @@ pub fn estimate_ranks(
     let model = cfg.build_model()?;
     let ec = estimate_config(cfg)?;
     let w = world.max(1) as i64;
-    Ok((0..w)
+    let g = cfg.shard_group_size(world.max(1))? as i64;
+    (0..w)
         .map(|r| {
-            let layout = ShardLayout::new(model.units(), r, w);
+            let layout = ShardLayout::hybrid(model.units(), r, w, g)?;
             let e: Estimate = estimate(model.as_ref(), &layout, &ec);
-            RankEstimate {
+            Ok(RankEstimate {
                 rank: r as usize,
                 peak_bytes: e.peak_bytes,
                 fixed_bytes: fixed,
@@ -234,9 +235,9 @@ pub fn estimate_ranks(
                 terms: e.terms,
                 ledger: e.ledger,
                 units: e.units,
-            }
+            })
         })
-        .collect())
+        .collect()
 }
 
 /// The alternatives to `cfg`'s own choice at its global batch, cheapest first: stages 0-3,

@@ -202,8 +202,9 @@ pub fn at_startup(
     let phase = "building the engine (allocating the model states)".to_string();
     let parts = (|| -> Result<(Estimate, (i64, String)), Error> {
         let model = cfg.build_model()?;
-        let layout =
-            zrun_shard::ShardLayout::new(model.units(), rank.rank as i64, rank.world_size as i64);
+        let (r, w) = (rank.rank as i64, rank.world_size as i64);
+        let g = cfg.shard_group_size(rank.world_size)? as i64;
+        let layout = zrun_shard::ShardLayout::hybrid(model.units(), r, w, g)?;
         let predicted = zrun_shard::estimate(
             model.as_ref(),
             &layout,

@@ -125,6 +125,9 @@ impl Run {
             world_size: comm.world_size(),
             local_world_size: topo.local_world_size,
         };
+        let mut resolved = cfg.clone();
+        let group = resolved.resolve_shard_group(rank.world_size, rank.local_world_size)?;
+        let cfg = &resolved;
         // `dist.device` against the backend actually connected (auto: CPU for tcp and mpi).
         let dist = DistConfig {
             backend: comm.backend().into(),
@@ -186,6 +189,7 @@ impl Run {
                 },
                 oom_recovery: t.on_oom == crate::config::OnOom::Shrink,
                 offload_delay: cfg.zero.delay(),
+                shard_group: (group < rank.world_size).then_some(group),
             },
         )
         .map_err(|e| match e.out_of_memory() {

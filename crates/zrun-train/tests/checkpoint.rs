@@ -2,7 +2,8 @@
 //! trains bitwise like one that never stopped, at every stage, precision and with offload; a
 //! stage-3 checkpoint of 2 ranks loads at 1, 3 and 4 ranks and other stages with its state
 //! intact and the same next losses; a consolidated file loads in Python's safetensors with
-//! the engine's gathered parameters.
+//! the engine's gathered parameters; a hybrid-sharded run (`zero.shard_group`) trains like full
+//! sharding, resumes bitwise and its checkpoint moves between layouts.
 
 mod common;
 
@@ -221,6 +222,75 @@ fn a_stage3_checkpoint_loads_at_other_world_sizes_and_stages() {
             }
         }
     }
+}
+
+/// Hybrid sharding through the trainer: 4 ranks as 2 shard groups of 2 train like 4 ranks
+/// sharding over all (same global batch, fp32: every step's loss within 1e-6), resume
+/// bitwise, and their checkpoint loads into a full-shard layout of 2 ranks and back with its
+/// state intact (the replicas' ranks store no model states, so nothing is stored twice).
+#[test]
+fn a_hybrid_run_trains_like_full_sharding_and_its_checkpoint_loads_into_other_layouts() {
+    let base = ["zero.stage=3", "train.micro_batch=3", "train.steps=10"];
+    let full = job("hy-full", 4, &sets(&base), "train");
+    let mut hybrid_sets = sets(&base);
+    hybrid_sets.push("zero.shard_group=2".into());
+    let hybrid = job("hy-g2", 4, &hybrid_sets, "train");
+    let (want, got) = (
+        common::metric(&full, "loss"),
+        common::metric(&hybrid, "loss"),
+    );
+    assert_eq!(got.len(), 10);
+    for ((step, a), (_, b)) in got.iter().zip(&want) {
+        assert!(
+            (a - b).abs() <= 1e-6 * b.abs(),
+            "step {step}: hybrid {a} vs full {b}"
+        );
+    }
+    let ckpt = hybrid.join("ckpt/step-00000010");
+    let m = Checkpoint::open(&ckpt).unwrap().manifest;
+    assert_eq!(m.world_size, 4);
+    for u in &m.units {
+        let stored: u64 = u.shards.iter().map(|s| s.len).sum();
+        assert_eq!(
+            stored, u.numel,
+            "unit {}: every element stored once",
+            u.name
+        );
+        assert!(
+            u.shards[2..].iter().all(|s| s.len == 0),
+            "replica ranks store nothing"
+        );
+    }
+    // Into 2 ranks sharding over both, and from there back into 2 groups of 2.
+    let resume = |dir: &Path| format!("checkpoint.resume=\"{}\"", dir.display());
+    // Same global batch (12) on 2 ranks.
+    let two_sets = sets(&["zero.stage=3", "train.micro_batch=6", "train.steps=10"]);
+    let two = job(
+        "hy-to-w2",
+        2,
+        &[two_sets, vec![resume(&ckpt)]].concat(),
+        "reshard",
+    );
+    let two_ckpt = two.join("ckpt/step-00000010");
+    assert_same_state(&ckpt, &two_ckpt, "hybrid -> 2 ranks");
+    let back = job(
+        "hy-back",
+        4,
+        &[hybrid_sets.clone(), vec![resume(&two_ckpt)]].concat(),
+        "reshard",
+    );
+    assert_same_state(&ckpt, &back.join("ckpt/step-00000010"), "2 ranks -> hybrid");
+    // Stopped at step 5 and resumed, the hybrid run continues bitwise.
+    let mut at5 = hybrid_sets.clone();
+    at5.push("checkpoint.every=5".into());
+    let first = job("hy-first", 4, &at5, "train");
+    at5.push(resume(&first.join("ckpt/step-00000005")));
+    let resumed = job("hy-resumed", 4, &at5, "train");
+    let tail: Vec<(u64, f64)> = common::metric(&first, "loss")
+        .into_iter()
+        .filter(|(s, _)| *s > 5)
+        .collect();
+    assert_eq!(common::metric(&resumed, "loss"), tail);
 }
 
 #[test]

@@ -92,9 +92,12 @@ fn hook_step(var: &str, rank: usize) -> Option<u64> {
 }
 
 /// The view tables of `layout` as a checkpoint records them, each unit split into the
-/// ranges the ranks of its world size write.
+/// ranges the ranks of the job write: with hybrid sharding (`zero.shard_group`) the first
+/// shard group's ranks write the model states and the replicas' ranks write empty ranges at
+/// the unit's end, so every element is stored once.
 pub fn unit_entries(layout: &ShardLayout) -> Vec<UnitEntry> {
-    let w = layout.world_size as usize;
+    let g = layout.world_size;
+    let w = g * layout.replicas;
     layout
         .units
         .iter()
@@ -113,9 +116,13 @@ pub fn unit_entries(layout: &ShardLayout) -> Vec<UnitEntry> {
                 })
                 .collect(),
             // The engine's own slices (padded, aligned), cut at the unit's end.
-            shards: (0..w as i64)
+            shards: (0..w)
                 .map(|r| {
-                    let (off, len) = u.shard_range(r);
+                    let (off, len) = if r < g {
+                        u.shard_range(r)
+                    } else {
+                        (u.numel, 0)
+                    };
                     let start = off.min(u.numel) as u64;
                     zrun_ckpt::Shard {
                         start,

@@ -8,9 +8,11 @@
 mod dist;
 mod load;
 mod model;
+mod shard_group;
 
 pub use dist::{BackendChoice, Capabilities, DeviceChoice, DeviceKind, DistConfig, ResolvedDist};
 pub use model::{arch_from_hf, hf_config_path};
+pub use shard_group::ShardGroup;
 
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -250,6 +252,35 @@ pub struct ZeroConfig {
     pub offload_delay: u64,
     /// Updates applied without the delay before it switches on.
     pub offload_delay_warmup: u64,
+    /// Ranks one copy of the model states is sharded over (hybrid sharding): `"all"`
+    /// (default), `"node"` or a divisor of the world size; replicated across the groups.
+    pub shard_group: ShardGroup,
+}
+
+impl Config {
+    /// Resolves `zero.shard_group` for a job of `world` ranks with `local` on each node and
+    /// writes the group size back (`"all"` when it spans every rank), so that estimates made
+    /// from this config later need no topology; the group size, or one line naming both
+    /// numbers.
+    pub fn resolve_shard_group(
+        &mut self,
+        world: usize,
+        local: usize,
+    ) -> Result<usize, ConfigError> {
+        let g = self.zero.shard_group.resolve(world, local)?;
+        self.zero.shard_group = if g == world {
+            ShardGroup::All
+        } else {
+            ShardGroup::Ranks(g)
+        };
+        Ok(g)
+    }
+
+    /// The shard group size for `world` ranks of this config once resolved (`"node"` not
+    /// yet resolved counts as one node of `world` ranks).
+    pub fn shard_group_size(&self, world: usize) -> Result<usize, ConfigError> {
+        self.zero.shard_group.resolve(world, world)
+    }
 }
 
 impl ZeroConfig {
@@ -273,6 +304,7 @@ impl Default for ZeroConfig {
             optimizer_state_dtype: StateDtype::Fp32,
             offload_delay: 0,
             offload_delay_warmup: 10,
+            shard_group: ShardGroup::All,
         }
     }
 }
