@@ -63,20 +63,18 @@ fn setting(a: &FitArgs) -> anyhow::Result<Setting> {
     };
     let cuda = memory::estimate_config(&cfg)?.cuda;
     let world = a.nproc * a.nnodes;
+    let mut cfg = cfg;
+    let group = cfg.resolve_shard_group(world, a.nproc)?;
     let fixed = if cuda {
         // More than one rank on GPUs talk over NCCL unless the config says tcp.
-        let tcp = cfg.dist.backend == zrun_train::config::BackendChoice::Tcp;
-        memory::CUDA_FIXED_BYTES
-            + if world > 1 && !tcp {
-                memory::NCCL_FIXED_BYTES
-            } else {
-                0
-            }
+        let backend = match cfg.dist.backend {
+            zrun_train::config::BackendChoice::Tcp => zrun_comm::Backend::Tcp,
+            _ => zrun_comm::Backend::Nccl,
+        };
+        memory::fixed_cost(Device::Cuda(0), 0, memory::nccl_comms(backend, world, group))
     } else {
         memory::fixed_bytes(Device::Cpu, cfg.zero.precision.kind())?
     };
-    let mut cfg = cfg;
-    cfg.resolve_shard_group(world, a.nproc)?;
     if cfg.auto.stage || cfg.auto.micro_batch {
         let budget = match limit {
             Some(l) => l,

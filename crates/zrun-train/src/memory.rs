@@ -18,18 +18,28 @@ pub const CUDA_FIXED_BYTES: i64 = 1 << 30;
 pub const NCCL_FIXED_BYTES: i64 = 512 << 20;
 
 /// The runtime's fixed cost of a rank on `device` whose resident memory before its model
-/// was `base_rss`; `nccl_peers`: its communicator is NCCL with other ranks.
-pub fn fixed_cost(device: Device, base_rss: i64, nccl_peers: bool) -> i64 {
+/// was `base_rss`; `nccl_comms`: the NCCL communicators with other ranks it holds
+/// ([`nccl_comms`]), each with peer buffers of its own.
+pub fn fixed_cost(device: Device, base_rss: i64, nccl_comms: i64) -> i64 {
     if device.is_cuda() {
-        CUDA_FIXED_BYTES + if nccl_peers { NCCL_FIXED_BYTES } else { 0 }
+        CUDA_FIXED_BYTES + nccl_comms * NCCL_FIXED_BYTES
     } else {
         base_rss
     }
 }
 
-/// Whether a rank of `world` ranks over `backend` holds NCCL's peer buffers.
-pub fn nccl_peers(backend: zrun_comm::Backend, world: usize) -> bool {
-    backend == zrun_comm::Backend::Nccl && world > 1
+/// The NCCL communicators with peers that a rank of `world` ranks sharding over groups of
+/// `group` holds over `backend`: the world's, and with hybrid sharding (1 < group < world)
+/// its shard group's and its replica group's (split from it, each with buffers of its own).
+pub fn nccl_comms(backend: zrun_comm::Backend, world: usize, group: usize) -> i64 {
+    if backend != zrun_comm::Backend::Nccl || world <= 1 {
+        return 0;
+    }
+    if group > 1 && group < world {
+        3
+    } else {
+        1
+    }
 }
 
 /// The share of the predicted peak kept free when judging whether a config fits: the
@@ -577,6 +587,18 @@ pub fn resolve_auto(cfg: &Config, world: usize, fixed: i64, limit: i64) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hybrid_sharding_holds_three_nccl_communicators() {
+        use zrun_comm::Backend::{Nccl, Tcp};
+        assert_eq!(nccl_comms(Nccl, 8, 4), 3, "world, shard group, replica group");
+        assert_eq!(nccl_comms(Nccl, 8, 8), 1);
+        assert_eq!(nccl_comms(Nccl, 8, 1), 1, "replicas only: the world");
+        assert_eq!(nccl_comms(Tcp, 8, 4), 0);
+        assert_eq!(nccl_comms(Nccl, 1, 1), 0);
+        let one = fixed_cost(Device::Cuda(0), 0, 1);
+        assert_eq!(fixed_cost(Device::Cuda(0), 0, 3) - one, 2 * NCCL_FIXED_BYTES);
+    }
 
     /// A config that delays its offloaded updates: every alternative's `--set` lines load on
     /// top of it (a choice without offload must turn the delay off, which needs offload).

@@ -146,8 +146,8 @@ impl Run {
         tch::manual_seed(cfg.train.seed.wrapping_add(rank.rank as u64) as i64);
         crate::memory::warm_up(device, cfg.zero.precision.kind())?;
         let base_rss = rss_bytes().0;
-        let nccl_peers = crate::memory::nccl_peers(comm.backend(), rank.world_size);
-        let fixed = crate::memory::fixed_cost(device, base_rss, nccl_peers);
+        let nccl_comms = crate::memory::nccl_comms(comm.backend(), rank.world_size, group);
+        let fixed = crate::memory::fixed_cost(device, base_rss, nccl_comms);
         let cfg = &resolve_auto(cfg, comm.as_ref(), device, fixed, rank)?;
         if let Some(l) = crate::memory::apply_memory_limit(cfg, device, base_rss)? {
             if rank.rank == 0 {

@@ -141,9 +141,10 @@ impl Run {
     /// `<log.dir>/oom-rank-N.txt` for the launcher to print once.
     pub(super) fn out_of_memory(&self, bytes: Option<i64>) -> Error {
         let device = self.engine.config().device;
-        let nccl_peers =
-            crate::memory::nccl_peers(self.engine.comm().backend(), self.rank.world_size);
-        let fixed = crate::memory::fixed_cost(device, self.base_rss, nccl_peers);
+        let group = self.engine.layout().world_size as usize;
+        let nccl_comms =
+            crate::memory::nccl_comms(self.engine.comm().backend(), self.rank.world_size, group);
+        let fixed = crate::memory::fixed_cost(device, self.base_rss, nccl_comms);
         let phase = self.engine.phase();
         match crate::memory::budget(&self.cfg, device, self.rank.local_world_size) {
             Ok(budget) => crate::oom::Diagnosis {
