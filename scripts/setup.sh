@@ -21,6 +21,8 @@ need fonts-dejavu-core test -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf
 # MPI backend (cargo feature `mpi`): OpenMPI and libclang for bindgen.
 need libopenmpi-dev command -v mpicc
 need openmpi-bin command -v mpirun
+# scripts/testbed.sh (two nodes on one machine): ip and tc.
+need iproute2 command -v tc
 need libclang-dev bash -c 'ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/llvm-*/lib/libclang-[0-9]*.so* 2>/dev/null | grep -q .'
 
 if [ ${#missing[@]} -gt 0 ]; then
