@@ -77,8 +77,8 @@ def main():
     ap.add_argument("--nproc", type=int, default=2, help="ranks per node")
     ap.add_argument("--config", default="configs/bench-cpu.toml")
     ap.add_argument("--set", action="append", default=["train.micro_batch=2"],
-                    help="a config override, repeatable (default: train.micro_batch=2, so the link rather than
-                    the 2 shared cores limits the step)")
+                    help="a config override, repeatable (default: train.micro_batch=2, so the link "
+                         "rather than the 2 shared cores limits the step)")
     ap.add_argument("--predict", metavar="CLUSTER_TOML", help="also print the step-time model's prediction")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
