@@ -42,26 +42,52 @@ pub struct EstimateConfig {
     pub offload_delay: bool,
 }
 
-/// What a CPU rank's resident memory gains in training outside its tensors: small blocks
-/// glibc's heap keeps (autograd's nodes, the runtime's bookkeeping) and library code paged in
-/// by the first steps; measured at 6.8-7.0 MiB with the caching CPU allocator
-/// (docs/memory.md).
-pub const HEAP_BYTES: i64 = 7 << 20;
+/// What a CPU rank's resident memory gains in training outside its tensors, at the least:
+/// small blocks glibc's heap keeps (autograd's nodes, the runtime's bookkeeping) and library
+/// code paged in by the first steps (docs/memory.md).
+pub const HEAP_BYTES: i64 = 4 << 20;
+
+/// What the heap gains with the micro-batch on top of [`HEAP_BYTES`], reached from
+/// [`HEAP_FULL_TOKENS`] tokens per micro-batch on: the CPU matrix kernels' own buffers, which
+/// grow with the matrices up to a cap. Measured as resident memory less the caching
+/// allocator's reserve (fp32, 1-4 ranks): 3.8-5.3 MiB in all at 128 tokens, 5.8 at 256,
+/// 7.1-8.9 from 512 (docs/memory.md).
+pub const HEAP_BATCH_BYTES: i64 = 7 << 19;
+
+/// Tokens per micro-batch from which the heap holds [`HEAP_BATCH_BYTES`] in full.
+pub const HEAP_FULL_TOKENS: i64 = 512;
 
 /// The kernels oneDNN generates for 16-bit matrix products on CPUs with AVX-512 (its brgemm
 /// kernels, kept in its primitive cache outside libtorch's allocator): measured at 9-10 MiB
 /// per rank for the GPT and Llama steps, whatever their width and batch (docs/memory.md).
 pub const ONEDNN_KERNEL_BYTES: i64 = 10 << 20;
 
+/// With activation checkpointing, the kernels of the forward recomputed without autograd,
+/// which oneDNN caches beside the others: measured 1.5-3.5 MiB more (docs/memory.md).
+pub const ONEDNN_RECOMPUTE_BYTES: i64 = 2 << 20;
+
 /// Memory a CPU rank's runtime takes from the C heap while it trains, outside the tensors:
-/// [`HEAP_BYTES`], and [`ONEDNN_KERNEL_BYTES`] where 16-bit compute runs through oneDNN's
-/// AVX-512 kernels (without AVX-512 libtorch computes bf16 itself, and they do not exist).
-pub fn runtime_heap_bytes(cuda: bool, precision: Precision) -> i64 {
-    if cuda {
+/// [`HEAP_BYTES`] and its share of [`HEAP_BATCH_BYTES`] for `cfg`'s micro-batch, and
+/// [`ONEDNN_KERNEL_BYTES`] (with checkpointing [`ONEDNN_RECOMPUTE_BYTES`] more) where 16-bit
+/// compute runs through oneDNN's AVX-512 kernels (without AVX-512 libtorch computes bf16
+/// itself, and they do not exist). Nothing on CUDA.
+pub fn runtime_heap_bytes(cfg: &EstimateConfig) -> i64 {
+    if cfg.cuda {
         return 0;
     }
-    let kernels = precision != Precision::Fp32 && onednn_avx512();
-    HEAP_BYTES + if kernels { ONEDNN_KERNEL_BYTES } else { 0 }
+    let tokens = (cfg.micro_batch * cfg.seq_len).clamp(0, HEAP_FULL_TOKENS);
+    let heap = HEAP_BYTES + HEAP_BATCH_BYTES * tokens / HEAP_FULL_TOKENS;
+    let kernels = if cfg.precision != Precision::Fp32 && onednn_avx512() {
+        ONEDNN_KERNEL_BYTES
+            + if cfg.activation_checkpointing {
+                ONEDNN_RECOMPUTE_BYTES
+            } else {
+                0
+            }
+    } else {
+        0
+    };
+    heap + kernels
 }
 
 /// Whether this CPU has the AVX-512 subsets oneDNN's 16-bit kernels need (libtorch then
@@ -221,7 +247,7 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
     let device_buffers = ledger.buffers - host_buffers;
     let host_on_device = if cfg.cuda { 0 } else { host };
     let states = ledger.device_model_states() + device_buffers + host_on_device;
-    let heap = runtime_heap_bytes(cfg.cuda, cfg.precision);
+    let heap = runtime_heap_bytes(cfg);
     let batch = 2 * 8 * b * t; // token ids and targets, int64
 
     let gathered = |first: usize, rev: bool| -> i64 {

@@ -2,12 +2,12 @@
 //! stand-ins that allocate nothing, so the other ranks' collectives complete, every rank
 //! drops the step and training goes on.
 //!
-//! Two real processes over tcp. Rank 1 runs a micro-batch too large for the data-segment
-//! limit it sets (`setrlimit(RLIMIT_DATA)`, as `dist.memory_limit` does on CPU) and fails
-//! in forward or in backward; it then tightens the limit to what it holds, so the data
-//! segment cannot grow by a byte, and recovers under it, while libtorch's allocations are
-//! counted: none. (The limit alone would not prove it: glibc may serve a request from
-//! blocks freed earlier.)
+//! Two real processes over tcp, on the caching CPU allocator zrun's CPU ranks use. Rank 1
+//! runs a micro-batch too large for the limit it gives the allocator's reserve (as
+//! `dist.memory_limit` does on CPU) and fails in forward or in backward; it then tightens the
+//! limit to what the allocator holds, so the reserve cannot grow by a byte, and recovers
+//! under it, while libtorch's allocations are counted: none. (The limit alone would not prove
+//! it: the allocator may serve a request from blocks freed earlier.)
 
 mod common;
 
@@ -50,22 +50,14 @@ fn batch(b: i64, t: i64) -> (Tensor, Tensor) {
     (all.narrow(1, 0, t), all.narrow(1, 1, t))
 }
 
-/// This process's data segment (`VmData`), bytes.
-fn vm_data() -> i64 {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = s.lines().find(|l| l.starts_with("VmData:")).unwrap();
-    let kib: i64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
-    kib << 10
+/// The bytes the caching CPU allocator reserves (live blocks and cached free ones).
+fn reserved() -> i64 {
+    zrun_torch_ext::cpu_memory_stats().unwrap().reserved as i64
 }
 
-/// Sets the soft limit of the data segment (`None`: no limit).
-fn limit_data(bytes: Option<i64>) {
-    let r = libc::rlimit {
-        rlim_cur: bytes.map_or(libc::RLIM_INFINITY, |b| b as libc::rlim_t),
-        rlim_max: libc::RLIM_INFINITY,
-    };
-    // SAFETY: setrlimit reads the struct it is given; this process's own soft limit.
-    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_DATA, &r) }, 0);
+/// Caps the caching CPU allocator's reserve (`None`: no cap).
+fn limit_reserve(bytes: Option<i64>) {
+    zrun_torch_ext::install_cpu_caching_allocator(bytes.map(|b| b as u64)).unwrap();
 }
 
 /// One case: a stage, precision, checkpointing, a tied head, and how much of its micro-step's
@@ -80,7 +72,7 @@ struct Case {
     room: f64,
 }
 
-/// Where rank 1 failed in one case, and the data segment around its recovery.
+/// Where rank 1 failed in one case, and the allocator's reserve around its recovery.
 struct Failed {
     phase: String,
     before: i64,
@@ -106,12 +98,13 @@ fn run_case(comm: &Arc<dyn Communicator>, c: Case) -> Option<Failed> {
 
     let failed = if rank == 1 {
         let big = 32;
-        let est = zrun_shard::estimate(m.as_ref(), e.layout(), &e.estimate_config(big, 32));
+        let ec = e.estimate_config(big, 32);
+        let est = zrun_shard::estimate(m.as_ref(), e.layout(), &ec);
         // The step's own allocations: the peak less what the rank holds and the runtime's heap.
-        let activations = est.peak_bytes
-            - e.memory().total()
-            - zrun_shard::runtime_heap_bytes(false, c.precision);
-        limit_data(Some(vm_data() + (c.room * activations as f64) as i64));
+        let activations = est.peak_bytes - e.memory().total() - zrun_shard::runtime_heap_bytes(&ec);
+        // Cached blocks go back first, so the reserve is what the rank holds.
+        zrun_torch_ext::cpu_empty_cache();
+        limit_reserve(Some(reserved() + (c.room * activations as f64) as i64));
         let (bx, by) = batch(big, 32);
         let err = e
             .forward_backward(&bx, &by, 1.0)
@@ -119,11 +112,11 @@ fn run_case(comm: &Arc<dyn Communicator>, c: Case) -> Option<Failed> {
         assert!(err.out_of_memory().is_some(), "{c:?}: {err}");
         let phase = e.phase();
         // Recovery under a limit at what the rank holds: not one byte more.
-        let before = vm_data();
-        limit_data(Some(before));
+        let before = reserved();
+        limit_reserve(Some(before));
         let counted = zrun_torch_ext::count_allocations(|| e.finish_failed_micro_step());
-        let after = vm_data();
-        limit_data(None);
+        let after = reserved();
+        limit_reserve(None);
         let (r, allocated) = counted.unwrap();
         r.unwrap_or_else(|err| panic!("{c:?}: recovery after failing in {phase}: {err}"));
         Some(Failed {
@@ -156,15 +149,9 @@ fn run_case(comm: &Arc<dyn Communicator>, c: Case) -> Option<Failed> {
 }
 
 fn worker() {
-    // glibc's malloc (c10's default allocator) with every tensor of 64 KiB or more its own
-    // mapping, returned when freed, so the data segment limit below tracks the live tensors
-    // (zrun's CPU ranks run the caching allocator, whose limit tests/memory_fit.rs and
-    // zrun-torch-ext's tests cover).
-    // SAFETY: mallopt sets a malloc parameter of this process.
-    assert_eq!(
-        unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 10) },
-        1
-    );
+    // As zrun's CPU ranks: libtorch's CPU tensors come from the caching allocator, whose
+    // reserve the limit caps.
+    limit_reserve(None);
     let topo = Topology::from_env().unwrap();
     let comm: Arc<dyn Communicator> =
         Arc::from(zrun_comm::init(&topo, Backend::Tcp, COMM_TIMEOUT).unwrap());
@@ -186,7 +173,7 @@ fn worker() {
         if let Some(f) = run_case(&comm, c) {
             assert_eq!(
                 f.after, f.before,
-                "{c:?}: the data segment grew in recovery"
+                "{c:?}: the allocator's reserve grew in recovery"
             );
             assert_eq!(
                 f.allocated,
