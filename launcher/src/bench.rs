@@ -2,13 +2,20 @@
 //!
 //!     zrun bench comm --nproc 2                          # tcp, 1M,16M,64M fp32 elements
 //!     zrun bench comm --nproc 2 --backend mpi --json     # starts mpirun itself
+//!     zrun bench comm --nproc 2 --sizes 64K,1M,16M,64M --save cluster.toml   # fit and save
 //!
 //! Without rank variables it starts `--nproc` ranks of itself on this host (hosting the
 //! rendezvous store on loopback), or `mpirun` for `--backend mpi`; under mpirun/srun/zrun it
 //! runs as one rank. Rank 0 prints one row per collective and size: the full tensor's bytes,
 //! the mean time, algbw = bytes / time, busbw = algbw x (n-1)/n (all-gather, reduce-scatter)
 //! or 2(n-1)/n (all-reduce), and #wrong, the elements that differ from the expected result.
+//!
+//! `--save FILE` fits `t = alpha + bytes x f / busbw` to each collective's rows by least
+//! squares and writes the fits into the cluster file FILE (docs/cluster.md) as `[inter]`
+//! when the job spans nodes (LOCAL_WORLD_SIZE < WORLD_SIZE), else `[intra]`, keeping what
+//! the file already holds: a one-node and a two-node run fill one file.
 
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -18,6 +25,7 @@ use zrun_comm::{
     chunk_offset, chunk_sizes, Backend, Communicator, ReduceOp, StoreServer, Topology,
 };
 use zrun_train::config::DeviceKind;
+use zrun_train::steptime::{merge_link_class, Link, LinkClass};
 
 /// Set in the ranks that `zrun bench comm` and `zrun bench ckpt` start themselves.
 pub(crate) const WORKER_ENV: &str = "ZRUN_BENCH_WORKER";
@@ -49,6 +57,11 @@ pub struct CommArgs {
     /// Deadline of every collective, in seconds (dist.timeout_s).
     #[arg(long, default_value_t = 600)]
     pub timeout_s: u64,
+    /// Fit alpha and busbw per collective (least squares of time against bytes x f) and
+    /// save them into this cluster file: as [inter] when the job spans nodes, else [intra];
+    /// the file's other tables and keys stay (docs/cluster.md). Give several --sizes.
+    #[arg(long, value_name = "FILE")]
+    pub save: Option<PathBuf>,
 }
 
 fn parse_backend(s: &str) -> Result<Backend, String> {
@@ -340,7 +353,77 @@ fn bench_rank(args: &CommArgs, topo: &Topology, sizes: &[usize]) -> anyhow::Resu
     if r == 0 {
         print_rows(args, w, &rows, &wrong);
     }
+    let saved = match (&args.save, r) {
+        (Some(path), 0) if wrong.iter().any(|&x| x > 0.0) => Err(anyhow::anyhow!(
+            "--save: not saved to {}: some collectives returned wrong elements (#wrong above)",
+            path.display()
+        )),
+        (Some(path), 0) => save_fit(path, args, topo, &rows),
+        _ => Ok(()),
+    };
     c.barrier()?.wait()?;
+    saved
+}
+
+/// The link class a job measures: `inter` when it spans nodes, else `intra`.
+fn class_of(topo: &Topology) -> &'static str {
+    if topo.local_world_size < topo.world_size {
+        "inter"
+    } else {
+        "intra"
+    }
+}
+
+/// Fits each collective's rows and merges them into the cluster file `path` under the class
+/// this job measured; prints the fits.
+fn save_fit(path: &PathBuf, args: &CommArgs, topo: &Topology, rows: &[Row]) -> anyhow::Result<()> {
+    if topo.world_size < 2 {
+        bail!("--save: one rank moves nothing: run with --nproc 2 or more");
+    }
+    let fit = |op: &str| -> anyhow::Result<Link> {
+        let points: Vec<(f64, f64)> = rows
+            .iter()
+            .filter(|r| r.op == op)
+            .map(|r| (r.bytes as f64 * r.factor, r.time_s))
+            .collect();
+        let link = Link::fit(&points).with_context(|| {
+            format!("--save: {op}'s times do not grow with its size, so no bandwidth fits: give larger and more --sizes (e.g. 1M,16M,64M,256M) or more --iters")
+        })?;
+        println!(
+            "# fit {op:>15}: alpha {:.1} us, busbw {:.3} GB/s",
+            link.alpha_s * 1e6,
+            link.busbw / 1e9
+        );
+        Ok(link)
+    };
+    let class = class_of(topo);
+    let links = LinkClass {
+        all_gather: fit("all_gather")?,
+        reduce_scatter: fit("reduce_scatter")?,
+        all_reduce: fit("all_reduce")?,
+        ranks_per_node: topo.local_world_size,
+        rails: 1,
+        ranks: Some(topo.world_size),
+        backend: Some(args.backend.name().to_string()),
+        dtype: Some(args.dtype.clone()),
+    };
+    let old = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(e).with_context(|| format!("--save: reading {}", path.display())),
+    };
+    let body = merge_link_class(&old, class, &links)
+        .with_context(|| format!("--save: {}", path.display()))?;
+    let text = format!(
+        "# zrun cluster file (docs/cluster.md): [intra] and [inter] come from `zrun bench comm --save`;\n# a collective over n ranks of `bytes` costs alpha_s + bytes x f / busbw (f = (n-1)/n, 2(n-1)/n).\n{body}"
+    );
+    std::fs::write(path, text).with_context(|| format!("--save: writing {}", path.display()))?;
+    println!(
+        "# saved [{class}] ({} ranks, {} per node) to {}",
+        topo.world_size,
+        topo.local_world_size,
+        path.display()
+    );
     Ok(())
 }
 

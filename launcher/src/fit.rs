@@ -40,6 +40,13 @@ pub struct PlanArgs {
     /// Run two steps of the choice on this machine and print measured against predicted.
     #[arg(long)]
     pub verify: bool,
+    /// A cluster preset (h100-8x) or file (docs/cluster.md): the fastest predicted step
+    /// over stage, shard group, offload, checkpointing and micro-batch that fits it.
+    #[arg(long, value_name = "NAME_OR_FILE")]
+    pub cluster: Option<String>,
+    /// With --cluster: nodes (default: the cluster's).
+    #[arg(long, requires = "cluster")]
+    pub nodes: Option<usize>,
 }
 
 /// The config, the world size, the limit and the runtime's fixed cost.
@@ -71,7 +78,11 @@ fn setting(a: &FitArgs) -> anyhow::Result<Setting> {
             zrun_train::config::BackendChoice::Tcp => zrun_comm::Backend::Tcp,
             _ => zrun_comm::Backend::Nccl,
         };
-        memory::fixed_cost(Device::Cuda(0), 0, memory::nccl_comms(backend, world, group))
+        memory::fixed_cost(
+            Device::Cuda(0),
+            0,
+            memory::nccl_comms(backend, world, group),
+        )
     } else {
         memory::fixed_bytes(Device::Cpu, cfg.zero.precision.kind())?
     };
@@ -303,6 +314,9 @@ fn rank_json(r: &RankEstimate) -> serde_json::Value {
 
 /// Runs `zrun plan`.
 pub fn plan(a: &PlanArgs) -> anyhow::Result<u8> {
+    if let Some(cluster) = &a.cluster {
+        return crate::cluster::plan(a, cluster);
+    }
     let s = setting(&a.fit)?;
     let Some(limit) = s.limit else {
         return Err(BadInput(

@@ -37,6 +37,7 @@
 mod bench;
 mod bench_adam;
 mod bench_ckpt;
+mod cluster;
 mod consolidate;
 mod export;
 mod fit;

@@ -13,6 +13,7 @@ pub mod oom;
 mod reduce;
 pub mod report;
 pub mod sample;
+pub mod steptime;
 pub mod stop;
 pub mod trainer;
 

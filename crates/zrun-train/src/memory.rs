@@ -591,13 +591,20 @@ mod tests {
     #[test]
     fn hybrid_sharding_holds_three_nccl_communicators() {
         use zrun_comm::Backend::{Nccl, Tcp};
-        assert_eq!(nccl_comms(Nccl, 8, 4), 3, "world, shard group, replica group");
+        assert_eq!(
+            nccl_comms(Nccl, 8, 4),
+            3,
+            "world, shard group, replica group"
+        );
         assert_eq!(nccl_comms(Nccl, 8, 8), 1);
         assert_eq!(nccl_comms(Nccl, 8, 1), 1, "replicas only: the world");
         assert_eq!(nccl_comms(Tcp, 8, 4), 0);
         assert_eq!(nccl_comms(Nccl, 1, 1), 0);
         let one = fixed_cost(Device::Cuda(0), 0, 1);
-        assert_eq!(fixed_cost(Device::Cuda(0), 0, 3) - one, 2 * NCCL_FIXED_BYTES);
+        assert_eq!(
+            fixed_cost(Device::Cuda(0), 0, 3) - one,
+            2 * NCCL_FIXED_BYTES
+        );
     }
 
     /// A config that delays its offloaded updates: every alternative's `--set` lines load on
