@@ -7,11 +7,12 @@ interleaved rounds at each link rate. Reports each side's median step time and t
 
     sudo python benches/hybrid_testbed.py                           # 1gbit and 200mbit, 2 rounds
     python benches/hybrid_testbed.py --rates 200mbit --rounds 3 --json
-    python benches/hybrid_testbed.py --predict testbed.toml         # and zrun's step-time model
+    python benches/hybrid_testbed.py --predict                      # and zrun's step-time model
 
-With `--predict FILE` (a cluster file: what `zrun bench comm --save` measured on the testbed,
-plus the compute rate) each row also shows the step-time model's prediction for that config
-and rate (`zrun plan --cluster FILE --predict`), so its error can be read off.
+With `--predict` the step-time model is calibrated on the testbed first, at each rate
+(`zrun bench comm --save` on one node and across the link, and the compute rate from a
+one-node run at stage 0), and each row shows its prediction for that config (`zrun plan
+--cluster FILE --json`) and the ratio predicted / measured.
 
 Target (the hybrid-sharding issue): "node" at most 0.6x "all"'s step time at the slower rate.
 Needs root (network namespaces); 2 nodes x 2 ranks x 1 thread.
@@ -57,16 +58,51 @@ def run(zrun, config, mode, rate, steps, nproc, sets, work):
     return step_times(log_dir)
 
 
-def predict(zrun, cluster, config, mode, rate, nproc, sets):
-    """The step-time model's prediction (s) for this config on the testbed at `rate`."""
-    args = [str(zrun), "plan", config, "--cluster", cluster, "--nodes", "2", "--nproc",
-            str(nproc), "--link-rate", rate, "--predict", "--set", f'zero.shard_group="{mode}"',
-            "--set", "zero.stage=3"]
-    for s in sets:
-        args += ["--set", s]
+SIZES = "64K,256K,1M,4M"
+
+
+def calibrate(zrun, config, rate, nproc, sets, work):
+    """A cluster file for the testbed at `rate`, measured: [intra] by `zrun bench comm --save`
+    on one node of `nproc` ranks, [inter] by the same across the testbed's link, and the
+    compute rate from a one-node run of the config (2 x `nproc` ranks at stage 0, so no
+    gathers): its forward + backward time per rank against the FLOPs the model counts."""
+    path = work / f"cluster-{rate}.toml"
+    env = {**os.environ, **common.torch_env(), "OMP_NUM_THREADS": "1"}
+    subprocess.run([str(zrun), "bench", "comm", "--nproc", str(nproc), "--sizes", SIZES, "--iters", "3",
+                    "--save", str(path)], cwd=common.ROOT, env=env, check=True, capture_output=True)
+    p = subprocess.run([str(common.ROOT / "scripts" / "testbed.sh"), "--rate", rate, "--nproc", str(nproc),
+                        "--", "exec", "--", str(zrun), "bench", "comm", "--sizes", SIZES, "--iters", "3",
+                        "--save", str(path)], cwd=common.ROOT, env={**env, "ZRUN": str(zrun)},
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"bench comm on the testbed failed: {p.stderr[-2000:]}")
+    # The compute rate: per rank, the model's FLOPs over the measured forward + backward.
+    log_dir = work / f"compute-{rate}"
+    args = [str(zrun), "--nproc", str(2 * nproc), config, "--set", "zero.stage=0", "--set", "train.steps=8",
+            "--set", "train.eval_every=0", "--set", "checkpoint.every=0", "--set", f'log.dir="{log_dir}"']
+    for x in sets:
+        args += ["--set", x]
+    subprocess.run(args, cwd=common.ROOT, env=env, check=True, capture_output=True)
+    last = json.loads((log_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    fb = statistics.mean(r["forward_s"] + r["backward_s"] for r in last["ranks"])
+    text = path.read_text()
+    probe = "[cluster]\nnodes = 2\ngpus_per_node = %d\ndevice = \"cpu\"\ndevice_memory = \"4GiB\"\nflops = 1e10\n" % nproc
+    path.write_text(probe + text)
+    ref = plan(zrun, path, config, "all", sets, stage=0)["compute_s"]
+    flops = 1e10 * ref / fb
+    path.write_text(probe.replace("flops = 1e10", f"flops = {flops:.4g}") + text)
+    return path, flops
+
+
+def plan(zrun, cluster, config, mode, sets, stage=3):
+    """The step-time model's breakdown for this config on the cluster file (`zrun plan --json`)."""
+    args = [str(zrun), "plan", config, "--cluster", str(cluster), "--json", "--set", f'zero.shard_group="{mode}"',
+            "--set", f"zero.stage={stage}"]
+    for x in sets:
+        args += ["--set", x]
     out = subprocess.run(args, cwd=common.ROOT, env={**os.environ, **common.torch_env()},
                          capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["step_time_s"]
+    return json.loads(out)["config"]["step"]
 
 
 def main():
@@ -79,7 +115,9 @@ def main():
     ap.add_argument("--set", action="append", default=["train.micro_batch=2"],
                     help="a config override, repeatable (default: train.micro_batch=2, so the link "
                          "rather than the 2 shared cores limits the step)")
-    ap.add_argument("--predict", metavar="CLUSTER_TOML", help="also print the step-time model's prediction")
+    ap.add_argument("--predict", action="store_true",
+                    help="calibrate the step-time model on the testbed (bench comm --save, a compute run) "
+                         "and print its prediction beside each measurement")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="zrun-hybrid-testbed-"))
@@ -87,22 +125,28 @@ def main():
     load0 = common.load_average()
     rows = []
     print(f"{'rate':>8} {'shard_group':>11} {'step s by round':>24} {'median':>8} {'predicted':>9} "
-          f"{'node/all':>8}", flush=True)
+          f"{'pred/meas':>9} {'node/all':>8}", flush=True)
     for rate in args.rates.split(","):
+        cluster = None
+        if args.predict:
+            cluster, flops = calibrate(zrun, args.config, rate, args.nproc, args.set, work)
+            print(f"# {rate}: calibrated {cluster} (compute {flops / 1e9:.1f} GFLOP/s per rank)", flush=True)
         times = {m: [] for m in MODES}
         for _ in range(args.rounds):
             for m in MODES:  # interleaved: one of each per round
                 times[m].append(run(zrun, args.config, m, rate, args.steps, args.nproc, args.set, work))
         med = {m: statistics.median(times[m]) for m in MODES}
         for m in MODES:
-            pred = predict(zrun, args.predict, args.config, m, rate, args.nproc, args.set) if args.predict else None
+            pred = plan(zrun, cluster, args.config, m, args.set)["step_s"] if cluster else None
             ratio = med["node"] / med["all"]
             row = {"rate": rate, "shard_group": m, "step_s": times[m], "median_s": med[m],
-                   "predicted_s": pred, "node_over_all": ratio}
+                   "predicted_s": pred, "predicted_over_measured": pred / med[m] if pred else None,
+                   "node_over_all": ratio}
             rows.append(row)
             shown = " ".join(f"{t:.3f}" for t in times[m])
             pred_s = f"{pred:.3f}" if pred is not None else "-"
-            print(f"{rate:>8} {m:>11} {shown:>24} {med[m]:>8.3f} {pred_s:>9} "
+            err = f"{pred / med[m]:.2f}" if pred is not None else "-"
+            print(f"{rate:>8} {m:>11} {shown:>24} {med[m]:>8.3f} {pred_s:>9} {err:>9} "
                   f"{ratio if m == 'node' else 1.0:>8.2f}", flush=True)
             if args.json:
                 print(json.dumps(row))
