@@ -646,6 +646,58 @@ fn mpirun_runs_each_process_as_one_rank() {
     }
 }
 
+/// Per-step losses of a run's metrics.jsonl.
+fn losses(dir: &std::path::Path) -> Vec<f64> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|v| v["loss"].as_f64())
+        .collect()
+}
+
+#[test]
+fn mpirun_hybrid_sharding_on_mpi_sub_communicators_trains_like_tcp() {
+    if !cfg!(feature = "mpi") {
+        eprintln!("skipped: build with `--features mpi` to run it");
+        return;
+    }
+    let hybrid = [
+        "--set",
+        "zero.stage=3",
+        "--set",
+        "zero.shard_group=2",
+        "--set",
+        "train.steps=10",
+        "--set",
+        "log.every=1",
+    ];
+    let tcp = scratch("hybrid-tcp");
+    let set = log_dir_set(&tcp);
+    let mut args = vec!["--nproc", "4", "configs/tiny-cpu.toml", "--set", &set];
+    args.extend(hybrid);
+    let out = zrun(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mpi = scratch("hybrid-mpi");
+    let set = log_dir_set(&mpi);
+    let out = std::process::Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "4"])
+        .arg(env!("CARGO_BIN_EXE_zrun"))
+        .args(["configs/tiny-cpu.toml", "--set", &set])
+        .args(hybrid)
+        .args(["--set", "dist.backend=\"mpi\""])
+        .env("MASTER_PORT", free_port().to_string())
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    let (want, got) = (losses(&tcp), losses(&mpi));
+    assert_eq!(got.len(), 10);
+    for (a, b) in got.iter().zip(&want) {
+        assert!((a - b).abs() <= 1e-6 * b.abs(), "mpi {a} vs tcp {b}");
+    }
+}
+
 #[test]
 fn an_sbatch_script_without_a_task_count_launches_and_its_ranks_see_their_own_place() {
     // sbatch sets SLURM_PROCID but no SLURM_NTASKS when no task count was asked for.
