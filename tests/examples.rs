@@ -490,7 +490,10 @@ fn two_nodes_behind_a_slow_link_train_alike_with_and_without_hybrid_sharding() {
         return;
     }
     assert_eq!(code, 0, "{out}");
-    let finals: Vec<&str> = out.lines().filter(|l| l.contains("[rank 0] final:")).collect();
+    let finals: Vec<&str> = out
+        .lines()
+        .filter(|l| l.contains("[rank 0] final:"))
+        .collect();
     assert_eq!(finals.len(), 2, "{out}");
     // The same losses either way: the final line's losses agree.
     let losses = |l: &str| l.split(", ").take(2).collect::<Vec<_>>().join(", ");
