@@ -22,6 +22,8 @@ Checks (one GPU; several ranks share it over the tcp backend, which stages CUDA 
   j  nccl_kill two NCCL ranks started without the launcher (as mpirun or srun would), one
                killed mid-run: the other's watchdog ends it within dist.timeout_s naming the
                timeout, and no process is left
+  l  nccl_hybrid zero.shard_group = 2 at W=4 over NCCL on the one GPU (sub-communicators from
+               ncclCommSplit), stages 1-3 in fp32, against W=4 over tcp (1e-5), per step
   k  delay     gpt2-medium bf16 stage 2 at W=1: no offload, offload, and offload with
                zero.offload_delay = 1 (ZeRO-Offload's delayed update), interleaved; target:
                the delayed step <= 1.1 x max(the step without offload, the CPU AdamW alone),
@@ -453,6 +455,23 @@ def check_nccl_ranks(c):
     return r
 
 
+def check_nccl_hybrid(c):
+    """Hybrid sharding on NCCL sub-communicators (ncclCommSplit): W=4 sharing the GPU as 2
+    shard groups of 2 over NCCL, stages 1-3, against W=4 sharding over all 4 over tcp (the
+    path check b holds to W=1), same batch."""
+    pairs = []
+    for stage in (1, 2, 3):
+        common = [f"zero.stage={stage}", 'zero.precision="fp32"', "train.micro_batch=3"]
+        key = f"fp32-stage{stage}-g2"
+        # auto: the 4 ranks share the one GPU over tcp, CUDA tensors staged through the host.
+        pairs.append((key, (f"hw4tcp-{key}", "small", 4, common),
+                      (f"hw4-{key}", "small", 4,
+                       common + ["zero.shard_group=2", 'dist.backend="nccl"'], SHARE)))
+    r = compare(c, pairs, lambda k: 1e-5)
+    r["what"] = "W=4 as 2 shard groups of 2 over NCCL sharing one GPU against W=4 over tcp, per-step loss"
+    return r
+
+
 def check_nccl_kill(c, timeout_s=30):
     """Two ranks as mpirun would start them (RANK, WORLD_SIZE, MASTER_ADDR/PORT; rank 0 hosts
     the store), NCCL sharing the GPU; rank 1 is killed 20 s in (past init, mid-steps)."""
@@ -496,7 +515,7 @@ def check_nccl_kill(c, timeout_s=30):
 
 
 CHECKS = {"a": ("nccl", check_nccl), "i": ("nccl_ranks", check_nccl_ranks),
-          "j": ("nccl_kill", check_nccl_kill), "k": ("delay", check_delay), "c": ("speed", check_speed), "e": ("offload", check_offload),
+          "j": ("nccl_kill", check_nccl_kill), "l": ("nccl_hybrid", check_nccl_hybrid), "k": ("delay", check_delay), "c": ("speed", check_speed), "e": ("offload", check_offload),
           "d": ("memory", check_memory), "b": ("ranks", check_ranks), "g": ("cpu", check_cpu),
           "f": ("oom", check_oom), "h": ("limit", check_limit)}
 
@@ -530,6 +549,9 @@ def table(results):
             fig = (f"peak {r['cuda_allocated_peak'] / GB:.2f} GB under {r['limit'] / GB:.2f} GB, "
                    f"micro-batch {r['shrinks'][0].get('from') if r['shrinks'] else '?'} -> "
                    f"{r['final_micro_batch']}")
+        elif key == "nccl_hybrid" and "rows" in r:
+            worst = max((x["worst_rel_loss"] or 0) for x in r["rows"].values())
+            fig = f"{len(r['rows'])} pairs, worst relative loss gap {worst:.2e}"
         elif key == "nccl_ranks" and "rows" in r:
             worst = max((x["worst_rel_loss"] or 0) for x in r["rows"].values())
             wrong = sum(x["wrong"] for x in r.get("comm_rows", []))
@@ -549,7 +571,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--zrun", required=True, help="the zrun binary built with --features cuda")
     ap.add_argument("--out", required=True, help="the JSON file of results")
-    ap.add_argument("--only", default="a,i,j,c,e,k,d,b,g,f,h",
+    ap.add_argument("--only", default="a,i,l,j,c,e,k,d,b,g,f,h",
                     help="checks to run, in this order")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="zrun-gpu-") as work:
