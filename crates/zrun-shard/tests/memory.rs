@@ -11,10 +11,32 @@ use zrun_comm::{Backend, Communicator, Error, ReduceOp, Work};
 use zrun_models::{Gpt, GptConfig, Model};
 use zrun_shard::{Engine, EngineConfig, Offload, Precision, ReduceDtype, Stage, StateDtype};
 
-/// Rank and world size only: building an engine allocates but never communicates.
+/// Rank and world size only: building an engine allocates but never communicates. With
+/// hybrid sharding over groups of `group` its splits answer as the engine makes them, the
+/// shard group's first (position `rank % group` of `group`), then the replica group's
+/// (`rank / group` of `world / group`).
 struct Placement {
     rank: usize,
     world: usize,
+    group: usize,
+    splits: std::sync::atomic::AtomicUsize,
+}
+
+impl Placement {
+    /// `rank` of `world`, sharding over all ranks.
+    fn at(rank: usize, world: usize) -> Placement {
+        Placement::grouped(rank, world, world)
+    }
+
+    /// `rank` of `world`, sharding over groups of `group`.
+    fn grouped(rank: usize, world: usize, group: usize) -> Placement {
+        Placement {
+            rank,
+            world,
+            group,
+            splits: Default::default(),
+        }
+    }
 }
 
 impl Communicator for Placement {
@@ -41,6 +63,16 @@ impl Communicator for Placement {
     }
     fn barrier(&self) -> Result<Work, Error> {
         unreachable!("construction does not communicate")
+    }
+    fn split(&self, _: usize, _: usize) -> Result<Box<dyn Communicator>, Error> {
+        let n = self
+            .splits
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let (rank, world) = match n {
+            0 => (self.rank % self.group, self.group),
+            _ => (self.rank / self.group, self.world / self.group),
+        };
+        Ok(Box::new(Placement::at(rank, world)))
     }
 }
 
@@ -177,10 +209,7 @@ fn model_state_bytes_per_rank_equal_the_zero_formula() {
         ];
         for (precision, reduce_dtype, stage, params, grads, master, optimizer) in cases {
             for rank in 0..world {
-                let comm = Arc::new(Placement {
-                    rank: rank as usize,
-                    world: world as usize,
-                });
+                let comm = Arc::new(Placement::at(rank as usize, world as usize));
                 let cfg = EngineConfig {
                     precision,
                     reduce_dtype,
@@ -227,7 +256,7 @@ fn the_static_plan_matches_what_the_engine_allocates() {
             (Precision::Bf16, ReduceDtype::Bf16),
             (Precision::Fp16, ReduceDtype::Fp32),
         ] {
-            let comm = Arc::new(Placement { rank: 1, world: 3 });
+            let comm = Arc::new(Placement::at(1, 3));
             let cfg = EngineConfig {
                 precision,
                 reduce_dtype,
@@ -256,7 +285,7 @@ fn offloaded_optimizer_bytes_are_on_the_host_and_none_on_the_device() {
             (Precision::Fp32, StateDtype::Fp32, 8),
             (Precision::Bf16, StateDtype::Bf16, 4),
         ] {
-            let comm = Arc::new(Placement { rank: 1, world: 2 });
+            let comm = Arc::new(Placement::at(1, 2));
             let cfg = EngineConfig {
                 precision,
                 offload: Offload::Cpu,
@@ -289,7 +318,7 @@ fn offloaded_optimizer_bytes_are_on_the_host_and_none_on_the_device() {
         }
     }
     // Stage 0 has nothing sharded to offload: a clear error.
-    let comm = Arc::new(Placement { rank: 0, world: 2 });
+    let comm = Arc::new(Placement::at(0, 2));
     let cfg = EngineConfig {
         offload: Offload::Cpu,
         ..EngineConfig::fp32(Stage::Zero0, Device::Cpu, 1, adamw)
@@ -307,7 +336,7 @@ fn stages_2_and_3_reserve_the_largest_unit_for_out_of_memory_recovery() {
             (Precision::Bf16, ReduceDtype::Fp32),
             (Precision::Bf16, ReduceDtype::Bf16),
         ] {
-            let comm = Arc::new(Placement { rank: 1, world: 3 });
+            let comm = Arc::new(Placement::at(1, 3));
             let cfg = EngineConfig {
                 precision,
                 reduce_dtype,
@@ -334,7 +363,7 @@ fn stages_2_and_3_reserve_the_largest_unit_for_out_of_memory_recovery() {
                 oom_recovery: false,
                 ..cfg
             };
-            let comm = Arc::new(Placement { rank: 1, world: 3 });
+            let comm = Arc::new(Placement::at(1, 3));
             let e0 = Engine::new(model.clone(), comm, stop).unwrap();
             assert_eq!(e0.oom_reserve_bytes(), 0, "{what}");
             let owned = if stage == Stage::Zero0 {
@@ -372,7 +401,7 @@ fn the_estimators_model_states_equal_the_engines_ledger_everywhere() {
                         continue;
                     }
                     let rank = world - 1;
-                    let comm = Arc::new(Placement { rank, world });
+                    let comm = Arc::new(Placement::at(rank, world));
                     let cfg = EngineConfig {
                         precision,
                         reduce_dtype,
@@ -405,53 +434,6 @@ fn the_estimators_model_states_equal_the_engines_ledger_everywhere() {
     assert_eq!(cases, 4 * (4 * 4 + 3 * 4 * 2));
 }
 
-/// Rank and world size of a rank with hybrid sharding over groups of `group`: its splits
-/// answer as the engine makes them, the shard group's first (position `rank % group` of
-/// `group`), then the replica group's (`rank / group` of `world / group`).
-struct Grouped {
-    rank: usize,
-    world: usize,
-    group: usize,
-    splits: std::sync::atomic::AtomicUsize,
-}
-
-impl Communicator for Grouped {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-    fn world_size(&self) -> usize {
-        self.world
-    }
-    fn backend(&self) -> Backend {
-        Backend::Tcp
-    }
-    fn all_gather(&self, _: &Tensor, _: &Tensor) -> Result<Work, Error> {
-        unreachable!("construction does not communicate")
-    }
-    fn reduce_scatter(&self, _: &Tensor, _: &Tensor, _: ReduceOp) -> Result<Work, Error> {
-        unreachable!("construction does not communicate")
-    }
-    fn all_reduce(&self, _: &Tensor, _: ReduceOp) -> Result<Work, Error> {
-        unreachable!("construction does not communicate")
-    }
-    fn broadcast(&self, _: &Tensor, _: usize) -> Result<Work, Error> {
-        unreachable!("construction does not communicate")
-    }
-    fn barrier(&self) -> Result<Work, Error> {
-        unreachable!("construction does not communicate")
-    }
-    fn split(&self, _: usize, _: usize) -> Result<Box<dyn Communicator>, Error> {
-        let n = self
-            .splits
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let (rank, world) = match n {
-            0 => (self.rank % self.group, self.group),
-            _ => (self.rank / self.group, self.world / self.group),
-        };
-        Ok(Box::new(Placement { rank, world }))
-    }
-}
-
 #[test]
 fn hybrid_sharding_holds_the_model_states_of_its_shard_group() {
     let model = tiny();
@@ -474,19 +456,14 @@ fn hybrid_sharding_holds_the_model_states_of_its_shard_group() {
                         shard_group: Some(group),
                         ..EngineConfig::fp32(stage, Device::Cpu, 1, adamw())
                     };
-                    let comm = Arc::new(Grouped {
-                        rank,
-                        world,
-                        group,
-                        splits: Default::default(),
-                    });
+                    let comm = Arc::new(Placement::grouped(rank, world, group));
                     let e = Engine::new(model.clone(), comm, cfg).unwrap();
                     // Stage 0 shards nothing: the shard group does not apply.
                     let (g, r) = match stage {
                         Stage::Zero0 => (world, rank),
                         _ => (group, rank % group),
                     };
-                    let same = Arc::new(Placement { rank: r, world: g });
+                    let same = Arc::new(Placement::at(r, g));
                     let plain = EngineConfig {
                         shard_group: None,
                         ..cfg
