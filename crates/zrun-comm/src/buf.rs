@@ -136,21 +136,42 @@ pub(crate) fn raw(
     })
 }
 
-/// Checks that `shard` is this rank's chunk of `full` in the [`crate::chunk_sizes`] layout.
+/// Where a rank sits in a communicator: its world rank (the one errors name), its rank and
+/// the size of the communicator, and whether that is a sub-communicator of the world.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Seat {
+    pub(crate) me: usize,
+    pub(crate) rank: usize,
+    pub(crate) world: usize,
+    pub(crate) sub: bool,
+}
+
+/// Checks that `shard` is this rank's chunk of `full` in the [`crate::chunk_sizes`] layout
+/// of the communicator `at` sits in.
 pub(crate) fn check_shard(
     full: &RawBuf,
     shard: &RawBuf,
-    rank: usize,
-    world: usize,
+    at: Seat,
     op: &'static str,
 ) -> Result<(), Error> {
+    let Seat {
+        me,
+        rank,
+        world,
+        sub,
+    } = at;
+    let within = if sub {
+        format!(" (in a sub-communicator of {world} ranks)")
+    } else {
+        String::new()
+    };
     let want = crate::chunk_sizes(full.numel, world)[rank];
     if full.dtype != shard.dtype {
         return Err(Error::InvalidArgument {
-            rank,
+            rank: me,
             op,
             detail: format!(
-                "shard is {} but full is {}; both must have one dtype",
+                "shard is {} but full is {}; both must have one dtype{within}",
                 shard.dtype.name(),
                 full.dtype.name()
             ),
@@ -158,10 +179,10 @@ pub(crate) fn check_shard(
     }
     if shard.numel != want {
         return Err(Error::InvalidArgument {
-            rank,
+            rank: me,
             op,
             detail: format!(
-                "shard has {} elements, but rank {rank}'s chunk of {} elements over {world} ranks has {want}",
+                "shard has {} elements, but rank {rank}'s chunk of {} elements over {world} ranks has {want}{within}",
                 shard.numel, full.numel
             ),
         });

@@ -1,6 +1,16 @@
 //! Who belongs to a sub-communicator ([`crate::Communicator::split`]), computed the same way
 //! on every rank from every rank's `(color, key)`.
 
+/// `v` (a color or key) as a C `int` of `lib` (MPI, NCCL), or an error naming rank `me`.
+#[cfg(any(feature = "mpi", feature = "cuda"))]
+pub(crate) fn c_int(me: usize, lib: &str, what: &str, v: usize) -> Result<i32, crate::Error> {
+    i32::try_from(v).map_err(|_| crate::Error::InvalidArgument {
+        rank: me,
+        op: "split",
+        detail: format!("{what} {v} is over {lib}'s limit of 2^31 - 1"),
+    })
+}
+
 /// The ranks (of the communicator being split) that passed `color`, ordered by their key,
 /// ties broken by rank: position `i` of the result is the new communicator's rank `i`.
 /// `pairs[q]` is rank q's `(color, key)`.

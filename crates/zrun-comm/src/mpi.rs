@@ -129,27 +129,14 @@ impl MpiComm {
         buf::raw(t, self.me, op, what, Placement::Cpu)
     }
 
-    /// [`buf::check_shard`] in this communicator, its error naming the world rank.
-    fn check_shard(&self, f: &RawBuf, s: &RawBuf, op: &'static str) -> Result<(), Error> {
-        buf::check_shard(f, s, self.rank, self.world, op).map_err(|e| match e {
-            Error::InvalidArgument { op, detail, .. } if self.sub.is_some() => {
-                Error::InvalidArgument {
-                    rank: self.me,
-                    op,
-                    detail: format!("{detail} (in a sub-communicator of {} ranks)", self.world),
-                }
-            }
-            e => e,
-        })
-    }
-
-    /// `v` as MPI's `int` (colors, keys).
-    fn int(&self, what: &str, v: usize) -> Result<i32, Error> {
-        i32::try_from(v).map_err(|_| Error::InvalidArgument {
-            rank: self.me,
-            op: "split",
-            detail: format!("{what} {v} is over MPI's limit of 2^31 - 1"),
-        })
+    /// Where this rank sits in this communicator, for [`buf::check_shard`].
+    fn seat(&self) -> buf::Seat {
+        buf::Seat {
+            me: self.me,
+            rank: self.rank,
+            world: self.world,
+            sub: self.sub.is_some(),
+        }
     }
 }
 
@@ -174,7 +161,7 @@ impl Communicator for MpiComm {
     fn all_gather(&self, shard: &Tensor, full: &Tensor) -> Result<Work, Error> {
         const OP: &str = "all_gather";
         let (s, f) = (self.raw(shard, OP, "shard")?, self.raw(full, OP, "full")?);
-        self.check_shard(&f, &s, OP)?;
+        buf::check_shard(&f, &s, self.seat(), OP)?;
         let es = f.dtype.size();
         let w = self.world;
         // Counted in 2- or 4-byte words so that large tensors stay under MPI's count limit.
@@ -208,7 +195,7 @@ impl Communicator for MpiComm {
     fn reduce_scatter(&self, full: &Tensor, shard: &Tensor, op: ReduceOp) -> Result<Work, Error> {
         const OP: &str = "reduce_scatter";
         let (f, s) = (self.raw(full, OP, "full")?, self.raw(shard, OP, "shard")?);
-        self.check_shard(&f, &s, OP)?;
+        buf::check_shard(&f, &s, self.seat(), OP)?;
         count(self.me, OP, f.numel)?;
         let (rank, w, sub) = (self.rank, self.world, self.sub);
         self.exec.submit(OP, f.bytes(), move |st| {
@@ -273,7 +260,10 @@ impl Communicator for MpiComm {
     /// `MPI_Comm_split` of this communicator, on the MPI thread.
     fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>, Error> {
         const OP: &str = "split";
-        let (c, k) = (self.int("color", color)?, self.int("key", key)?);
+        let (c, k) = (
+            crate::group::c_int(self.me, "MPI", "color", color)?,
+            crate::group::c_int(self.me, "MPI", "key", key)?,
+        );
         let (me, sub) = (self.me, self.sub);
         let (tx, rx) = std::sync::mpsc::channel();
         self.exec

@@ -330,27 +330,14 @@ impl NcclComm {
         buf::raw(t, self.me, op, what, Placement::Cuda)
     }
 
-    /// [`buf::check_shard`] in this communicator, its error naming the world rank.
-    fn check_shard(&self, f: &RawBuf, s: &RawBuf, op: &'static str) -> Result<(), Error> {
-        buf::check_shard(f, s, self.rank, self.world, op).map_err(|e| match e {
-            Error::InvalidArgument { op, detail, .. } if self.which.is_some() => {
-                Error::InvalidArgument {
-                    rank: self.me,
-                    op,
-                    detail: format!("{detail} (in a sub-communicator of {} ranks)", self.world),
-                }
-            }
-            e => e,
-        })
-    }
-
-    /// `v` as NCCL's `int` (colors, keys).
-    fn int(&self, what: &str, v: usize) -> Result<i32, Error> {
-        i32::try_from(v).map_err(|_| Error::InvalidArgument {
-            rank: self.me,
-            op: "split",
-            detail: format!("{what} {v} is over NCCL's limit of 2^31 - 1"),
-        })
+    /// Where this rank sits in this communicator, for [`buf::check_shard`].
+    fn seat(&self) -> buf::Seat {
+        buf::Seat {
+            me: self.me,
+            rank: self.rank,
+            world: self.world,
+            sub: self.which.is_some(),
+        }
     }
 }
 
@@ -368,7 +355,7 @@ impl Communicator for NcclComm {
     fn all_gather(&self, shard: &Tensor, full: &Tensor) -> Result<Work, Error> {
         const OP: &str = "all_gather";
         let (s, f) = (self.raw(shard, OP, "shard")?, self.raw(full, OP, "full")?);
-        self.check_shard(&f, &s, OP)?;
+        buf::check_shard(&f, &s, self.seat(), OP)?;
         let (w, bytes, which) = (self.world, f.bytes(), self.which);
         let keep = vec![s.keeper(), f.keeper()];
         self.issue(OP, bytes, keep, move |st| {
@@ -409,7 +396,7 @@ impl Communicator for NcclComm {
     fn reduce_scatter(&self, full: &Tensor, shard: &Tensor, op: ReduceOp) -> Result<Work, Error> {
         const OP: &str = "reduce_scatter";
         let (f, s) = (self.raw(full, OP, "full")?, self.raw(shard, OP, "shard")?);
-        self.check_shard(&f, &s, OP)?;
+        buf::check_shard(&f, &s, self.seat(), OP)?;
         let (w, bytes, which) = (self.world, f.bytes(), self.which);
         let keep = vec![s.keeper(), f.keeper()];
         self.issue(OP, bytes, keep, move |st| {
@@ -579,7 +566,10 @@ impl Communicator for NcclComm {
                 ),
             ));
         }
-        let (c, k) = (self.int("color", color)?, self.int("key", key)?);
+        let (c, k) = (
+            crate::group::c_int(self.me, "NCCL", "color", color)?,
+            crate::group::c_int(self.me, "NCCL", "key", key)?,
+        );
         let which = self.which;
         let (tx, rx) = std::sync::mpsc::channel();
         self.exec

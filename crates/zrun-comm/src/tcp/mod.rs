@@ -309,18 +309,14 @@ impl TcpComm {
         stage::stage(t, input, self.me, op)
     }
 
-    /// [`buf::check_shard`] in this communicator, its error naming the world rank.
-    fn check_shard(&self, f: &RawBuf, s: &RawBuf, op: &'static str) -> Result<(), Error> {
-        buf::check_shard(f, s, self.rank, self.world, op).map_err(|e| match e {
-            Error::InvalidArgument { op, detail, .. } if self.group.is_some() => {
-                Error::InvalidArgument {
-                    rank: self.me,
-                    op,
-                    detail: format!("{detail} (in a sub-communicator of {} ranks)", self.world),
-                }
-            }
-            e => e,
-        })
+    /// Where this rank sits in this communicator, for [`buf::check_shard`].
+    fn seat(&self) -> buf::Seat {
+        buf::Seat {
+            me: self.me,
+            rank: self.rank,
+            world: self.world,
+            sub: self.group.is_some(),
+        }
     }
 
     /// Queues `job` to run on this communicator's view of the state.
@@ -377,7 +373,7 @@ impl Communicator for TcpComm {
             self.raw(&sh.host, OP, "shard")?,
             self.raw(&fh.host, OP, "full")?,
         );
-        self.check_shard(&f, &s, OP)?;
+        buf::check_shard(&f, &s, self.seat(), OP)?;
         let bytes = f.bytes();
         let work = self.submit(OP, bytes, move |st| {
             let h = header(1, f.dtype, f.numel, 0)(st);
@@ -398,7 +394,7 @@ impl Communicator for TcpComm {
             self.raw(&fh.host, OP, "full")?,
             self.raw(&sh.host, OP, "shard")?,
         );
-        self.check_shard(&f, &s, OP)?;
+        buf::check_shard(&f, &s, self.seat(), OP)?;
         let bytes = f.bytes();
         let code = if op == ReduceOp::Sum { 2 } else { 3 };
         let work = self.submit(OP, bytes, move |st| {
