@@ -89,6 +89,34 @@ pub struct Choice {
 }
 
 impl Choice {
+    /// Every choice at `per_rank` sequences per rank per step, in the planner's order of
+    /// preference: stages 0-3, offload off then on (stages 1-3), checkpointing off then on,
+    /// and every micro-batch dividing `per_rank`, largest first, grad_accum making up the
+    /// rest. `delayed`: the config delays its offloaded updates.
+    pub fn space(per_rank: usize, delayed: bool) -> Vec<Choice> {
+        let mut out = Vec::new();
+        for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+            for offload in [false, true] {
+                if offload && stage == Stage::Zero0 {
+                    continue;
+                }
+                for activation_checkpointing in [false, true] {
+                    for mb in (1..=per_rank).rev().filter(|m| per_rank.is_multiple_of(*m)) {
+                        out.push(Choice {
+                            stage,
+                            offload,
+                            activation_checkpointing,
+                            micro_batch: mb,
+                            grad_accum: per_rank / mb,
+                            delayed,
+                        });
+                    }
+                }
+            }
+        }
+        out
+    }
+
     /// The config's own choice.
     pub fn of(cfg: &Config) -> Choice {
         Choice {
@@ -261,36 +289,19 @@ pub fn alternatives(
 ) -> Result<Vec<Fit>, Error> {
     let per_rank = cfg.train.micro_batch * cfg.train.grad_accum;
     let mut out = Vec::new();
-    for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
-        for offload in [false, true] {
-            if offload && stage == Stage::Zero0 {
-                continue;
-            }
-            for ckpt in [false, true] {
-                for mb in (1..=per_rank).rev().filter(|m| per_rank.is_multiple_of(*m)) {
-                    let choice = Choice {
-                        stage,
-                        offload,
-                        activation_checkpointing: ckpt,
-                        micro_batch: mb,
-                        grad_accum: per_rank / mb,
-                        delayed: cfg.zero.offload_delay > 0,
-                    };
-                    let ranks = estimate_ranks(&choice.apply(cfg), world, fixed, limit)?;
-                    let worst = ranks
-                        .iter()
-                        .max_by_key(|r| r.peak_bytes)
-                        .ok_or_else(|| ConfigError("no ranks to estimate".into()))?;
-                    out.push(Fit {
-                        choice,
-                        peak_bytes: worst.peak_bytes,
-                        fixed_bytes: fixed,
-                        phase: worst.phase.clone(),
-                        fits: ranks.iter().all(|r| r.fits),
-                    });
-                }
-            }
-        }
+    for choice in Choice::space(per_rank, cfg.zero.offload_delay > 0) {
+        let ranks = estimate_ranks(&choice.apply(cfg), world, fixed, limit)?;
+        let worst = ranks
+            .iter()
+            .max_by_key(|r| r.peak_bytes)
+            .ok_or_else(|| ConfigError("no ranks to estimate".into()))?;
+        out.push(Fit {
+            choice,
+            peak_bytes: worst.peak_bytes,
+            fixed_bytes: fixed,
+            phase: worst.phase.clone(),
+            fits: ranks.iter().all(|r| r.fits),
+        });
     }
     out.sort_by_key(|f| f.choice.rank_key());
     Ok(out)

@@ -119,36 +119,18 @@ impl Search<'_> {
         })
     }
 
-    /// Every configuration at `per_rank` sequences per rank per step, fastest first (ties
-    /// in the order tried: lower stage, larger group, no offload, no checkpointing, larger
-    /// micro-batch first).
+    /// Every configuration at `per_rank` sequences per rank per step ([`Choice::space`] x
+    /// the shard groups of stages 1-3), fastest first (ties in the order tried).
     pub fn all(&self, per_rank: usize) -> anyhow::Result<Vec<Candidate>> {
         let mut out = Vec::new();
-        for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
-            let groups = if stage == Stage::Zero0 {
+        for choice in Choice::space(per_rank, self.cfg.zero.offload_delay > 0) {
+            let groups = if choice.stage == Stage::Zero0 {
                 vec![self.world]
             } else {
                 self.groups()
             };
             for group in groups {
-                for offload in [false, true] {
-                    if offload && stage == Stage::Zero0 {
-                        continue;
-                    }
-                    for ckpt in [false, true] {
-                        for mb in (1..=per_rank).rev().filter(|m| per_rank.is_multiple_of(*m)) {
-                            let choice = Choice {
-                                stage,
-                                offload,
-                                activation_checkpointing: ckpt,
-                                micro_batch: mb,
-                                grad_accum: per_rank / mb,
-                                delayed: self.cfg.zero.offload_delay > 0,
-                            };
-                            out.push(self.evaluate(choice, group)?);
-                        }
-                    }
-                }
+                out.push(self.evaluate(choice, group)?);
             }
         }
         out.sort_by(|a, b| a.step.step_s.total_cmp(&b.step.step_s));
