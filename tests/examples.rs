@@ -476,31 +476,6 @@ fn two_nodes_on_loopback_form_one_job() {
     assert_run(&d, 2, 20, &["step-00000010", "step-00000020"], &out);
 }
 
-#[test]
-fn two_nodes_behind_a_slow_link_train_alike_with_and_without_hybrid_sharding() {
-    let d = scratch("ex-two-nodes-testbed");
-    let args = sets(&["train.steps=6".into(), log_dir(&d)]);
-    let (code, out) = run_script(
-        "examples/two-nodes/testbed.sh",
-        &args,
-        &[("RATE", "1gbit"), ("CONFIG", "configs/tiny-cpu.toml")],
-    );
-    if code == 77 {
-        eprintln!("{}", out.trim());
-        return;
-    }
-    assert_eq!(code, 0, "{out}");
-    let finals: Vec<&str> = out
-        .lines()
-        .filter(|l| l.contains("[rank 0] final:"))
-        .collect();
-    assert_eq!(finals.len(), 2, "{out}");
-    // The same losses either way: the final line's losses agree.
-    let losses = |l: &str| l.split(", ").take(2).collect::<Vec<_>>().join(", ");
-    assert_eq!(losses(finals[0]), losses(finals[1]), "{out}");
-    assert!(finals[0].contains("4 rank(s)"), "{out}");
-}
-
 // ---------------------------------------------------------------------------------------------
 // Offload and the stage comparison.
 
