@@ -1,4 +1,4 @@
-//! Compiles csrc/zrun_torch_ext.cpp and csrc/cpu_allocator.cpp against the same libtorch headers torch-sys (tch) uses.
+//! Compiles csrc/zrun_torch_ext.cpp, csrc/cpu_allocator.cpp and csrc/linear_loss.cpp against the same libtorch headers torch-sys (tch) uses.
 //!
 //! The libtorch install is located the way torch-sys 0.24 does it: with
 //! `LIBTORCH_USE_PYTORCH` set, ask the active python (`python` inside a virtualenv, else
@@ -97,6 +97,8 @@ fn from_env() -> Result<Libtorch, String> {
 fn main() {
     println!("cargo:rerun-if-changed=csrc/zrun_torch_ext.cpp");
     println!("cargo:rerun-if-changed=csrc/cpu_allocator.cpp");
+    println!("cargo:rerun-if-changed=csrc/linear_loss.cpp");
+    println!("cargo:rerun-if-changed=csrc/linear_loss.h");
     println!("cargo:rerun-if-changed=build.rs");
     let torch = if env_rerun("LIBTORCH_USE_PYTORCH").is_some() {
         from_python()
@@ -127,6 +129,7 @@ fn main() {
         .flag("-DGLOG_USE_GLOG_EXPORT")
         .file("csrc/zrun_torch_ext.cpp")
         .file("csrc/cpu_allocator.cpp")
+        .file("csrc/linear_loss.cpp")
         .compile("zrun_torch_ext");
     // tch links these too; naming them after our static library keeps the link order right
     // whatever order the linker sees the crates in.

@@ -25,6 +25,8 @@
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include "linear_loss.h"
+
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -588,6 +590,31 @@ int zrun_ext_count_allocations_end(int64_t* count, int64_t* bytes, char** err) {
     *count = counter->count();
     *bytes = counter->bytes();
     c10::ThreadLocalDebugInfo::_pop(c10::DebugInfoKind::PROFILER_STATE);
+    return ZR_OK;
+  });
+}
+
+// zrun::linear_cross_entropy after checking its inputs (see linear_loss.h).
+int zrun_ext_linear_cross_entropy(const at::Tensor* h, const at::Tensor* w,
+                                  const at::Tensor* targets, int64_t ignore_index, int64_t chunk,
+                                  at::Tensor** out, char** err) {
+  return guard(err, [&] {
+    if (!h->defined() || !w->defined() || !targets->defined()) {
+      return refuse(err, "an input is undefined");
+    }
+    if (h->dim() != 2 || w->dim() != 2 || h->size(1) != w->size(1) ||
+        !h->is_floating_point() || h->scalar_type() != w->scalar_type() ||
+        h->device() != w->device()) {
+      return refuse(err, "h (N, C) and w (V, C) must be floating point of one dtype and device");
+    }
+    if (targets->dim() != 1 || targets->size(0) != h->size(0) ||
+        targets->scalar_type() != at::kLong || targets->device() != h->device()) {
+      return refuse(err, "targets must be int64 (N) on the device of h (N, C)");
+    }
+    if (chunk < 1) {
+      return refuse(err, "the chunk must hold at least one logit");
+    }
+    *out = new at::Tensor(zrun::linear_cross_entropy(*h, *w, *targets, ignore_index, chunk));
     return ZR_OK;
   });
 }

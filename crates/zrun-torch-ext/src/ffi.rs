@@ -115,6 +115,15 @@ extern "C" {
         bytes: *mut i64,
         err: *mut *mut c_char,
     ) -> c_int;
+    pub(crate) fn zrun_ext_linear_cross_entropy(
+        h: *const c_void,
+        w: *const c_void,
+        targets: *const c_void,
+        ignore_index: i64,
+        chunk: i64,
+        out: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
     pub(crate) fn zrun_ext_cpu_alloc_install(limit: u64, err: *mut *mut c_char) -> c_int;
     pub(crate) fn zrun_ext_cpu_alloc_stats(out: *mut i64) -> c_int;
     pub(crate) fn zrun_ext_cpu_alloc_reset_peak();

@@ -13,6 +13,8 @@
 //!   checkpoints that resume with the same random draws;
 //! - [`install_cpu_caching_allocator`] / [`cpu_memory_stats`]: a caching allocator for CPU
 //!   tensors (freed blocks kept and reused, with a byte limit on what it reserves);
+//! - [`linear_cross_entropy`]: the head's matmul and the cross-entropy in chunks, with its
+//!   own backward (the full logits are never held);
 //! - [`count_allocations`]: libtorch's allocations made by a piece of code (tests that check
 //!   a path allocates nothing).
 //!
@@ -24,6 +26,7 @@ mod cpu_alloc;
 mod cuda;
 mod error;
 mod ffi;
+mod loss;
 mod optim;
 pub mod rng;
 mod storage;
@@ -39,5 +42,6 @@ pub use cuda::{
     reset_cuda_peak, set_allocator_settings, set_cuda_device, CudaEvent, CudaMemory,
 };
 pub use error::Error;
+pub use loss::linear_cross_entropy;
 pub use optim::{fused_adam, sum_of_squares, AdamStep};
 pub use storage::{resize_storage, storage_nbytes};

@@ -1,0 +1,192 @@
+//! The head's matmul and the cross-entropy in chunks (csrc/linear_loss.cpp): the mean loss of
+//! the logits `h @ w^T` without ever holding all of them, with its own backward.
+
+use crate::ffi;
+use crate::Error;
+use std::ffi::c_void;
+use std::ptr;
+use tch::Tensor;
+
+/// Mean cross-entropy of the logits `h @ w^T` (N, V) against `targets`, computed about `chunk`
+/// logits at a time: the forward keeps each row's logsumexp (N floats), the backward
+/// recomputes the logits chunk by chunk over the vocabulary. Rows whose target is
+/// `ignore_index` are left out of the mean (all left out: NaN, as PyTorch's mean).
+///
+/// `h` (N, C) and `w` (V, C) are floating point of one dtype and device; `targets` (N) int64.
+/// The loss is fp32 (fp64 for fp64 inputs) and, in grad mode with `h` or `w` requiring grad,
+/// has an autograd graph giving both their gradients. The arithmetic is the unchunked path's:
+/// logits in the inputs' dtype, softmax in fp32, the logits' gradient rounded to the inputs'
+/// dtype before its matmuls; the input's gradient sums its chunks in fp32.
+pub fn linear_cross_entropy(
+    h: &Tensor,
+    w: &Tensor,
+    targets: &Tensor,
+    ignore_index: i64,
+    chunk: i64,
+) -> Result<Tensor, Error> {
+    let op = || {
+        format!(
+            "linear_cross_entropy(h {:?} {:?}, w {:?} {:?}, targets {:?} {:?}, chunk {chunk})",
+            h.size(),
+            h.kind(),
+            w.size(),
+            w.kind(),
+            targets.size(),
+            targets.kind()
+        )
+    };
+    for (name, t) in [("h", h), ("w", w), ("targets", targets)] {
+        if !t.defined() {
+            return Err(Error::Undefined {
+                op: format!("linear_cross_entropy {name}"),
+            });
+        }
+    }
+    let mut out: *mut c_void = ptr::null_mut();
+    let mut err = ptr::null_mut();
+    // SAFETY: the three pointers are live `torch::Tensor*` borrowed for the call; `out` is a
+    // valid out-pointer the shim writes only on success; the shim catches every C++ exception.
+    let status = unsafe {
+        ffi::zrun_ext_linear_cross_entropy(
+            h.as_ptr().cast(),
+            w.as_ptr().cast(),
+            targets.as_ptr().cast(),
+            ignore_index,
+            chunk,
+            &mut out,
+            &mut err,
+        )
+    };
+    ffi::check(status, err, op)?;
+    // SAFETY: on success `out` is a fresh `new torch::Tensor`, owned by the returned Tensor.
+    Ok(unsafe { Tensor::from_ptr(out.cast()) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind, Reduction};
+
+    const IGNORE: i64 = -100;
+
+    /// Inputs as leaves of `kind`: h (n, c), w (v, c), targets (n) with some ignored.
+    fn inputs(n: i64, c: i64, v: i64, kind: Kind) -> (Tensor, Tensor, Tensor) {
+        tch::manual_seed(7);
+        let opts = (Kind::Float, Device::Cpu);
+        let h = (Tensor::randn([n, c], opts) * 2.0).to_kind(kind);
+        let w = (Tensor::randn([v, c], opts) * 0.5).to_kind(kind);
+        let t = Tensor::randint(v, [n], (Kind::Int64, Device::Cpu));
+        let t = t.index_fill(0, &Tensor::from_slice(&[1i64, n - 1]), IGNORE);
+        (h.set_requires_grad(true), w.set_requires_grad(true), t)
+    }
+
+    /// The unchunked path: all logits, then PyTorch's cross-entropy in fp32.
+    fn full(h: &Tensor, w: &Tensor, t: &Tensor) -> Tensor {
+        let logits = h.mm(&w.tr());
+        let acc = if h.kind() == Kind::Double {
+            Kind::Double
+        } else {
+            Kind::Float
+        };
+        logits
+            .to_kind(acc)
+            .cross_entropy_loss::<Tensor>(t, None, Reduction::Mean, IGNORE, 0.0)
+    }
+
+    fn loss_and_grads(loss: &Tensor, h: &Tensor, w: &Tensor) -> (f64, Tensor, Tensor) {
+        let g = crate::grad(&[loss], &[&loss.ones_like()], &[h, w]).unwrap();
+        (
+            loss.double_value(&[]),
+            g[0].to_kind(Kind::Double),
+            g[1].to_kind(Kind::Double),
+        )
+    }
+
+    fn max_abs(t: &Tensor) -> f64 {
+        t.abs().max().double_value(&[])
+    }
+
+    #[test]
+    fn equals_the_full_logits_loss_and_gradients_for_any_chunk() {
+        // n, v and the chunks chosen so pieces do not divide evenly, down to one logit.
+        let (n, c, v) = (37, 16, 101);
+        let (h, w, t) = inputs(n, c, v, Kind::Float);
+        let (want, gh, gw) = loss_and_grads(&full(&h, &w, &t), &h, &w);
+        for chunk in [1, 7, 100, 1000, n * v, 1 << 30] {
+            let got = linear_cross_entropy(&h, &w, &t, IGNORE, chunk).unwrap();
+            assert_eq!(got.kind(), Kind::Float);
+            let (l, ch, cw) = loss_and_grads(&got, &h, &w);
+            assert!(
+                (l - want).abs() <= 1e-6 * want.abs(),
+                "chunk {chunk}: {l} vs {want}"
+            );
+            let (eh, ew) = (max_abs(&(&ch - &gh)), max_abs(&(&cw - &gw)));
+            assert!(
+                eh <= 1e-5 * max_abs(&gh),
+                "chunk {chunk}: d(h) off by {eh} of {}",
+                max_abs(&gh)
+            );
+            assert!(
+                ew <= 1e-5 * max_abs(&gw),
+                "chunk {chunk}: d(w) off by {ew} of {}",
+                max_abs(&gw)
+            );
+            // Ignored rows get no gradient.
+            assert_eq!(max_abs(&ch.get(1)), 0.0);
+        }
+    }
+
+    #[test]
+    fn bf16_stays_within_bf16_rounding_of_the_full_logits_path() {
+        let (n, c, v) = (64, 32, 300);
+        let (h, w, t) = inputs(n, c, v, Kind::BFloat16);
+        let (want, gh, gw) = loss_and_grads(&full(&h, &w, &t), &h, &w);
+        let got = linear_cross_entropy(&h, &w, &t, IGNORE, 640).unwrap();
+        assert_eq!(got.kind(), Kind::Float, "the loss is fp32 of bf16 logits");
+        let (l, ch, cw) = loss_and_grads(&got, &h, &w);
+        assert_eq!(ch.size(), [n, c]);
+        // The loss reads the same bf16 logits: equal but for the order of the fp32 sums.
+        assert!((l - want).abs() <= 1e-5 * want.abs(), "{l} vs {want}");
+        // The weight's gradient is the same single matmul per slice; the input's sums
+        // bf16-rounded parts in fp32: within a few bf16 roundings (2^-8) of the largest.
+        let (eh, ew) = (max_abs(&(&ch - &gh)), max_abs(&(&cw - &gw)));
+        assert!(eh <= 4.0 / 256.0 * max_abs(&gh), "d(h) off by {eh}");
+        assert!(ew <= 1.0 / 256.0 * max_abs(&gw), "d(w) off by {ew}");
+    }
+
+    #[test]
+    fn without_grad_mode_gives_the_value_and_no_graph() {
+        let (h, w, t) = inputs(9, 4, 13, Kind::Double);
+        let want = full(&h, &w, &t).double_value(&[]);
+        let got = tch::no_grad(|| linear_cross_entropy(&h, &w, &t, IGNORE, 20)).unwrap();
+        assert!(!got.requires_grad());
+        assert_eq!(got.kind(), Kind::Double);
+        assert!((got.double_value(&[]) - want).abs() < 1e-12);
+    }
+
+    #[test]
+    fn every_target_ignored_gives_nan_as_pytorch_does() {
+        let (h, w, _) = inputs(5, 4, 7, Kind::Float);
+        let t = Tensor::full([5], IGNORE, (Kind::Int64, Device::Cpu));
+        let got = linear_cross_entropy(&h, &w, &t, IGNORE, 8).unwrap();
+        assert!(got.double_value(&[]).is_nan());
+        assert!(full(&h, &w, &t).double_value(&[]).is_nan());
+    }
+
+    #[test]
+    fn refuses_inputs_that_do_not_fit_together() {
+        let (h, w, t) = inputs(5, 4, 7, Kind::Float);
+        let bad = [
+            linear_cross_entropy(&h, &w.to_kind(Kind::Double), &t, IGNORE, 8),
+            linear_cross_entropy(&h, &w.narrow(1, 0, 3), &t, IGNORE, 8),
+            linear_cross_entropy(&h, &w, &t.narrow(0, 0, 4), IGNORE, 8),
+            linear_cross_entropy(&h, &w, &t.to_kind(Kind::Int), IGNORE, 8),
+            linear_cross_entropy(&h, &w, &t, IGNORE, 0),
+            linear_cross_entropy(&h, &w, &Tensor::new(), IGNORE, 8),
+        ];
+        for (i, r) in bad.into_iter().enumerate() {
+            let msg = r.expect_err("refused").to_string();
+            assert!(msg.contains("linear_cross_entropy"), "{i}: {msg}");
+        }
+    }
+}
