@@ -37,6 +37,38 @@ pub struct LossBytes {
 }
 
 impl LossBytes {
+    /// For `tokens` positions over a vocabulary of `v` from hidden states of width `c`, the
+    /// head's matmul and the loss computed `chunk` logits at a time (as
+    /// `zrun_torch_ext::linear_cross_entropy` splits them: rows of the logits in the forward,
+    /// columns in the backward). Nothing of the logits outlives the loss but each row's fp32
+    /// logsumexp; a chunk's logits exist in the compute dtype and fp32 at once; with 16-bit
+    /// logits the backward also sums the input's gradient in fp32.
+    pub fn chunked(tokens: i64, v: i64, c: i64, elt: i64, chunk: i64) -> LossBytes {
+        let piece = |other: i64, len: i64| {
+            let mut n = (chunk / other.max(1)).max(1);
+            if n >= 64 {
+                n -= n % 64;
+            }
+            n.min(len.max(1))
+        };
+        let rows = piece(v, tokens);
+        let cols = piece(tokens, v);
+        let with_copy = if elt == 4 { 4 } else { 4 + elt };
+        // Per row: the valid mask (bool), the target with ignored rows zeroed (int64), the
+        // logsumexp (fp32).
+        let per_row = tokens * (1 + 8 + 4);
+        LossBytes {
+            saved: per_row,
+            forward_temp: rows * v * with_copy,
+            // A chunk's logits, a few numbers per row (weight, one-hot column, hit), and with
+            // 16-bit logits the fp32 sum of the input's gradient (in fp32 the sum is the
+            // gradient itself, which the head's backward counts).
+            backward_temp: tokens * cols * with_copy
+                + tokens * 32
+                + tokens * c * if elt == 4 { 0 } else { 4 },
+        }
+    }
+
     /// For `tokens` positions over a vocabulary of `v`, with logits of `elt` bytes.
     pub fn new(tokens: i64, v: i64, elt: i64) -> LossBytes {
         let fp32 = 4 * tokens * v;

@@ -146,6 +146,16 @@ pub enum Error {
         #[source]
         source: TchError,
     },
+
+    /// A call of zrun's libtorch shim failed (the chunked loss).
+    #[error("`{place}`: {source}")]
+    Shim {
+        /// Unit or function where it happened.
+        place: String,
+        /// The shim's error, naming its op.
+        #[source]
+        source: zrun_torch_ext::Error,
+    },
 }
 
 /// Shorthand for `Result<T, zrun_models::Error>`.

@@ -4,6 +4,9 @@ use tch::{Kind, Reduction, Tensor};
 
 use crate::error::{Error, Result, TorchCtx};
 
+/// Logits per chunk of [`linear_lm_loss`] unless configured otherwise: 2^24 (64 MiB in fp32).
+pub const LOSS_CHUNK: i64 = 1 << 24;
+
 /// Targets equal to this value are ignored by [`lm_loss`] (PyTorch's default).
 pub const IGNORE_INDEX: i64 = -100;
 
@@ -39,6 +42,53 @@ pub fn lm_loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let tgt = targets.f_reshape([-1]).ctx(p, "reshape")?; // (B*T)
     flat.f_cross_entropy_loss(&tgt, None::<Tensor>, Reduction::Mean, IGNORE_INDEX, 0.0)
         .ctx(p, "cross_entropy_loss")
+}
+
+/// Mean token cross-entropy of the logits `h @ w^T` against `targets` (B, T) int64, computed
+/// about `chunk` logits at a time, so the logits (B, T, V) are never held whole; equal to
+/// [`lm_loss`] of those logits (see `zrun_torch_ext::linear_cross_entropy` for how).
+///
+/// `h` (B, T, C) is the head's last hidden state, `w` (V, C) its output matrix, of one
+/// floating dtype. The loss is fp32 (fp64 for fp64 inputs), with an autograd graph to `h`
+/// and `w` in grad mode.
+pub fn linear_lm_loss(h: &Tensor, w: &Tensor, targets: &Tensor, chunk: i64) -> Result<Tensor> {
+    let (hs, ws, ts) = (h.size(), w.size(), targets.size());
+    let bad = |reason: &str| Error::LossInput {
+        logits: vec![
+            hs.first().copied().unwrap_or(0),
+            hs.get(1).copied().unwrap_or(0),
+            ws[0],
+        ],
+        logits_kind: format!("{:?}", h.kind()),
+        targets: ts.clone(),
+        targets_kind: format!("{:?}", targets.kind()),
+        reason: reason.to_string(),
+    };
+    if ws.len() != 2 || hs.len() != 3 || hs[2] != ws[1] || !h.is_floating_point() {
+        return Err(Error::LossInput {
+            logits: hs.clone(),
+            logits_kind: format!("{:?} against a {:?} matrix", h.kind(), ws),
+            targets: ts.clone(),
+            targets_kind: format!("{:?}", targets.kind()),
+            reason: "hidden states must be floating point (B, T, C) and the matrix (V, C)"
+                .to_string(),
+        });
+    }
+    if ts.len() != 2 || targets.kind() != Kind::Int64 {
+        return Err(bad("targets must be int64 (B, T)"));
+    }
+    if hs[..2] != ts[..] {
+        return Err(bad("the (B, T) of logits and targets differ"));
+    }
+    let p = "linear_lm_loss";
+    let flat = h.f_reshape([-1, hs[2]]).ctx(p, "reshape")?; // (B*T, C)
+    let tgt = targets.f_reshape([-1]).ctx(p, "reshape")?; // (B*T)
+    zrun_torch_ext::linear_cross_entropy(&flat, w, &tgt, IGNORE_INDEX, chunk).map_err(|source| {
+        Error::Shim {
+            place: p.to_string(),
+            source,
+        }
+    })
 }
 
 #[cfg(test)]

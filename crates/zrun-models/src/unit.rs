@@ -50,6 +50,24 @@ pub trait Unit: Send + Sync {
     /// Activation bytes of a forward and backward over `b` sequences of `t` tokens whose
     /// activations have `elt` bytes per element (4 for fp32, 2 for bf16 and fp16).
     fn activations(&self, b: i64, t: i64, elt: i64) -> crate::Activations;
+    /// For the head: its last hidden states (B, T, C) and its output matrix (V, C), whose
+    /// product is what [`Unit::forward`] returns; `None` for other units. Same `params` as
+    /// [`Unit::forward`].
+    fn hidden(&self, params: &[Tensor], x: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
+        let _ = (params, x);
+        Ok(None)
+    }
+    /// The mean loss of this unit's logits against `targets` (B, T): for a head, with a
+    /// positive `chunk`, through [`crate::linear_lm_loss`] (the logits never held whole);
+    /// otherwise [`crate::lm_loss`] of [`Unit::forward`]'s logits.
+    fn loss(&self, params: &[Tensor], x: &Tensor, targets: &Tensor, chunk: i64) -> Result<Tensor> {
+        if chunk > 0 {
+            if let Some((h, w)) = self.hidden(params, x)? {
+                return crate::linear_lm_loss(&h, &w, targets, chunk);
+            }
+        }
+        crate::lm_loss(&self.forward(params, x)?, targets)
+    }
     /// The parameter of another unit this unit's forward takes after its own (tied
     /// embeddings), if any. Its gradient belongs to the owning unit.
     fn tied(&self) -> Option<Tied> {

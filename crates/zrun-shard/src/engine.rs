@@ -64,6 +64,9 @@ pub struct EngineConfig {
     /// over groups of `g` consecutive ranks (`g` divides the world size) and replicates them
     /// across the groups; `None`: one group of all ranks. Ignored at stage 0.
     pub shard_group: Option<usize>,
+    /// Logits per chunk of the head's matmul and the loss ([`zrun_models::linear_lm_loss`]):
+    /// the logits (B, T, V) are never held whole. 0: all logits at once, then the loss.
+    pub loss_chunk: i64,
 }
 
 impl EngineConfig {
@@ -86,6 +89,7 @@ impl EngineConfig {
             oom_recovery: true,
             offload_delay: None,
             shard_group: None,
+            loss_chunk: zrun_models::LOSS_CHUNK,
         }
     }
 }

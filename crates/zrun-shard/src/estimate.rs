@@ -40,6 +40,8 @@ pub struct EstimateConfig {
     /// Whether updates are delayed (`zero.offload_delay`): the host then keeps a gradient
     /// copy of its own.
     pub offload_delay: bool,
+    /// Logits per chunk of the head's matmul and the loss (0: all logits at once).
+    pub loss_chunk: i64,
 }
 
 /// What a CPU rank's resident memory gains in training outside its tensors, at the least:
@@ -220,6 +222,38 @@ impl Walk {
     }
 }
 
+/// Each unit's activations for `b` sequences of `t` tokens; a chunked head's output is the
+/// loss, its logits are never held.
+fn unit_activations(model: &dyn Model, b: i64, t: i64, cfg: &EstimateConfig) -> Vec<Activations> {
+    let elt = cfg.precision.bytes();
+    let mut acts: Vec<Activations> = model
+        .units()
+        .iter()
+        .map(|u| u.activations(b, t, elt))
+        .collect();
+    if let (true, Some(head)) = (cfg.loss_chunk > 0, acts.last_mut()) {
+        head.output = 0;
+    }
+    acts
+}
+
+/// The loss over `tokens` positions: chunked with the head's matmul, or on the full logits.
+fn loss_bytes(model: &dyn Model, tokens: i64, cfg: &EstimateConfig) -> LossBytes {
+    let (v, elt) = (model.vocab_size(), cfg.precision.bytes());
+    if cfg.loss_chunk > 0 {
+        let c = model.units().last().map_or(0, |u| {
+            u.params()
+                .first()
+                .and_then(|p| p.shape.first())
+                .copied()
+                .unwrap_or(0)
+        });
+        LossBytes::chunked(tokens, v, c, elt, cfg.loss_chunk)
+    } else {
+        LossBytes::new(tokens, v, elt)
+    }
+}
+
 /// Predicts the peak memory of `layout`'s rank training `model` under `cfg`. With a hybrid
 /// layout ([`ShardLayout::hybrid`]) the model states are those of its shard group's size,
 /// and stages 2-3 hold one replica all-reduce's shard more in backward.
@@ -230,8 +264,8 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
     let elt = cfg.precision.bytes();
     let rb = cfg.reduce_dtype.kind().elt_size_in_bytes() as i64;
     let (b, t) = (cfg.micro_batch, cfg.seq_len);
-    let acts: Vec<Activations> = units.iter().map(|u| u.activations(b, t, elt)).collect();
-    let loss = LossBytes::new(b * t, model.vocab_size(), elt);
+    let acts = unit_activations(model, b, t, cfg);
+    let loss = loss_bytes(model, b * t, cfg);
     let ckpt = cfg.activation_checkpointing;
     let stage3 = cfg.stage == Stage::Zero3;
     let sharded_grads = matches!(cfg.stage, Stage::Zero2 | Stage::Zero3);
@@ -425,14 +459,10 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
     );
     // Evaluation: a forward without autograd at the evaluation batch.
     let eb = cfg.eval_batch;
-    let eval_loss = LossBytes::new(eb * t, model.vocab_size(), elt);
-    for (u, unit) in units.iter().enumerate() {
-        let a = unit.activations(eb, t, elt);
-        let input = if u == 0 {
-            0
-        } else {
-            units[u - 1].activations(eb, t, elt).output
-        };
+    let eval_loss = loss_bytes(model, eb * t, cfg);
+    let eval_acts = unit_activations(model, eb, t, cfg);
+    for (u, &a) in eval_acts.iter().enumerate() {
+        let input = if u == 0 { 0 } else { eval_acts[u - 1].output };
         let tail = if u == n - 1 {
             eval_loss.forward_temp + eval_loss.saved
         } else {
@@ -487,6 +517,7 @@ impl Engine {
             oom_recovery: c.oom_recovery,
             offload_delay: c.offload_delay.is_some(),
             cuda: c.device.is_cuda(),
+            loss_chunk: c.loss_chunk,
         }
     }
 }

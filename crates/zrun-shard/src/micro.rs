@@ -13,7 +13,6 @@ use crate::{Context, Error, Result, Stage};
 use std::collections::VecDeque;
 use std::time::Instant;
 use tch::{Device, Tensor};
-use zrun_models::lm_loss;
 
 /// The gradient reductions of a backward in flight (stages 2-3), oldest first, each with
 /// whether it completes its unit's gradient: reduce-scatters in the shard group, then (hybrid
@@ -166,13 +165,30 @@ impl Engine {
         let order = forward_order(model.as_ref());
         let mut gathers = Gathers::new(order.clone(), self.cfg.prefetch);
         let mut saved: Vec<Saved> = Vec::with_capacity(n);
+        let chunk = self.cfg.loss_chunk;
+        // Each unit's output; the head's is the loss (its logits never leave it).
+        let run = |u: usize, params: &[Tensor], input: &Tensor| {
+            if u + 1 == n {
+                units[u].loss(params, input, &targets, chunk)
+            } else {
+                units[u].forward(params, input)
+            }
+        };
         for (u, unit) in units.iter().enumerate() {
             let name = unit.name();
-            self.enter(Phase::Forward, u);
+            // The head's forward is the loss (a norm, then the chunked matmul and loss).
+            self.enter(
+                if u + 1 == n {
+                    Phase::Loss
+                } else {
+                    Phase::Forward
+                },
+                u,
+            );
             if ckpt {
                 let _guard = tch::no_grad_guard();
                 let (params, buffers) = self.plain_params(&mut gathers, u)?;
-                let out = unit.forward(&params, &x)?;
+                let out = run(u, &params, &x)?;
                 drop(params);
                 for b in &buffers {
                     self.mover.free(b)?;
@@ -202,7 +218,7 @@ impl Engine {
             } else {
                 x.f_detach().ctx("detach", name)?.set_requires_grad(true)
             };
-            let out = unit.forward(&leaves, &input)?;
+            let out = run(u, &leaves, &input)?;
             // Autograd keeps views of the gathered parameters: release their memory now.
             for b in buffers.iter().flatten() {
                 self.mover.free(b)?;
@@ -213,21 +229,11 @@ impl Engine {
                 graph: Some((leaves, out, buffers)),
             });
         }
-        self.enter(Phase::Loss, n - 1);
-        let loss = {
-            let _guard = ckpt.then(tch::no_grad_guard);
-            lm_loss(&x, &targets)?
-        };
         // Read once backward is queued: on CUDA a read here would idle the device meanwhile.
-        let value = loss.f_detach().ctx("keep loss", "head")?;
+        let value = x.f_detach().ctx("keep loss", "head")?;
         let (t1, w1) = (Instant::now(), self.mover.waited);
         let loss_seed = weight * self.scaler.scale();
         drop(x);
-        // The last unit's backward starts from the loss, which saved what it needs (the
-        // log-probabilities): the logits (B, T, V) themselves can go now.
-        if let Some((_, out, _)) = saved.last_mut().and_then(|s| s.graph.as_mut()) {
-            *out = Tensor::new();
-        }
 
         // Backward order: the forward's reversed (a tied owner right after its reader).
         let order: Vec<usize> = order.into_iter().rev().collect();
@@ -274,7 +280,7 @@ impl Engine {
                     } else {
                         s.input.set_requires_grad(true)
                     };
-                    let out = units[u].forward(&leaves, &input)?;
+                    let out = run(u, &leaves, &input)?;
                     (leaves, input, out, buffers)
                 }
             };
@@ -283,14 +289,9 @@ impl Engine {
             let (root, seed) = match upstream.take() {
                 Some(g) => (output, g),
                 None => {
-                    let loss = if ckpt {
-                        lm_loss(&output, &targets)?
-                    } else {
-                        loss.shallow_clone()
-                    };
-                    let seed = Tensor::f_full([], loss_seed, (loss.kind(), loss.device()))
+                    let seed = Tensor::f_full([], loss_seed, (output.kind(), output.device()))
                         .ctx("loss seed", name)?;
-                    (loss, seed)
+                    (output, seed)
                 }
             };
             let mut wrt: Vec<&Tensor> = leaves.iter().collect();
@@ -469,12 +470,10 @@ impl Engine {
     }
 
     fn eval_inner(&mut self, inputs: &Tensor, targets: &Tensor) -> Result<f64> {
-        let _guard = tch::no_grad_guard();
-        let x = self.logits(inputs)?;
         let targets = targets
             .f_to_device(self.cfg.device)
             .ctx("move targets to the device", "-")?;
-        lm_loss(&x, &targets)?
+        self.forward_plain(inputs, Some(&targets))?
             .f_double_value(&[])
             .ctx("read loss", "head")
     }
@@ -482,6 +481,12 @@ impl Engine {
     /// The logits (B, T, V) of token ids (B, T), on the engine's device, without gradients
     /// (every rank calls it at stage 3, whose gathers need every rank).
     pub fn logits(&mut self, inputs: &Tensor) -> Result<Tensor> {
+        self.forward_plain(inputs, None)
+    }
+
+    /// The model's forward without gradients: the logits, or with `targets` the mean loss
+    /// (through the chunked head, as in training).
+    fn forward_plain(&mut self, inputs: &Tensor, targets: Option<&Tensor>) -> Result<Tensor> {
         let _guard = tch::no_grad_guard();
         let model = self.model.clone();
         let units = model.units();
@@ -492,7 +497,12 @@ impl Engine {
         for (u, unit) in units.iter().enumerate() {
             self.enter(Phase::Eval, u);
             let (params, buffers) = self.plain_params(&mut gathers, u)?;
-            x = unit.forward(&params, &x)?;
+            x = match targets {
+                Some(t) if u + 1 == units.len() => {
+                    unit.loss(&params, &x, t, self.cfg.loss_chunk)?
+                }
+                _ => unit.forward(&params, &x)?,
+            };
             drop(params);
             for b in &buffers {
                 self.mover.free(b)?;

@@ -6,6 +6,7 @@ use common::{adamw, single};
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 use zrun_models::{forward_model, init_model_params, lm_loss, Gpt, GptConfig, Model};
+use zrun_optim::AdamWConfig;
 use zrun_shard::{Engine, EngineConfig, Precision, Stage};
 
 const SEED: u64 = 11;
@@ -213,6 +214,65 @@ fn activation_checkpointing_and_prefetch_depth_do_not_change_the_result() {
                 assert!(a.equal(b), "{n} differs with ckpt {ckpt} prefetch {depth}");
             }
         }
+    }
+}
+
+/// Losses and final parameters of 4 steps at `stage` with a tied head, the chunked loss at
+/// `chunk` logits (0: the full logits).
+fn chunk_run(stage: Stage, ckpt: bool, precision: Precision, chunk: i64) -> Trained {
+    // Adam turns a gradient's rounding into a whole step where the gradient is rounding
+    // alone (the key bias's is 0 in exact arithmetic): a larger eps keeps those parameters
+    // comparable.
+    let adam = AdamWConfig {
+        eps: 1e-3,
+        ..adamw()
+    };
+    let mut cfg = EngineConfig::fp32(stage, Device::Cpu, SEED, adam);
+    cfg.activation_checkpointing = ckpt;
+    cfg.precision = precision;
+    cfg.loss_chunk = chunk;
+    train_losses(Engine::new(model_with(true), single(), cfg).unwrap(), 4)
+}
+
+type Trained = (Vec<f64>, Vec<(String, Tensor)>);
+
+/// The largest relative difference of any parameter between two runs.
+fn worst(a: &Trained, b: &Trained) -> f64 {
+    a.1.iter()
+        .zip(&b.1)
+        .map(|((_, x), (_, y))| max_rel_err(x, y))
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn the_chunked_loss_trains_as_the_full_logits_do() {
+    // 2 x 24 positions x V 97 in chunks of 776 logits: 8 rows at a time in the forward,
+    // 16 columns in the backward.
+    let chunk = 8 * 97;
+    for (stage, ckpt) in [(Stage::Zero0, false), (Stage::Zero3, true)] {
+        let full = chunk_run(stage, ckpt, Precision::Fp32, 0);
+        let chunked = chunk_run(stage, ckpt, Precision::Fp32, chunk);
+        for (a, b) in chunked.0.iter().zip(&full.0) {
+            assert!(
+                (a - b).abs() <= 1e-6 * b,
+                "stage {stage} ckpt {ckpt}: {a} vs {b}"
+            );
+        }
+        let w = worst(&chunked, &full);
+        assert!(
+            w <= 1e-5,
+            "stage {stage} ckpt {ckpt}: parameters differ by {w}"
+        );
+    }
+    // bf16: the input's gradient sums bf16-rounded chunks, so the runs differ by bf16
+    // rounding; the chunked run stays as close to fp32 as the full logits' run.
+    let fp32 = chunk_run(Stage::Zero2, false, Precision::Fp32, 0);
+    let full = chunk_run(Stage::Zero2, false, Precision::Bf16, 0);
+    let chunked = chunk_run(Stage::Zero2, false, Precision::Bf16, chunk);
+    let (c, f) = (worst(&chunked, &fp32), worst(&full, &fp32));
+    assert!(c <= 1.5 * f, "bf16 from fp32: chunked {c}, full logits {f}");
+    for (a, b) in chunked.0.iter().zip(&full.0) {
+        assert!((a - b).abs() <= 2e-3 * b, "bf16 loss: {a} vs {b}");
     }
 }
 

@@ -5,7 +5,7 @@ use crate::config::{Capabilities, Config, ConfigError, DeviceChoice, DeviceKind}
 use crate::Error;
 use serde::Serialize;
 use tch::{Device, Kind, Tensor};
-use zrun_models::Gpt;
+use zrun_models::{Gpt, Model};
 use zrun_shard::{estimate, Estimate, EstimateConfig, Offload, ShardLayout, Stage};
 
 /// The CUDA context, cuBLAS workspaces and kernels that a rank holds on its GPU before it
@@ -232,6 +232,7 @@ pub fn estimate_config(cfg: &Config) -> Result<EstimateConfig, Error> {
         eval_batch: cfg.train.micro_batch as i64,
         oom_recovery: cfg.train.on_oom == crate::config::OnOom::Shrink,
         offload_delay: cfg.zero.offload_optimizer == Offload::Cpu && cfg.zero.delay().is_some(),
+        loss_chunk: cfg.train.loss_chunk(),
         cuda: match cfg.dist.device {
             DeviceChoice::Cuda => true,
             DeviceChoice::Cpu => false,
@@ -337,7 +338,19 @@ pub fn warm_up(device: Device, kind: Kind) -> Result<(), Error> {
     let logits = zrun_models::forward_model(&gpt, &leaves, &idx)?;
     let loss = zrun_models::lm_loss(&logits, &idx)?;
     loss.f_backward().map_err(torch)?;
-    drop((loss, logits, idx, leaves));
+    // And the chunked head's loss (`train.loss_chunk`), a few logits at a time.
+    let units = gpt.units();
+    let mut x = idx.shallow_clone();
+    for (u, unit) in units.iter().enumerate() {
+        let p = zrun_models::unit_inputs(&gpt, &leaves, u);
+        x = if u + 1 == units.len() {
+            unit.loss(&p, &x, &idx, 64)?
+        } else {
+            unit.forward(&p, &x)?
+        };
+    }
+    x.f_backward().map_err(torch)?;
+    drop((x, loss, logits, idx, leaves));
     // The caching CPU allocator would keep the warm-up's blocks and count them in the base;
     // they go back, so the base is the runtime's own memory.
     zrun_torch_ext::cpu_empty_cache();

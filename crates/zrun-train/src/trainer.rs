@@ -190,6 +190,7 @@ impl Run {
                 oom_recovery: t.on_oom == crate::config::OnOom::Shrink,
                 offload_delay: cfg.zero.delay(),
                 shard_group: (group < rank.world_size).then_some(group),
+                loss_chunk: t.loss_chunk(),
             },
         )
         .map_err(|e| match e.out_of_memory() {

@@ -306,8 +306,8 @@ impl Head {
         }
     }
 
-    /// ln_f then the logits matmul, for up to `max_t` positions.
-    fn run(&self, params: &[Tensor], x: &Tensor, max_t: i64) -> Result<Tensor> {
+    /// ln_f's output (B, T, C) and the logits matrix, for up to `max_t` positions.
+    fn normed(&self, params: &[Tensor], x: &Tensor, max_t: i64) -> Result<(Tensor, Tensor)> {
         let u = "head";
         check_params(u, &self.inputs, params)?;
         check_activation(u, x, self.c, max_t)?;
@@ -316,7 +316,14 @@ impl Head {
         let h = x
             .f_layer_norm([self.c], Some(w), Some(b), LN_EPS, true)
             .ctx(u, "layer_norm(ln_f)")?;
-        h.f_linear(lm, None::<Tensor>).ctx(u, "linear(lm_head)") // (B, T, V)
+        Ok((h, lm.shallow_clone()))
+    }
+
+    /// ln_f then the logits matmul, for up to `max_t` positions.
+    fn run(&self, params: &[Tensor], x: &Tensor, max_t: i64) -> Result<Tensor> {
+        let (h, lm) = self.normed(params, x, max_t)?;
+        h.f_linear(&lm, None::<Tensor>)
+            .ctx("head", "linear(lm_head)") // (B, T, V)
     }
 }
 
@@ -336,6 +343,10 @@ impl Unit for Head {
 
     fn forward(&self, params: &[Tensor], x: &Tensor) -> Result<Tensor> {
         self.run(params, x, self.seq_len)
+    }
+
+    fn hidden(&self, params: &[Tensor], x: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
+        self.normed(params, x, self.seq_len).map(Some)
     }
 
     /// As `forward`: the head has no state across positions.

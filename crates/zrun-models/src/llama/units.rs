@@ -417,15 +417,21 @@ impl Head {
         }
     }
 
-    /// The norm then the logits matmul, for up to `max_t` positions.
-    fn run(&self, params: &[Tensor], x: &Tensor, max_t: i64) -> Result<Tensor> {
+    /// The norm's output (B, T, C) and the logits matrix, for up to `max_t` positions.
+    fn normed(&self, params: &[Tensor], x: &Tensor, max_t: i64) -> Result<(Tensor, Tensor)> {
         let u = "head";
         check_params(u, &self.inputs, params)?;
         check_activation(u, x, self.c, max_t)?;
         let (w, lm) = (&params[0], &params[1]);
         let x = to_param_kind(u, x, w.kind())?;
-        let h = rms_norm(u, &x, w, self.eps)?; // (B, T, C)
-        h.f_linear(lm, None::<Tensor>).ctx(u, "linear(lm_head)") // (B, T, V)
+        Ok((rms_norm(u, &x, w, self.eps)?, lm.shallow_clone()))
+    }
+
+    /// The norm then the logits matmul, for up to `max_t` positions.
+    fn run(&self, params: &[Tensor], x: &Tensor, max_t: i64) -> Result<Tensor> {
+        let (h, lm) = self.normed(params, x, max_t)?;
+        h.f_linear(&lm, None::<Tensor>)
+            .ctx("head", "linear(lm_head)") // (B, T, V)
     }
 }
 
@@ -445,6 +451,10 @@ impl Unit for Head {
 
     fn forward(&self, params: &[Tensor], x: &Tensor) -> Result<Tensor> {
         self.run(params, x, self.seq_len)
+    }
+
+    fn hidden(&self, params: &[Tensor], x: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
+        self.normed(params, x, self.seq_len).map(Some)
     }
 
     /// As `forward`, for any number of positions: the head has no state across positions.

@@ -188,6 +188,16 @@ pub struct TrainConfig {
     /// What an out-of-memory does: "stop" (exit code 4 with a diagnosis) or "shrink" (every
     /// rank drops the step, halves the micro-batch, doubles grad_accum and retries).
     pub on_oom: OnOom,
+    /// Logits (positions x vocabulary entries) per chunk of the head's matmul and the loss,
+    /// which then never hold the whole logits (B, T, V); 0 computes all logits at once.
+    pub loss_chunk: u64,
+}
+
+impl TrainConfig {
+    /// `loss_chunk` as the engine takes it.
+    pub fn loss_chunk(&self) -> i64 {
+        i64::try_from(self.loss_chunk).unwrap_or(i64::MAX)
+    }
 }
 
 /// `train.on_oom`.
@@ -221,6 +231,7 @@ impl Default for TrainConfig {
             threads: 0,
             global_batch: None,
             on_oom: OnOom::Stop,
+            loss_chunk: zrun_models::LOSS_CHUNK as u64,
         }
     }
 }
