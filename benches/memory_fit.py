@@ -31,7 +31,9 @@ MODELS = {
                "model.n_head=16", "model.d_model=1024"],
 }
 
-# (model, ranks, stage, precision, activation checkpointing, offload, micro-batch)
+# (model, ranks, stage, precision, activation checkpointing, offload, micro-batch[, train.loss_chunk])
+# Without a loss chunk a row runs the default (2^24 logits: one chunk but for medium at
+# micro-batch 4); the last three rows split the loss into many chunks, or run the full logits.
 MATRIX = [
     ("small", 1, 0, "fp32", False, False, 8),
     ("small", 1, 0, "fp32", False, False, 1),
@@ -51,6 +53,9 @@ MATRIX = [
     ("medium", 2, 3, "fp32", True, False, 4),
     ("medium", 2, 2, "fp32", False, True, 1),
     ("medium", 4, 3, "fp32", False, False, 1),
+    ("medium", 2, 3, "fp32", False, False, 4, 1 << 20),
+    ("medium", 1, 0, "fp32", False, False, 1, 0),
+    ("small", 2, 2, "bf16", False, False, 4, 1 << 14),
 ]
 
 
@@ -65,30 +70,31 @@ def main():
     common.ensure_zrun(work)
     load0, t0 = common.load_average(), time.perf_counter()
     rows = []
-    print(f"{'model':>6} {'W':>2} {'st':>2} {'prec':>4} {'ckpt':>4} {'offl':>4} {'mb':>2} {'rank':>4} "
+    print(f"{'model':>6} {'W':>2} {'st':>2} {'prec':>4} {'ckpt':>4} {'offl':>4} {'mb':>2} {'chunk':>5} {'rank':>4} "
           f"{'estimate MiB':>12} {'measured MiB':>12} {'ratio':>6}  phase of the predicted peak", flush=True)
-    for i, (model, w, stage, prec, ckpt, offload, mb) in enumerate(MATRIX):
+    for i, (model, w, stage, prec, ckpt, offload, mb, *chunk) in enumerate(MATRIX):
         if args.only and model != args.only:
             continue
         overrides = MODELS[model] + [
             f"train.micro_batch={mb}", "train.grad_accum=1", "train.steps=2", "train.eval_batches=1",
             f"zero.stage={stage}", f'zero.precision="{prec}"', f"zero.activation_checkpointing={str(ckpt).lower()}",
             f'zero.offload_optimizer="{"cpu" if offload else "none"}"', "log.every=1",
-        ]
+        ] + [f"train.loss_chunk={c}" for c in chunk]
+        shown = "2^24" if not chunk else ("off" if chunk[0] == 0 else f"2^{chunk[0].bit_length() - 1}")
         s = common.run_zrun(config, overrides, w, work / f"row-{i}", threads=1, timeout_s=1800)
         for r in range(w):
             measured = s["peak_rss_bytes"][r] - s["base_rss_bytes"][r]
             est = s["estimated_peak_bytes"][r]
             row = {"model": model, "world": w, "stage": stage, "precision": prec, "checkpointing": ckpt,
-                   "offload": offload, "micro_batch": mb, "rank": r, "estimate_bytes": est,
+                   "offload": offload, "micro_batch": mb, "loss_chunk": shown, "rank": r, "estimate_bytes": est,
                    "measured_bytes": measured, "ratio": est / measured, "phase": s["estimated_peak_phase"]}
             rows.append(row)
             print(f"{model:>6} {w:>2} {stage:>2} {prec:>4} {'on' if ckpt else 'off':>4} {'cpu' if offload else '-':>4} "
-                  f"{mb:>2} {r:>4} {common.fmt_mib(est):>12} {common.fmt_mib(measured):>12} {est / measured:>6.3f}  "
+                  f"{mb:>2} {shown:>5} {r:>4} {common.fmt_mib(est):>12} {common.fmt_mib(measured):>12} {est / measured:>6.3f}  "
                   f"{row['phase']}", flush=True)
     ratios = [r["ratio"] for r in rows]
     inside = sum(0.95 <= x <= 1.10 for x in ratios)
-    print(f"# {len(rows)} rank rows from {len({(r['model'], r['world'], r['stage'], r['precision'], r['checkpointing'], r['offload'], r['micro_batch']) for r in rows})} "
+    print(f"# {len(rows)} rank rows from {len({(r['model'], r['world'], r['stage'], r['precision'], r['checkpointing'], r['offload'], r['micro_batch'], r['loss_chunk']) for r in rows})} "
           f"configurations; ratio = estimate / measured: min {min(ratios):.3f}, max {max(ratios):.3f}; "
           f"{inside} of {len(rows)} within 0.95 .. 1.10")
     print(f"# load average before {load0:.2f}, after {common.load_average():.2f}; {time.perf_counter() - t0:.0f} s; "

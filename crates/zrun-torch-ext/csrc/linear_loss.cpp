@@ -84,8 +84,13 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
     // Each row's weight in the mean, times the upstream gradient.
     at::Tensor coef = (valid.to(acc) * (grads[0].to(acc) / count)).unsqueeze(1);
     at::Tensor lse_col = lse.unsqueeze(1);
-    at::Tensor grad_h = want_h ? at::zeros({n, h.size(1)}, h.options().dtype(acc)) : at::Tensor();
+    // The gradients are made before the chunks' temporaries, so those leave one free region
+    // behind them (with 16-bit inputs, the input's gradient and its fp32 sum).
     at::Tensor grad_w = want_w ? at::empty_like(w, at::MemoryFormat::Contiguous) : at::Tensor();
+    at::Tensor grad_h = want_h ? at::empty({n, h.size(1)}, h.options()) : at::Tensor();
+    at::Tensor sum_h = !want_h       ? at::Tensor()
+                       : kind == acc ? grad_h.zero_()
+                                     : at::zeros({n, h.size(1)}, h.options().dtype(acc));
     const int64_t cols = piece(chunk, n, v);
     for (int64_t s = 0; s < v; s += cols) {
       const int64_t k = std::min(cols, v - s);
@@ -107,14 +112,14 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
       }
       if (want_h) {
         if (kind == acc) {
-          grad_h.addmm_(d, wj);
+          sum_h.addmm_(d, wj);
         } else {
-          grad_h.add_(at::mm(d, wj));
+          sum_h.add_(at::mm(d, wj));
         }
       }
     }
-    if (want_h) {
-      grad_h = as(grad_h, kind);
+    if (want_h && kind != acc) {
+      grad_h.copy_(sum_h);
     }
     return {grad_h, grad_w, at::Tensor(), at::Tensor(), at::Tensor()};
   }
