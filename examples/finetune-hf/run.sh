@@ -16,8 +16,8 @@
 # 4-layer Llama (0.8M parameters, random weights) beside it. zrun reads config.json and
 # model.safetensors (each rank only its slices) and encodes the text with the tokenizer.json
 # next to them. The training windows are fixed 32-token pieces of a 4.6 KB text, so 150 steps
-# learn them by heart: the loss falls from about 6.2 (ln 512) through 5.3 at step 10 to about
-# 0.2 at step 150 (the held-out end of the text, never trained on, gets a high eval loss), and
+# learn them by heart: the loss falls from about 6.2 (ln 512) through 5.2 at step 10 to about
+# 0.02 at step 150 (the held-out end of the text, never trained on, gets a high eval loss), and
 # greedy generation from the text's first words recites it. transformers and `zrun sample --greedy` pick the same tokens; the script
 # stops with exit code 1 when they do not.
 #
