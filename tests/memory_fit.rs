@@ -111,6 +111,36 @@ fn the_estimate_names_its_terms_and_predicts_what_the_ranks_hold() {
     );
 }
 
+#[test]
+fn the_chunked_loss_holds_less_than_the_logits_and_the_estimate_follows_both() {
+    // A vocabulary of 8192 at micro-batch 4 x 128: 4.2M logits, 16 MiB in fp32 per copy.
+    let run = |chunk: u64| {
+        let d = scratch(&format!("fit-loss-chunk-{chunk}"));
+        let mut s = sets(&d, 2);
+        s.extend([
+            "model.vocab_size=8192".to_string(),
+            "train.micro_batch=4".to_string(),
+            format!("train.loss_chunk={chunk}"),
+        ]);
+        let out = zrun(&args(&["--nproc", "2", CONFIG], &s));
+        assert!(out.status.success(), "{}", stderr(&out));
+        let summary = read_json(&d.join("summary.json"));
+        let rank0 = |k: &str| summary[k][0].as_i64().unwrap();
+        let measured = rank0("peak_rss_bytes") - rank0("base_rss_bytes");
+        let ratio = rank0("estimated_peak_bytes") as f64 / measured as f64;
+        assert!((0.9..1.1).contains(&ratio), "loss_chunk {chunk}: {ratio}");
+        rank0("cpu_allocated_peak_bytes")
+    };
+    // In chunks of 2^20 logits (4 MiB, 4 of them) against the full logits, which keep their
+    // fp32 log-probabilities and make two gradients of that size in the backward (the
+    // allocated peaks measured 32 MiB apart).
+    let (chunked, full) = (run(1 << 20), run(0));
+    assert!(
+        chunked + (24 << 20) < full,
+        "tensor peaks: chunked {chunked}, full logits {full}"
+    );
+}
+
 /// A limit that the config does not fit and a cheaper alternative does: the runtime's fixed
 /// cost plus 85 MiB (the config needs ~115 MiB above it; micro-batch 2 x 4 ~60 MiB).
 fn tight_limit() -> String {
