@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{adamw, single};
+use common::{adamw, single, tokens};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
@@ -33,18 +33,7 @@ fn model() -> Arc<dyn Model> {
 
 /// Step `t`'s batch, from a local generator (libtorch's global one is shared by the tests).
 fn batch(t: u64) -> (Tensor, Tensor) {
-    let (b, n, v) = (4i64, 24i64, 97u64);
-    let mut state = (t + 100) ^ 0x9e37_79b9_7f4a_7c15;
-    let ids: Vec<i64> = (0..b * (n + 1))
-        .map(|_| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((state >> 33) % v) as i64
-        })
-        .collect();
-    let all = Tensor::from_slice(&ids).view([b, n + 1]);
-    (all.narrow(1, 0, n), all.narrow(1, 1, n))
+    tokens(t + 100, 4, 24, 97)
 }
 
 /// What a run ends with: its losses, the newest parameters (every update applied) and the

@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{adamw, single};
+use common::{adamw, single, tokens};
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 use zrun_models::{forward_model, init_model_params, lm_loss, Gpt, GptConfig, Model};
@@ -38,22 +38,6 @@ fn engine(m: Arc<dyn Model>) -> Engine {
     engine_at(m, Stage::Zero0)
 }
 
-/// Token ids from a local generator: libtorch's global one is shared by the tests running
-/// in parallel threads, so it cannot reproduce a batch.
-fn batch(seed: i64, b: i64, t: i64, v: i64) -> (Tensor, Tensor) {
-    let mut state = seed as u64 ^ 0x9e37_79b9_7f4a_7c15;
-    let ids: Vec<i64> = (0..b * (t + 1))
-        .map(|_| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((state >> 33) % v as u64) as i64
-        })
-        .collect();
-    let all = Tensor::from_slice(&ids).view([b, t + 1]);
-    (all.narrow(1, 0, t), all.narrow(1, 1, t))
-}
-
 fn max_rel_err(a: &Tensor, b: &Tensor) -> f64 {
     let diff = (a - b).abs().max().double_value(&[]);
     diff / b.abs().max().double_value(&[]).max(1e-30)
@@ -83,9 +67,9 @@ fn parameters_are_the_models_deterministic_init() {
 fn unit_by_unit_gradients_equal_whole_model_autograd() {
     let m = model();
     let mut e = engine(m.clone());
-    let (x, y) = batch(3, 3, 24, 97);
+    let (x, y) = tokens(3, 3, 24, 97);
     // Two micro-steps with weights that sum to 1: the engine accumulates.
-    let (x2, y2) = batch(4, 3, 24, 97);
+    let (x2, y2) = tokens(4, 3, 24, 97);
     let l1 = e.forward_backward(&x, &y, 0.25).unwrap();
     let l2 = e.forward_backward(&x2, &y2, 0.75).unwrap();
 
@@ -124,7 +108,7 @@ fn unit_by_unit_gradients_equal_whole_model_autograd() {
 fn every_parameter_gets_a_gradient_and_step_clears_them() {
     let m = model();
     let mut e = engine(m);
-    let (x, y) = batch(5, 2, 24, 97);
+    let (x, y) = tokens(5, 2, 24, 97);
     e.forward_backward(&x, &y, 1.0).unwrap();
     for (name, g) in e.local_gradients().unwrap() {
         let used = g.abs().sum(Kind::Double).double_value(&[]);
@@ -147,7 +131,7 @@ fn clipping_scales_gradients_to_the_max_norm() {
     let m = model();
     let mut a = engine(m.clone());
     let mut b = engine(m);
-    let (x, y) = batch(6, 2, 24, 97);
+    let (x, y) = tokens(6, 2, 24, 97);
     a.forward_backward(&x, &y, 1.0).unwrap();
     b.forward_backward(&x, &y, 1.0).unwrap();
     // A huge clip threshold leaves gradients alone; a tiny one scales them.
@@ -167,7 +151,7 @@ fn every_stage_at_world_size_one_trains_identically() {
         let mut e = engine_at(m.clone(), stage);
         let mut losses = Vec::new();
         for k in 0..4 {
-            let (x, y) = batch(10 + k, 2, 24, 97);
+            let (x, y) = tokens(10 + k, 2, 24, 97);
             losses.push(e.forward_backward(&x, &y, 1.0).unwrap());
             e.step(1e-2, 0.5).unwrap();
         }
@@ -184,7 +168,7 @@ fn every_stage_at_world_size_one_trains_identically() {
 fn train_losses(mut e: Engine, steps: i64) -> (Vec<f64>, Vec<(String, Tensor)>) {
     let mut losses = Vec::new();
     // One fixed batch: a working optimizer memorises it.
-    let (x, y) = batch(20, 2, 24, 97);
+    let (x, y) = tokens(20, 2, 24, 97);
     for _ in 0..steps {
         losses.push(e.forward_backward(&x, &y, 1.0).unwrap());
         let s = e.step(1e-2, 1.0).unwrap();
@@ -314,7 +298,7 @@ fn fp16_overflow_skips_the_step_halves_the_scale_and_recovers() {
     let mut skipped = 0;
     let mut losses = Vec::new();
     // One fixed batch: a working optimizer memorises it.
-    let (x, y) = batch(40, 2, 24, 97);
+    let (x, y) = tokens(40, 2, 24, 97);
     for _ in 0..60 {
         losses.push(e.forward_backward(&x, &y, 1.0).unwrap());
         let s = e.step(1e-2, 1.0).unwrap();
@@ -357,7 +341,7 @@ fn stage3_keeps_only_the_units_in_flight_gathered() {
     };
     let m: Arc<dyn Model> = Arc::new(Gpt::new(cfg).unwrap());
     let mut e = engine_at(m, Stage::Zero3);
-    let (x, y) = batch(9, 2, 24, 97);
+    let (x, y) = tokens(9, 2, 24, 97);
     e.forward_backward(&x, &y, 1.0).unwrap();
     let biggest = e.layout().units.iter().map(|u| u.padded).max().unwrap() * 4;
     let all = e.layout().full_numel() * 4;
@@ -379,8 +363,8 @@ fn offload_run(
     announce: bool,
     max_norm: f64,
 ) -> (Vec<f64>, Vec<(String, Tensor)>) {
-    let (x1, y1) = batch(50, 4, 32, 256);
-    let (x2, y2) = batch(51, 4, 32, 256);
+    let (x1, y1) = tokens(50, 4, 32, 256);
+    let (x2, y2) = tokens(51, 4, 32, 256);
     let mut losses = Vec::new();
     for _ in 0..steps {
         losses.push(e.forward_backward(&x1, &y1, 0.5).unwrap());
@@ -453,7 +437,7 @@ fn offloaded_update_during_backward_equals_the_update_at_the_step() {
         "no offload, nothing to overlap"
     );
     // A step that disagrees with what was announced is refused.
-    let (x, y) = batch(52, 2, 24, 97);
+    let (x, y) = tokens(52, 2, 24, 97);
     e = with(Stage::Zero2, |c| c.offload = Offload::Cpu);
     assert!(e.prepare_step(1e-2, 0.0));
     e.forward_backward(&x, &y, 1.0).unwrap();
@@ -472,7 +456,7 @@ fn a_tied_embedding_gets_both_gradients_at_every_stage_and_setting() {
     let m = model_with(true);
     // Against whole-model autograd, where the one matrix is used twice.
     let mut e = engine(m.clone());
-    let (x, y) = batch(3, 3, 24, 97);
+    let (x, y) = tokens(3, 3, 24, 97);
     e.forward_backward(&x, &y, 1.0).unwrap();
     let leaves: Vec<Vec<Tensor>> = init_model_params(m.as_ref(), SEED, Kind::Float, Device::Cpu)
         .unwrap()
@@ -600,7 +584,7 @@ fn reads_after_a_cut_short_collective_fail_instead_of_training_on_them() {
     });
     let cfg = EngineConfig::fp32(Stage::Zero3, Device::Cpu, SEED, adamw());
     let mut e = Engine::new(model(), comm.clone(), cfg).unwrap();
-    let (x, y) = batch(1, 2, 24, 97);
+    let (x, y) = tokens(1, 2, 24, 97);
     e.forward_backward(&x, &y, 1.0).unwrap();
     e.step(1e-3, 1.0).unwrap();
     comm.failed.store(true, std::sync::atomic::Ordering::SeqCst);

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::adamw;
+use common::{adamw, tokens};
 use std::io::Read;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -47,18 +47,8 @@ fn model(tied: bool) -> Arc<dyn Model> {
 /// The global batch of micro-step `micro` of step `step` (`WORLD * MICRO` sequences; rank r
 /// reads rows `r * MICRO..`), from a local generator.
 fn global_batch(step: usize, micro: usize) -> (Tensor, Tensor) {
-    let b = WORLD as i64 * MICRO;
-    let mut state = (step * 31 + micro * 7 + 1) as u64 ^ 0x9e37_79b9_7f4a_7c15;
-    let ids: Vec<i64> = (0..b * (SEQ + 1))
-        .map(|_| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((state >> 33) % VOCAB as u64) as i64
-        })
-        .collect();
-    let all = Tensor::from_slice(&ids).view([b, SEQ + 1]);
-    (all.narrow(1, 0, SEQ), all.narrow(1, 1, SEQ))
+    let seed = (step * 31 + micro * 7 + 1) as u64;
+    tokens(seed, WORLD as i64 * MICRO, SEQ, VOCAB)
 }
 
 fn rank_batch(step: usize, micro: usize, rank: usize) -> (Tensor, Tensor) {

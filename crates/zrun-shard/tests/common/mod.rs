@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use tch::Tensor;
 use zrun_optim::AdamWConfig;
 
 /// One rank's communicator (no peers, no store).
@@ -24,4 +25,21 @@ pub fn adamw() -> AdamWConfig {
         eps: 1e-8,
         weight_decay: 0.1,
     }
+}
+
+/// `b` sequences of `t` token ids below `v` and their targets (the ids shifted by one), from a
+/// local generator seeded with `seed`: libtorch's global one is shared by the tests running
+/// in parallel threads, so it cannot reproduce a batch.
+pub fn tokens(seed: u64, b: i64, t: i64, v: i64) -> (Tensor, Tensor) {
+    let mut state = seed ^ 0x9e37_79b9_7f4a_7c15;
+    let ids: Vec<i64> = (0..b * (t + 1))
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) % v as u64) as i64
+        })
+        .collect();
+    let all = Tensor::from_slice(&ids).view([b, t + 1]);
+    (all.narrow(1, 0, t), all.narrow(1, 1, t))
 }
