@@ -151,24 +151,24 @@ impl StepInputs {
         })
     }
 
-    /// The world: every rank (W ranks, L per node).
-    fn world_group(&self) -> Group {
+    /// `n` consecutive ranks, L per node.
+    fn consecutive(&self, n: usize) -> Group {
         let l = self.ranks_per_node.max(1);
         Group {
-            n: self.world,
-            per_node: self.world.min(l),
-            spans: self.world > l,
+            n,
+            per_node: n.min(l),
+            spans: n > l,
         }
+    }
+
+    /// The world: every rank (W ranks, L per node).
+    fn world_group(&self) -> Group {
+        self.consecutive(self.world)
     }
 
     /// A shard group: G consecutive ranks.
     fn shard_group(&self) -> Group {
-        let l = self.ranks_per_node.max(1);
-        Group {
-            n: self.group,
-            per_node: self.group.min(l),
-            spans: self.group > l,
-        }
+        self.consecutive(self.group)
     }
 
     /// A replica group: the R ranks at one position of every shard group (stride G), so
