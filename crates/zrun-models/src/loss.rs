@@ -54,25 +54,22 @@ pub fn lm_loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 pub fn linear_lm_loss(h: &Tensor, w: &Tensor, targets: &Tensor, chunk: i64) -> Result<Tensor> {
     let (hs, ws, ts) = (h.size(), w.size(), targets.size());
     let bad = |reason: &str| Error::LossInput {
-        logits: vec![
-            hs.first().copied().unwrap_or(0),
-            hs.get(1).copied().unwrap_or(0),
-            ws[0],
-        ],
-        logits_kind: format!("{:?}", h.kind()),
+        logits: [hs.first(), hs.get(1), ws.first()]
+            .iter()
+            .map(|d| d.copied().unwrap_or(0))
+            .collect(),
+        logits_kind: format!(
+            "{:?}, from hidden states {hs:?} and a matrix {ws:?}",
+            h.kind()
+        ),
         targets: ts.clone(),
         targets_kind: format!("{:?}", targets.kind()),
         reason: reason.to_string(),
     };
     if ws.len() != 2 || hs.len() != 3 || hs[2] != ws[1] || !h.is_floating_point() {
-        return Err(Error::LossInput {
-            logits: hs.clone(),
-            logits_kind: format!("{:?} against a {:?} matrix", h.kind(), ws),
-            targets: ts.clone(),
-            targets_kind: format!("{:?}", targets.kind()),
-            reason: "hidden states must be floating point (B, T, C) and the matrix (V, C)"
-                .to_string(),
-        });
+        return Err(bad(
+            "hidden states must be floating point (B, T, C) and the matrix (V, C)",
+        ));
     }
     if ts.len() != 2 || targets.kind() != Kind::Int64 {
         return Err(bad("targets must be int64 (B, T)"));

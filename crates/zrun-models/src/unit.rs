@@ -101,6 +101,8 @@ pub trait Model: Send + Sync {
     fn flops_per_token(&self) -> f64;
     /// Vocabulary size V (logits' last dimension).
     fn vocab_size(&self) -> i64;
+    /// Width C of the hidden states (the head's input).
+    fn d_model(&self) -> i64;
     /// Longest sequence the model accepts.
     fn seq_len(&self) -> i64;
     /// Every parameter's Hugging Face name and layout, in `units()` order (a tied parameter

@@ -71,3 +71,23 @@ fn units_that_are_not_heads_offer_no_hidden_state() {
     let block = &model.units()[1];
     assert!(block.hidden(&[], &Tensor::new()).unwrap().is_none());
 }
+
+#[test]
+fn mismatched_inputs_are_one_line_errors_naming_the_shapes() {
+    let h = Tensor::zeros([2, 4, 8], (Kind::Float, Device::Cpu));
+    let w = Tensor::zeros([16, 8], (Kind::Float, Device::Cpu));
+    let y = Tensor::zeros([2, 5], (Kind::Int64, Device::Cpu));
+    let msg = zrun_models::linear_lm_loss(&h, &w, &y, 64)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("[2, 4, 16]") && msg.contains("[2, 5]"),
+        "{msg}"
+    );
+    assert!(!msg.contains('\n'), "{msg}");
+    let narrow = Tensor::zeros([16, 7], (Kind::Float, Device::Cpu));
+    let msg = zrun_models::linear_lm_loss(&h, &narrow, &y.narrow(1, 0, 4), 64)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("[16, 7]"), "{msg}");
+}

@@ -241,14 +241,7 @@ fn unit_activations(model: &dyn Model, b: i64, t: i64, cfg: &EstimateConfig) -> 
 fn loss_bytes(model: &dyn Model, tokens: i64, cfg: &EstimateConfig) -> LossBytes {
     let (v, elt) = (model.vocab_size(), cfg.precision.bytes());
     if cfg.loss_chunk > 0 {
-        let c = model.units().last().map_or(0, |u| {
-            u.params()
-                .first()
-                .and_then(|p| p.shape.first())
-                .copied()
-                .unwrap_or(0)
-        });
-        LossBytes::chunked(tokens, v, c, elt, cfg.loss_chunk)
+        LossBytes::chunked(tokens, v, model.d_model(), elt, cfg.loss_chunk)
     } else {
         LossBytes::new(tokens, v, elt)
     }

@@ -73,6 +73,10 @@ impl Model for Gpt {
         self.cfg.vocab_size
     }
 
+    fn d_model(&self) -> i64 {
+        self.cfg.d_model
+    }
+
     fn seq_len(&self) -> i64 {
         self.cfg.seq_len
     }

@@ -100,6 +100,10 @@ impl Model for Llama {
         self.cfg.vocab_size
     }
 
+    fn d_model(&self) -> i64 {
+        self.cfg.d_model
+    }
+
     fn seq_len(&self) -> i64 {
         self.cfg.seq_len
     }
