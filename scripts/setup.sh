@@ -47,36 +47,44 @@ if [ ! -x .venv/bin/python ]; then
     echo "setup: creating .venv"
     python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import torch, numpy, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
-    echo "setup: installing torch==$TORCH_VERSION into .venv (a few GB, once)"
-    .venv/bin/python -m pip install -q --upgrade pip
-    # A few GB from PyPI: a dropped connection resumes, and the whole install is tried again
-    # (what is already downloaded stays in pip's cache).
-    for attempt in 1 2 3; do
-        if .venv/bin/python -m pip install -q --resume-retries 20 "torch==$TORCH_VERSION" numpy; then
-            break
+# pip_install WHAT PACKAGE...: PyPI downloads (torch's are a few GB) break now and then. A
+# dropped connection resumes within one try; a failed try is repeated after a pause that
+# doubles (15 s to 4 min, about 8 minutes in all), and what was downloaded stays in pip's cache.
+pip_install() {
+    local what=$1; shift
+    local pause=15
+    for attempt in 1 2 3 4 5 6; do
+        if .venv/bin/python -m pip install -q --retries 10 --resume-retries 20 "$@"; then
+            return 0
         fi
-        if [ "$attempt" = 3 ]; then
-            echo "setup: installing torch==$TORCH_VERSION failed 3 times; check the connection to PyPI and run make setup again" >&2
+        if [ "$attempt" = 6 ]; then
+            echo "setup: installing $what failed $attempt times; check the connection to PyPI and run make setup again" >&2
             exit 1
         fi
-        echo "setup: installing torch failed (attempt $attempt of 3); trying again" >&2
+        echo "setup: installing $what failed (attempt $attempt of 6); trying again in $pause s" >&2
+        sleep "$pause"
+        pause=$((pause * 2))
     done
+}
+if ! .venv/bin/python -c "import torch, numpy, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+    echo "setup: installing torch==$TORCH_VERSION into .venv (a few GB, once)"
+    pip_install pip --upgrade pip
+    pip_install "torch==$TORCH_VERSION" "torch==$TORCH_VERSION" numpy
 fi
 # The tests load consolidated checkpoints with safetensors.torch.
 if ! .venv/bin/python -c "import safetensors.torch" 2>/dev/null; then
     echo "setup: installing safetensors into .venv"
-    .venv/bin/python -m pip install -q safetensors
+    pip_install safetensors safetensors
 fi
 # The Hugging Face tests build tiny models with transformers and compare tokenizers' encoding.
 if ! .venv/bin/python -c "import transformers, tokenizers" 2>/dev/null; then
     echo "setup: installing transformers into .venv"
-    .venv/bin/python -m pip install -q --resume-retries 20 "transformers>=4.46,<6" tokenizers
+    pip_install transformers "transformers>=4.46,<6" tokenizers
 fi
 # The prepare tests and benches/prepare_speed.py write Parquet and zstd inputs with pyarrow.
 if ! .venv/bin/python -c "import pyarrow" 2>/dev/null; then
     echo "setup: installing pyarrow into .venv"
-    .venv/bin/python -m pip install -q --resume-retries 20 pyarrow
+    pip_install pyarrow pyarrow
 fi
 # The nccl backend (feature `cuda`): cudarc loads NCCL as libnccl.so, but pip's nvidia-nccl
 # wheel (a dependency of torch) ships only libnccl.so.2. Link it under cudarc's name in
