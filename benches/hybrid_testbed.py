@@ -119,6 +119,7 @@ def main():
                     help="calibrate the step-time model on the testbed (bench comm --save, a compute run) "
                          "and print its prediction beside each measurement")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory (rank logs)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="zrun-hybrid-testbed-"))
     zrun = common.ensure_zrun(work)
@@ -151,7 +152,8 @@ def main():
             if args.json:
                 print(json.dumps(row))
     print(f"# load average before {load0:.2f}, after {common.load_average():.2f}; "
-          f"{args.nproc} ranks per node x 2 nodes, 1 thread each; work dir {work}")
+          f"{args.nproc} ranks per node x 2 nodes, 1 thread each")
+    common.clean_up(work, args.keep)
 
 
 if __name__ == "__main__":

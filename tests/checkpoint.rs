@@ -7,11 +7,10 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::path::Path;
 use std::time::Duration;
 
-use common::{demo_sets as sets, rank_pid, scratch, signal, stderr, zrun, Job};
+use common::{demo_sets as sets, rank_pid, scratch, signal, stderr, zrun, Job, Scratch};
 use zrun_ckpt::Checkpoint;
 
 const CONFIG: &str = "configs/tiny-cpu.toml";
@@ -36,14 +35,11 @@ fn start(a: &[String], env: &[(&str, &str)]) -> Job {
 }
 
 /// 60 steps without interruption, saving every 5: the reference of the tests below.
-fn reference() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = scratch("ck-reference");
-        let o = run(&args(&[], &sets(&dir, 60, 5)));
-        assert!(o.status.success(), "reference run failed: {}", stderr(&o));
-        dir
-    })
+fn reference() -> Scratch {
+    let dir = scratch("ck-reference");
+    let o = run(&args(&[], &sets(&dir, 60, 5)));
+    assert!(o.status.success(), "reference run failed: {}", stderr(&o));
+    dir
 }
 
 /// Asserts the two checkpoints hold the same master and moments, bit for bit.
@@ -66,7 +62,8 @@ fn wait_for_step(job: &mut Job, step: u64, of: u64) {
 
 #[test]
 fn a_killed_rank_is_restarted_and_the_job_ends_as_if_uninterrupted() {
-    let want = reference().join("ckpt/step-00000060");
+    let reference = reference();
+    let want = reference.join("ckpt/step-00000060");
     let dir = scratch("ck-restart");
     let id = format!("ck-restart-{}", std::process::id());
     let mut s = sets(&dir, 60, 5);
@@ -128,7 +125,7 @@ fn sigterm_saves_one_agreed_step_exits_3_and_the_resumed_run_matches() {
             })
             .collect()
     };
-    assert_eq!(lines(&dir), lines(want));
+    assert_eq!(lines(&dir), lines(&want));
     // Once more: the newest checkpoint is at train.steps, so there is nothing to do.
     let o = run(&a);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -200,24 +197,12 @@ fn a_rank_killed_while_saving_leaves_the_previous_checkpoint_complete() {
 }
 
 /// A finished 10-step run with checkpoints at 5 and 10, copied to a fresh directory.
-fn saved_run(name: &str) -> PathBuf {
-    static BASE: OnceLock<PathBuf> = OnceLock::new();
-    let base = BASE.get_or_init(|| {
-        let dir = scratch("ck-base");
-        let o = run(&args(&[], &sets(&dir, 10, 5)));
-        assert!(o.status.success(), "{}", stderr(&o));
-        dir
-    });
+fn saved_run(name: &str) -> Scratch {
+    let base = scratch(&format!("{name}-base"));
+    let o = run(&args(&[], &sets(&base, 10, 5)));
+    assert!(o.status.success(), "{}", stderr(&o));
     let dir = scratch(name);
-    let o = std::process::Command::new("cp")
-        .args([
-            "-r",
-            &format!("{}/ckpt", base.display()),
-            &dir.display().to_string(),
-        ])
-        .output()
-        .unwrap();
-    assert!(o.status.success());
+    std::fs::rename(base.join("ckpt"), dir.join("ckpt")).unwrap();
     dir
 }
 

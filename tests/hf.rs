@@ -9,7 +9,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{scratch, stderr, stdout, zrun};
+use common::{scratch, stderr, stdout, zrun, Scratch};
 use serde_json::{json, Value};
 use tch::Tensor;
 
@@ -273,38 +273,28 @@ fn bad_model_directories_are_one_line_errors() {
     );
 }
 
-/// A checkpoint of the demo's tiny GPT after 2 steps on 1 rank (trained once, copied for
-/// each caller into `scratch(name)`): the checkpoint directory.
-fn tiny_checkpoint(name: &str) -> PathBuf {
-    static BASE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    let base = BASE.get_or_init(|| {
-        let dir = scratch("hf-untrusted-base");
-        let sets = [
-            format!("log.dir=\"{}\"", dir.display()),
-            "train.steps=2".into(),
-            "checkpoint.every=2".into(),
-            "train.eval_every=0".into(),
-            "train.micro_batch=2".into(),
-            "train.threads=1".into(),
-        ];
-        let mut a = vec!["configs/tiny-cpu.toml".to_string()];
-        a.extend(sets.into_iter().flat_map(|s| ["--set".to_string(), s]));
-        let refs: Vec<&str> = a.iter().map(String::as_str).collect();
-        let o = zrun(&refs);
-        assert!(o.status.success(), "{}", stderr(&o));
-        dir.join("ckpt/step-00000002")
-    });
-    let dir = scratch(name).join("step-00000002");
-    let o = Command::new("cp")
-        .args([
-            "-r",
-            &base.display().to_string(),
-            &dir.display().to_string(),
-        ])
-        .output()
-        .unwrap();
-    assert!(o.status.success());
-    dir
+/// A checkpoint of the demo's tiny GPT after 2 steps on 1 rank, alone in `scratch(name)`:
+/// that directory (removed when it drops) and the checkpoint's.
+fn tiny_checkpoint(name: &str) -> (Scratch, PathBuf) {
+    let dir = scratch(name);
+    let train = dir.join("train");
+    let sets = [
+        format!("log.dir=\"{}\"", train.display()),
+        "train.steps=2".into(),
+        "checkpoint.every=2".into(),
+        "train.eval_every=0".into(),
+        "train.micro_batch=2".into(),
+        "train.threads=1".into(),
+    ];
+    let mut a = vec!["configs/tiny-cpu.toml".to_string()];
+    a.extend(sets.into_iter().flat_map(|s| ["--set".to_string(), s]));
+    let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+    let o = zrun(&refs);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ckpt = dir.join("step-00000002");
+    std::fs::rename(train.join("ckpt/step-00000002"), &ckpt).unwrap();
+    std::fs::remove_dir_all(&train).unwrap();
+    (dir, ckpt)
 }
 
 /// The one error line of a refused command: exit code 2, exactly one line saying `error`.
@@ -339,7 +329,7 @@ fn edit_manifest(ckpt: &Path, edit: impl FnOnce(&mut Value)) {
 
 #[test]
 fn export_verifies_every_hash_before_its_directory_appears() {
-    let ckpt = tiny_checkpoint("hf-flipped");
+    let (_dir, ckpt) = tiny_checkpoint("hf-flipped");
     let base = ckpt.parent().unwrap().to_path_buf();
     let f = ckpt.join("rank-00000.safetensors");
     let good = std::fs::read(&f).unwrap();
@@ -386,7 +376,7 @@ fn export_verifies_every_hash_before_its_directory_appears() {
 
 #[test]
 fn consolidate_refuses_a_rank_file_outside_the_checkpoint() {
-    let ckpt = tiny_checkpoint("hf-outside");
+    let (_dir, ckpt) = tiny_checkpoint("hf-outside");
     let base = ckpt.parent().unwrap().to_path_buf();
     // The rank file moved next to the checkpoint, size and hash intact, and named there.
     std::fs::rename(
@@ -412,7 +402,7 @@ fn consolidate_refuses_a_rank_file_outside_the_checkpoint() {
 #[test]
 fn a_recorded_tokenizer_that_is_not_one_is_not_exported() {
     for (i, name) in ["secret.json", "notes.txt"].iter().enumerate() {
-        let ckpt = tiny_checkpoint(&format!("hf-tokenizer-{i}"));
+        let (_dir, ckpt) = tiny_checkpoint(&format!("hf-tokenizer-{i}"));
         let base = ckpt.parent().unwrap().to_path_buf();
         let secrets = base.join("private");
         std::fs::create_dir_all(&secrets).unwrap();
@@ -453,7 +443,7 @@ fn a_recorded_tokenizer_that_is_not_one_is_not_exported() {
 fn an_export_refuses_view_tables_that_are_not_its_models() {
     // A view renamed in the manifest: the tables no longer describe the model its hf_config
     // does, so reading or transposing by them would go wrong.
-    let ckpt = tiny_checkpoint("hf-views");
+    let (_dir, ckpt) = tiny_checkpoint("hf-views");
     edit_manifest(&ckpt, |v| {
         v["units"][1]["views"][0]["name"] = json!("h.0.renamed.weight");
     });

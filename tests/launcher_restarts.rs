@@ -48,7 +48,8 @@ fn a_failed_rank_restarts_the_group_until_it_succeeds() {
     let id = run_id("restart-ok");
     let logs = d.display().to_string();
     // Rank 1 fails in rounds 0 and 1 while rank 0 still runs; round 2 succeeds.
-    let start = start_together(&scratch("restart-ok-gate"));
+    let gate = scratch("restart-ok-gate");
+    let start = start_together(&gate);
     let script = format!(
         "{start}if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT -lt 2 ]; then echo failing; exit 1; fi; sleep 0.5"
     );
@@ -88,7 +89,8 @@ fn a_failed_rank_restarts_the_group_until_it_succeeds() {
 
 #[test]
 fn restarts_run_out_and_the_failure_counts_them() {
-    let start = start_together(&scratch("restart-out"));
+    let gate = scratch("restart-out");
+    let start = start_together(&gate);
     let script = format!("{start}if [ $RANK = 1 ]; then exit 1; fi; sleep 0.5");
     let flags = ["--nproc", "2", "--max-restarts", "1"];
     let mut job = Job::start(&exec_args(&flags, &script), &[]);
@@ -113,7 +115,8 @@ fn restarts_run_out_and_the_failure_counts_them() {
 
 #[test]
 fn a_rank_exiting_2_is_not_restarted() {
-    let start = start_together(&scratch("restart-exit-2"));
+    let gate = scratch("restart-exit-2");
+    let start = start_together(&gate);
     let script = format!("{start}if [ $RANK = 1 ]; then exit 2; fi; sleep 0.5");
     let flags = ["--nproc", "2", "--max-restarts", "3"];
     let mut job = Job::start(&exec_args(&flags, &script), &[]);

@@ -7,12 +7,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
-use std::sync::OnceLock;
 use std::time::Duration;
 
-use common::{demo_sets as sets, free_port, root, scratch, signal, stderr, zrun, Job};
+use common::{demo_sets as sets, free_port, root, scratch, signal, stderr, zrun, Job, Scratch};
 
 const CONFIG: &str = "configs/tiny-cpu.toml";
 
@@ -50,21 +49,12 @@ fn steps_in(dir: &Path) -> Vec<u64> {
 
 /// A finished 10-step run on 2 ranks with checkpoints at 5 and 10, copied to a fresh
 /// directory (its checkpoints are another run's to every run below).
-fn saved_run(name: &str) -> PathBuf {
-    static BASE: OnceLock<PathBuf> = OnceLock::new();
-    let base = BASE.get_or_init(|| {
-        let dir = scratch("rs-base");
-        let o = run(&args(2, &sets(&dir, 10, 5)), &[]);
-        assert!(o.status.success(), "{}", stderr(&o));
-        dir
-    });
+fn saved_run(name: &str) -> Scratch {
+    let base = scratch(&format!("{name}-base"));
+    let o = run(&args(2, &sets(&base, 10, 5)), &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
     let dir = scratch(name);
-    let o = Command::new("cp")
-        .args(["-r", &format!("{}/ckpt", base.display())])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(o.status.success());
+    std::fs::rename(base.join("ckpt"), dir.join("ckpt")).unwrap();
     dir
 }
 
@@ -464,7 +454,7 @@ fn losses_after(dir: &Path, after: u64) -> Vec<(u64, f64)> {
 
 /// Resumes the checkpoint `ckpt` (alone in a fresh directory `name`) to step 10 on `nproc`
 /// ranks with `extra` settings; returns the run's directory.
-fn resume_delayed(ckpt: &Path, name: &str, nproc: usize, extra: &[&str]) -> PathBuf {
+fn resume_delayed(ckpt: &Path, name: &str, nproc: usize, extra: &[&str]) -> Scratch {
     let dir = scratch(name);
     std::fs::create_dir_all(dir.join("ckpt")).unwrap();
     let o = Command::new("cp")

@@ -7,7 +7,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use zrun_ckpt::Checkpoint;
 use zrun_train::checkpoint::Position;
@@ -44,7 +44,7 @@ every = 1
 
 /// Runs a job of `world` ranks with `sets` (after `log.dir`); `mode` is `train` (rank 0
 /// then writes the final parameters) or `reshard` (load the checkpoint, save it again at once).
-fn job(name: &str, world: usize, sets: &[String], mode: &str) -> PathBuf {
+fn job(name: &str, world: usize, sets: &[String], mode: &str) -> common::Scratch {
     let dir = common::scratch("ckpt", name);
     let config = dir.join("train.toml");
     std::fs::write(&config, CONFIG).unwrap();

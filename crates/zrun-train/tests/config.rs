@@ -4,16 +4,16 @@
 use std::path::PathBuf;
 use zrun_train::config::Config;
 
-fn write(name: &str, text: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("zrun-config-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
+/// Writes `text` to a file `name` in a fresh directory (removed when the first value drops).
+fn write(name: &str, text: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(name);
     std::fs::write(&path, text).unwrap();
-    path
+    (dir, path)
 }
 
 fn error_of(name: &str, text: &str, overrides: &[&str]) -> String {
-    let path = write(name, text);
+    let (_path_dir, path) = write(name, text);
     let sets: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
     let err = Config::load(&path, &sets)
         .expect_err("config should be rejected")
@@ -205,7 +205,7 @@ fn missing_file_names_the_file_and_the_fix() {
 
 #[test]
 fn defaults_overrides_and_presets_resolve() {
-    let path = write(
+    let (_path_dir, path) = write(
         "good.toml",
         "[model]\npreset = \"gpt2-small\"\n[train]\nsteps = 7\n",
     );
@@ -241,7 +241,7 @@ fn shipped_configs_parse() {
 
 #[test]
 fn a_warmup_longer_than_the_run_is_shortened_with_a_note() {
-    let p = write(
+    let (_p_dir, p) = write(
         "long-warmup.toml",
         "[train]\nsteps = 30\nwarmup_steps = 20\n",
     );
@@ -260,7 +260,7 @@ fn a_warmup_longer_than_the_run_is_shortened_with_a_note() {
 
 #[test]
 fn llama_presets_and_their_keys_resolve() {
-    let path = write(
+    let (_path_dir, path) = write(
         "llama.toml",
         "[model]\narch = \"llama\"\npreset = \"llama-tiny\"\nn_kv_head = 1\nffn_hidden = 96\n",
     );
@@ -279,7 +279,7 @@ fn llama_presets_and_their_keys_resolve() {
         panic!("a Llama preset")
     };
     assert_eq!(l.head_dim, 64);
-    let big = write(
+    let (_big_dir, big) = write(
         "llama-8b.toml",
         "[model]\narch = \"llama\"\npreset = \"llama3.1-8b\"\n",
     );
@@ -289,8 +289,8 @@ fn llama_presets_and_their_keys_resolve() {
 
 #[test]
 fn model_key_errors_name_the_key_and_the_fix() {
-    let dir = std::env::temp_dir().join(format!("zrun-config-hf-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     std::fs::write(
         dir.join("config.json"),
         r#"{"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
@@ -364,7 +364,7 @@ fn model_key_errors_name_the_key_and_the_fix() {
         }
     }
     // The file's architecture, with a shorter training sequence.
-    let ok = write("from.toml", &format!("{from}seq_len = 32\n"));
+    let (_ok_dir, ok) = write("from.toml", &format!("{from}seq_len = 32\n"));
     let arch = Config::load(&ok, &[]).unwrap().arch().unwrap();
     assert_eq!(
         (arch.arch(), arch.seq_len(), arch.vocab_size()),

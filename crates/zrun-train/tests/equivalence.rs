@@ -51,7 +51,7 @@ struct Trained {
     params: Vec<(String, Vec<f32>)>,
 }
 
-fn scratch(name: &str) -> PathBuf {
+fn scratch(name: &str) -> common::Scratch {
     common::scratch("eq", name)
 }
 
