@@ -144,6 +144,16 @@ pub(crate) enum EarlyStep {
     Submitted { lr: f64, max_norm: f64 },
 }
 
+/// With hybrid sharding at stages 2-3, what this rank's gradient shards hold: sums over the
+/// step's micro-steps so far, all-reduced across the replica group once per step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Replicas {
+    /// This rank's own sums: the step all-reduces them first.
+    Local,
+    /// Already all-reduced, by the backward of the micro-step announced as the last.
+    Reduced,
+}
+
 /// Drives one rank's training step unit by unit.
 pub struct Engine {
     pub(crate) model: Arc<dyn Model>,
@@ -161,6 +171,9 @@ pub struct Engine {
     pub(crate) optimizer: Optimizer,
     pub(crate) scaler: LossScaler,
     pub(crate) early: EarlyStep,
+    /// Whether the next micro-step is announced as the step's last.
+    pub(crate) last_announced: bool,
+    pub(crate) replicas: Replicas,
     /// The delayed parameter update's state (`delay.rs`).
     pub(crate) delay: crate::delay::Delay,
     pub(crate) times: StepTimes,
@@ -293,6 +306,8 @@ impl Engine {
             optimizer,
             scaler,
             early: EarlyStep::Off,
+            last_announced: false,
+            replicas: Replicas::Local,
             delay: crate::delay::Delay {
                 warmup: cfg.offload_delay,
                 ..Default::default()
@@ -481,11 +496,22 @@ impl Engine {
     }
 
     /// Announces that the next [`Engine::forward_backward`] is the last micro-step before
-    /// `step(lr, max_norm)`. Where [`Engine::can_overlap_step`], that backward then hands each
+    /// [`Engine::step`]. With hybrid sharding at stages 2-3 its backward then all-reduces each
+    /// unit's gradient shard, summed over the step's micro-steps, across the replica group as
+    /// the unit completes, overlapping the rest of the backward; unannounced, the step does
+    /// it before the update. Either way it crosses the replicas once per step, not once per
+    /// micro-step. Without replicas it changes nothing.
+    pub fn last_micro_step(&mut self) {
+        self.last_announced = true;
+    }
+
+    /// Announces that the next [`Engine::forward_backward`] is the last micro-step before
+    /// `step(lr, max_norm)` (as [`Engine::last_micro_step`]). Where [`Engine::can_overlap_step`], that backward then hands each
     /// unit's final gradient shard to the CPU AdamW, which updates the unit on its own thread
     /// while backward goes on with earlier units; returns whether it will. Results are
     /// bitwise those of updating at `step`.
     pub fn prepare_step(&mut self, lr: f64, max_norm: f64) -> bool {
+        self.last_micro_step();
         // A delayed update runs on the host buffers until the step's end: nothing may be
         // staged or updated during this backward then.
         let delayed = self.delay.behind || self.delay_active();
@@ -517,6 +543,8 @@ impl Engine {
         let _guard = tch::no_grad_guard();
         self.enter(Phase::Step, 0);
         let early = std::mem::replace(&mut self.early, EarlyStep::Off);
+        let replicas = std::mem::replace(&mut self.replicas, Replicas::Local);
+        self.last_announced = false;
         if let EarlyStep::Submitted { lr: l, max_norm: m } = early {
             if (l, m) != (lr, max_norm) {
                 // The update already ran with what was announced: finish it and clear the
@@ -535,7 +563,13 @@ impl Engine {
         match self.cfg.stage {
             Stage::Zero0 => self.mover.all_reduce_units(&self.grads)?,
             Stage::Zero1 => self.mover.reduce_scatter_units(&self.grads)?,
-            Stage::Zero2 | Stage::Zero3 => {} // reduced per unit during backward
+            // Reduced per unit during backward; across the replicas there too when the last
+            // micro-step was announced.
+            Stage::Zero2 | Stage::Zero3 => {
+                if self.mover.replicated() && replicas == Replicas::Local {
+                    self.mover.replicate_units(&self.grads)?;
+                }
+            }
         }
         let grads = self.owned_grads()?;
         let local = if self.cfg.device.is_cuda() && !grads.is_empty() {

@@ -248,8 +248,8 @@ fn loss_bytes(model: &dyn Model, tokens: i64, cfg: &EstimateConfig) -> LossBytes
 }
 
 /// Predicts the peak memory of `layout`'s rank training `model` under `cfg`. With a hybrid
-/// layout ([`ShardLayout::hybrid`]) the model states are those of its shard group's size,
-/// and stages 2-3 hold one replica all-reduce's shard more in backward.
+/// layout ([`ShardLayout::hybrid`]) the model states are those of its shard group's size
+/// (the all-reduce across the replica group runs in place on the gradient shards).
 pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -> Estimate {
     let ledger = MemoryLedger::planned(layout, cfg);
     let units = model.units();
@@ -309,15 +309,6 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
     let reduce = |u: usize| -> i64 {
         let l = &layout.units[u];
         (l.padded + l.shard_len()) * rb
-    };
-    // With hybrid sharding a reduced shard is then all-reduced across the replica group, in
-    // place, one behind the reduce-scatter in flight: its shard stays until that completes.
-    let replicate = |u: usize| -> i64 {
-        if layout.replicas > 1 && u < n {
-            layout.units[u].shard_len() * rb
-        } else {
-            0
-        }
     };
     // What a unit's forward keeps until its backward.
     let kept = |u: usize| -> i64 {
@@ -379,7 +370,7 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
         };
         let param_grads = layout.units[u].numel * elt + tied_grad(u);
         let in_flight = if sharded_grads && u + 1 < n {
-            reduce(u + 1) + replicate(u + 2)
+            reduce(u + 1)
         } else {
             0
         };

@@ -2,25 +2,31 @@
 //! call per unit. Stage 3 gathers units ahead of use (prefetch), frees each unit's gathered
 //! parameters as soon as its forward is done and gathers them again into the same storage
 //! for its backward (autograd's saved views see them), without recomputing the forward.
-//! Stages 2-3 reduce each unit's gradient as soon as its backward is done (with hybrid
-//! sharding: reduce-scatter in the shard group, then all-reduce of the shard across the
-//! replica group, one of each in flight). Activation checkpointing keeps only unit inputs and
-//! recomputes each unit's forward in its backward.
+//! Stages 2-3 reduce each unit's gradient as soon as its backward is done: a reduce-scatter
+//! in the shard group, added into the rank's gradient shard. With hybrid sharding the shards
+//! are summed locally over the step's micro-steps and all-reduced across the replica group
+//! once per step, in place, unit by unit during the backward of the micro-step announced as
+//! the last ([`Engine::last_micro_step`]; otherwise at the step): one reduce-scatter and one
+//! all-reduce in flight. Activation checkpointing keeps only unit inputs and recomputes each
+//! unit's forward in its backward.
 
-use crate::engine::{views, EarlyStep, Engine, Optimizer, Phase};
+use crate::engine::{views, EarlyStep, Engine, Optimizer, Phase, Replicas};
 use crate::state::{Mover, Pending};
 use crate::{Context, Error, Result, Stage};
 use std::collections::VecDeque;
 use std::time::Instant;
 use tch::{Device, Tensor};
 
-/// The gradient reductions of a backward in flight (stages 2-3), oldest first, each with
-/// whether it completes its unit's gradient: reduce-scatters in the shard group, then (hybrid
-/// sharding) all-reduces of their shards across the replica group.
+/// The gradient reductions of a backward in flight (stages 2-3), oldest first:
+/// reduce-scatters in the shard group, each with whether it completes its unit's gradient,
+/// then (hybrid sharding, in the step's last micro-step) all-reduces of completed units'
+/// shards across the replica group.
 #[derive(Default)]
 struct Reductions {
     scattering: VecDeque<(Pending, bool)>,
-    replicating: VecDeque<(Pending, bool)>,
+    replicating: VecDeque<Pending>,
+    /// Whether this backward all-reduces each completed unit's shard across the replicas.
+    replicate: bool,
 }
 
 /// What one unit's forward leaves for its backward.
@@ -158,7 +164,15 @@ impl Engine {
             }
             EarlyStep::Off => {}
         }
-        self.begin_micro_step();
+        if self.replicas == Replicas::Reduced {
+            return Err(Error::Unsupported(
+                "forward_backward after the micro-step announced as the last by last_micro_step: call step first".into(),
+            ));
+        }
+        let last = std::mem::take(&mut self.last_announced);
+        let replicate =
+            last && self.mover.replicated() && matches!(stage, Stage::Zero2 | Stage::Zero3);
+        self.begin_micro_step(replicate);
         let (t0, w0) = (Instant::now(), self.mover.waited);
         let mut x = to_device(inputs, dev).ctx("move inputs to the device", "-")?;
         let targets = to_device(targets, dev).ctx("move targets to the device", "-")?;
@@ -248,7 +262,10 @@ impl Engine {
             Gathers::new(order, self.cfg.prefetch)
         };
         let mut upstream: Option<Tensor> = None;
-        let mut reducing = Reductions::default();
+        let mut reducing = Reductions {
+            replicate,
+            ..Reductions::default()
+        };
         for u in (0..n).rev() {
             let s = saved.pop().expect("one saved entry per unit");
             let name = units[u].name();
@@ -315,8 +332,11 @@ impl Engine {
         while let Some((p, last)) = reducing.scattering.pop_front() {
             self.retire(p, last, &mut reducing)?;
         }
-        while let Some((p, last)) = reducing.replicating.pop_front() {
-            self.accumulate_shard(p, last)?;
+        while let Some(p) = reducing.replicating.pop_front() {
+            self.finish_replicate(p)?;
+        }
+        if replicate {
+            self.replicas = Replicas::Reduced;
         }
         let value = value.f_double_value(&[]).ctx("read loss", "head")?;
         // The loss came from gathered parameters (stage 3): valid only if no gather was cut.
@@ -386,38 +406,49 @@ impl Engine {
         }
     }
 
-    /// The next step of a reduce-scatter that is no longer the newest: without replicas its
-    /// shard is added into the gradients; with them the shard's all-reduce across the
-    /// replica group starts (once the reduce-scatter is done), and the all-reduce before it
-    /// is finished and added, so one stays in flight.
+    /// The next step of a reduce-scatter that is no longer the newest: its shard is added
+    /// into the gradients. Without replicas a completed unit's gradient is then final; with
+    /// them, in the step's last micro-step, the unit's summed shard is all-reduced across the
+    /// replica group in place, and the all-reduce before it is finished, so one stays in
+    /// flight; in the other micro-steps the shard is only summed.
     fn retire(&mut self, p: Pending, last: bool, reducing: &mut Reductions) -> Result<()> {
-        if !self.mover.replicated() {
-            return self.accumulate_shard(p, last);
-        }
-        let p = self.mover.start_replicate(p)?;
-        reducing.replicating.push_back((p, last));
-        if reducing.replicating.len() > 1 {
-            let (p, last) = reducing.replicating.pop_front().expect("two in flight");
-            self.accumulate_shard(p, last)?;
-        }
-        Ok(())
-    }
-
-    /// Adds a finished reduction into this rank's gradient shard; once the unit's gradient
-    /// is complete (`last`), hands it to an offloaded optimizer's early step.
-    fn accumulate_shard(&mut self, p: Pending, last: bool) -> Result<()> {
         let (u, shard) = self.mover.finish_reduce_scatter(p)?;
         let mut acc = self.mover.shard_of(&self.grads, u)?;
         acc.f_add_(&shard).done(
             "accumulate gradient shard",
             &self.mover.layout.units[u].unit,
         )?;
+        drop(shard);
         if !last {
             return Ok(());
         }
+        if !self.mover.replicated() {
+            return self.unit_final(u, &acc);
+        }
+        if reducing.replicate {
+            reducing
+                .replicating
+                .push_back(self.mover.start_replicate(acc, u)?);
+            if reducing.replicating.len() > 1 {
+                let p = reducing.replicating.pop_front().expect("two in flight");
+                self.finish_replicate(p)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for a unit's all-reduce across the replica group: its gradient is final.
+    fn finish_replicate(&mut self, p: Pending) -> Result<()> {
+        let (u, acc) = self.mover.finish_replicate(p)?;
+        self.unit_final(u, &acc)
+    }
+
+    /// Unit `u`'s gradient shard `acc` is final for the step: hands it to an offloaded
+    /// optimizer's early step.
+    fn unit_final(&mut self, u: usize, acc: &Tensor) -> Result<()> {
         if self.early == EarlyStep::Staged {
             if let Optimizer::Host(h) = &mut self.optimizer {
-                h.stage_unit(&self.mover.layout, u, &acc)?;
+                h.stage_unit(&self.mover.layout, u, acc)?;
             }
         }
         if let EarlyStep::Submitted { lr, .. } = self.early {
@@ -429,7 +460,7 @@ impl Engine {
                 .owned_params(&self.params, u, self.cfg.stage)?
                 .data();
             if let Optimizer::Host(h) = &mut self.optimizer {
-                h.submit(&self.mover.layout, u, &acc, lr, dst)?;
+                h.submit(&self.mover.layout, u, acc, lr, dst)?;
             }
         }
         Ok(())

@@ -57,13 +57,14 @@ fn reserve_view(reserve: &Tensor, numel: i64, kind: Kind, unit: &str) -> Result<
 /// right after its owner again; backward, for each unit from the last, gathers ahead (the
 /// unit, then its tied owner) then reduce-scatters the tied parameter's gradient into its
 /// owner and the unit's own gradient (gathers at stage 3 only, reduce-scatters at stages 2-3).
-/// `replicated` (hybrid sharding): each reduce-scatter's shard is all-reduced across the
-/// replica group right after the next reduce-scatter is issued, the last one's at the end.
+/// `replicate` (hybrid sharding, the step's last micro-step): each unit's shard is
+/// all-reduced across the replica group once its own reduce-scatter (which completes it) is
+/// done, right after the next reduce-scatter is issued, the last one's at the end.
 pub(crate) fn schedule(
     stage: Stage,
     ties: &[Option<usize>],
     depth: usize,
-    replicated: bool,
+    replicate: bool,
 ) -> Vec<(Collective, usize)> {
     let mut forward = Vec::new();
     for (u, t) in ties.iter().enumerate() {
@@ -72,10 +73,10 @@ pub(crate) fn schedule(
     }
     let mut out = Vec::new();
     if stage == Stage::Zero3 {
-        out.extend(forward.iter().map(|&u| (Collective::Gather, u)));
+        out.extend(forward.iter().map(|&u| (Collective::Gather, u, true)));
     }
     if !matches!(stage, Stage::Zero2 | Stage::Zero3) {
-        return out;
+        return with_replicates(out, false);
     }
     let backward: Vec<usize> = forward.into_iter().rev().collect();
     let (mut taken, mut gathered) = (0, 0);
@@ -86,34 +87,39 @@ pub(crate) fn schedule(
             out.extend(
                 backward[gathered.min(want)..want]
                     .iter()
-                    .map(|&v| (Collective::Gather, v)),
+                    .map(|&v| (Collective::Gather, v, true)),
             );
             gathered = gathered.max(want);
         }
-        out.extend(ties[u].map(|s| (Collective::ReduceScatter, s)));
-        out.push((Collective::ReduceScatter, u));
+        // A tied parameter's gradient is only part of its owner's: it completes nothing.
+        out.extend(ties[u].map(|s| (Collective::ReduceScatter, s, false)));
+        out.push((Collective::ReduceScatter, u, true));
     }
-    if replicated {
-        out = with_replicates(out);
-    }
-    out
+    with_replicates(out, replicate)
 }
 
-/// `ops` with each reduce-scatter's replica all-reduce where the engine issues it: after
-/// the next reduce-scatter (one reduce-scatter stays in flight; the older one is then
-/// waited for and its shard all-reduced), the last one's at the end.
-fn with_replicates(ops: Vec<(Collective, usize)>) -> Vec<(Collective, usize)> {
+/// `ops` (each with whether it completes its unit) with, when `replicate`, each completing
+/// reduce-scatter's replica all-reduce where the engine issues it: after the next
+/// reduce-scatter (one reduce-scatter stays in flight; the older one is then waited for and
+/// its unit's shard all-reduced), the last one's at the end.
+fn with_replicates(
+    ops: Vec<(Collective, usize, bool)>,
+    replicate: bool,
+) -> Vec<(Collective, usize)> {
     let mut out = Vec::with_capacity(ops.len() * 3 / 2);
-    let mut scattering: Option<usize> = None;
-    for (op, u) in ops {
+    let mut scattering: Option<(usize, bool)> = None;
+    let replicates = |older: Option<(usize, bool)>| {
+        older
+            .filter(|&(_, completes)| completes && replicate)
+            .map(|(u, _)| (Collective::Replicate, u))
+    };
+    for (op, u, completes) in ops {
         out.push((op, u));
         if op == Collective::ReduceScatter {
-            if let Some(older) = scattering.replace(u) {
-                out.push((Collective::Replicate, older));
-            }
+            out.extend(replicates(scattering.replace((u, completes))));
         }
     }
-    out.extend(scattering.map(|u| (Collective::Replicate, u)));
+    out.extend(replicates(scattering));
     out
 }
 
@@ -137,7 +143,7 @@ impl Engine {
             self.cfg.stage,
             &ties(self.model.as_ref()),
             self.cfg.prefetch,
-            self.mover.replicated(),
+            self.mover.replicates,
         );
         let done = std::mem::take(&mut self.mover.issued);
         if !all.starts_with(&done) {
@@ -197,15 +203,19 @@ impl Engine {
             ));
         }
         self.early = EarlyStep::Off;
+        self.last_announced = false;
+        self.replicas = crate::engine::Replicas::Local;
         let _guard = tch::no_grad_guard();
         self.grads.f_zero_().done("zero gradients", "-")?;
         self.mover.reset_in_flight();
         Ok(())
     }
 
-    /// Marks the start of a micro-step's collectives (see [`Engine::finish_failed_micro_step`]).
-    pub(crate) fn begin_micro_step(&mut self) {
+    /// Marks the start of a micro-step's collectives (see [`Engine::finish_failed_micro_step`]),
+    /// which all-reduce across the replicas when `replicate`.
+    pub(crate) fn begin_micro_step(&mut self, replicate: bool) {
         self.mover.issued.clear();
+        self.mover.replicates = replicate;
     }
 }
 
@@ -268,14 +278,24 @@ mod tests {
                 let replicated = shard_group.is_some() && stage != Stage::Zero0;
                 assert_eq!(e.mover.replicated(), replicated);
                 let x = Tensor::zeros([2, 8], (tch::Kind::Int64, tch::Device::Cpu));
-                e.forward_backward(&x, &x, 1.0).unwrap();
-                let want = schedule(stage, &ties(model.as_ref()), prefetch, replicated);
-                assert_eq!(
-                    e.mover.issued, want,
-                    "stage {stage} prefetch {prefetch} ckpt {ckpt} shard group {shard_group:?}"
-                );
-                if replicated && stage != Stage::Zero1 {
-                    assert!(want.contains(&(A, 0)));
+                // A micro-step not announced as the last, then the last: only the last
+                // all-reduces across the replicas.
+                for last in [false, true] {
+                    if last {
+                        e.last_micro_step();
+                    }
+                    e.forward_backward(&x, &x, 1.0).unwrap();
+                    let replicate = replicated && last;
+                    let want = schedule(stage, &ties(model.as_ref()), prefetch, replicate);
+                    assert_eq!(
+                        e.mover.issued, want,
+                        "stage {stage} prefetch {prefetch} ckpt {ckpt} shard group {shard_group:?} last {last}"
+                    );
+                    let replicates = want.iter().filter(|(op, _)| *op == A).count();
+                    let sharded = matches!(stage, Stage::Zero2 | Stage::Zero3);
+                    // Each unit once, when its gradient is complete.
+                    let units = model.units().len();
+                    assert_eq!(replicates, if replicate && sharded { units } else { 0 });
                 }
             }
         }
@@ -359,20 +379,11 @@ mod tests {
                 (A, 0)
             ]
         );
-        // A tied head: its share of the embedding's gradient is reduced (and replicated)
-        // on its own, before the head's.
+        // A tied head: its share of the embedding's gradient is reduced on its own, before
+        // the head's; the embedding's shard is all-reduced once, when its own completes it.
         assert_eq!(
             schedule(Stage::Zero2, &[None, None, Some(0)], 1, true),
-            vec![
-                (R, 0),
-                (R, 2),
-                (A, 0),
-                (R, 1),
-                (A, 2),
-                (R, 0),
-                (A, 1),
-                (A, 0)
-            ]
+            vec![(R, 0), (R, 2), (R, 1), (A, 2), (R, 0), (A, 1), (A, 0)]
         );
         assert_eq!(
             schedule(Stage::Zero2, &[None], 1, true),

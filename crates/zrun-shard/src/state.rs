@@ -79,6 +79,8 @@ pub(crate) struct Mover {
     pub(crate) peak_gathered: i64,
     /// The collectives issued since the current micro-step began, in order.
     pub(crate) issued: Vec<(Collective, usize)>,
+    /// Whether the current micro-step all-reduces across the replica group.
+    pub(crate) replicates: bool,
 }
 
 /// A collective of the micro-step, for matching the other ranks' sequence after a failure.
@@ -113,6 +115,7 @@ impl Mover {
             gathered: 0,
             peak_gathered: 0,
             issued: Vec::new(),
+            replicates: false,
         }
     }
 
@@ -243,9 +246,14 @@ impl Mover {
     /// its shard over the replica group, in place: the shard stays counted in flight until
     /// [`Mover::finish_reduce_scatter`]. Issued only after the wait: on a staging backend
     /// (tcp with CUDA tensors) the reduced shard reaches the device only then.
-    pub(crate) fn start_replicate(&mut self, p: Pending) -> Result<Pending> {
+    fn replicate_scattered(&mut self, p: Pending) -> Result<Pending> {
         let (u, grad, shard) = self.timed(|| p.wait())?;
         drop(grad);
+        self.replicate_in_place(shard, u)
+    }
+
+    /// Starts averaging unit `u`'s gradient shard `shard` over the replica group, in place.
+    fn replicate_in_place(&mut self, shard: Tensor, u: usize) -> Result<Pending> {
         let Some(replica) = &self.replica else {
             return Err(Error::Unsupported(
                 "a replica all-reduce without a replica group".into(),
@@ -256,6 +264,33 @@ impl Mover {
             .map_err(Error::Comm)?;
         self.issued.push((Collective::Replicate, u));
         Ok(Pending::new(work, u, shard.shallow_clone(), shard))
+    }
+
+    /// Starts averaging unit `u`'s slice `shard` of this rank's gradient shards (summed
+    /// over the step's micro-steps) over the replica group, in place: no buffer of its own,
+    /// nothing counted in flight.
+    pub(crate) fn start_replicate(&mut self, shard: Tensor, u: usize) -> Result<Pending> {
+        self.replicate_in_place(shard, u)
+    }
+
+    /// Waits for an all-reduce from [`Mover::start_replicate`]; returns the unit and its
+    /// averaged shard.
+    pub(crate) fn finish_replicate(&mut self, p: Pending) -> Result<(usize, Tensor)> {
+        let (u, _, shard) = self.timed(|| p.wait())?;
+        Ok((u, shard))
+    }
+
+    /// Averages every unit of this rank's gradient shards `grads` (stages 2-3) over the
+    /// replica group, in place.
+    pub(crate) fn replicate_units(&mut self, grads: &Tensor) -> Result<()> {
+        let mut pending = Vec::new();
+        for u in 0..self.layout.units.len() {
+            let shard = self.shard_of(grads, u)?;
+            pending.push(self.start_replicate(shard, u)?);
+        }
+        pending
+            .into_iter()
+            .try_for_each(|p| self.finish_replicate(p).map(drop))
     }
 
     /// Issues collective `op` of unit `u` with buffers the caller holds (`input`: this rank's
@@ -328,7 +363,7 @@ impl Mover {
         if self.replicated() {
             pending = pending
                 .into_iter()
-                .map(|p| self.start_replicate(p))
+                .map(|p| self.replicate_scattered(p))
                 .collect::<Result<_>>()?;
         }
         // Every reduction has read its input before any owned slice is overwritten.

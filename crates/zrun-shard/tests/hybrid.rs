@@ -70,6 +70,9 @@ struct Case {
     tied: bool,
     /// Clip to this norm (0: off; with offload the update then overlaps the last backward).
     max_norm: f64,
+    /// Announce each step's last micro-step (`last_micro_step`), as the trainer does: its
+    /// backward all-reduces across the replicas; otherwise the step does.
+    announce: bool,
 }
 
 impl Case {
@@ -119,6 +122,8 @@ fn train(e: &mut Engine, c: &Case, steps: &[usize], rank: Option<usize>) -> Trai
             };
             if c.offload && m + 1 == ACCUM {
                 e.prepare_step(LR, c.max_norm);
+            } else if c.announce && m + 1 == ACCUM {
+                e.last_micro_step();
             }
             let loss = e.forward_backward(&x, &y, 1.0 / ACCUM as f64).unwrap();
             t.losses.push(match rank {
@@ -253,6 +258,7 @@ fn case(stage: Stage, group: usize) -> Case {
         ckpt: false,
         tied: false,
         max_norm: 0.05,
+        announce: true,
     }
 }
 
@@ -279,6 +285,10 @@ fn training_worker() {
             ..case(Stage::Zero3, 2)
         },
         case(Stage::Zero2, 1),
+        Case {
+            announce: false,
+            ..case(Stage::Zero2, 2)
+        },
         Case {
             precision: Precision::Bf16,
             ..case(Stage::Zero3, 2)
@@ -338,8 +348,9 @@ fn training_worker() {
             want.norms
         );
         if c.stage == Stage::Zero2 && c.group == 1 && !c.offload {
-            // One reduce-scatter and one all-reduce in flight: three consecutive units'
-            // shards at most (fp32), besides AdamW's scratch and the out-of-memory reserve.
+            // Two reduce-scatters in flight (the all-reduce across the replicas is in place
+            // on the gradient shards): two consecutive units' shards at most (fp32), besides
+            // AdamW's scratch and the out-of-memory reserve.
             let s: Vec<i64> = e
                 .layout()
                 .units
@@ -347,7 +358,7 @@ fn training_worker() {
                 .rev()
                 .map(|l| 4 * l.shard_len())
                 .collect();
-            let window = s.windows(3).map(|w| w.iter().sum::<i64>()).max().unwrap();
+            let window = s.windows(2).map(|w| w.iter().sum::<i64>()).max().unwrap();
             let scratch = zrun_optim::AdamW::scratch_bytes_for(e.layout().shard_numel());
             assert_eq!(
                 e.memory().buffers - scratch - e.oom_reserve_bytes(),
@@ -381,6 +392,9 @@ fn recovery_worker() {
     for s in 0..4 {
         let before = flat(&e.full_parameters().unwrap());
         let (x, y) = rank_batch(s, 0, rank);
+        // As the trainer does: the failed micro-step's stand-ins include the all-reduces
+        // across the replicas that the last micro-step issues.
+        e.last_micro_step();
         let failed = if fails(s) {
             let (x, y) = if s == 1 {
                 // Token ids past the vocabulary: the embedding fails.

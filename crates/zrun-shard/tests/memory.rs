@@ -437,7 +437,7 @@ fn the_estimators_model_states_equal_the_engines_ledger_everywhere() {
 #[test]
 fn hybrid_sharding_holds_the_model_states_of_its_shard_group() {
     let model = tiny();
-    let (mut cases, mut grown) = (0, 0);
+    let mut cases = 0;
     for (world, group) in [(4, 2), (4, 1), (6, 3), (6, 2)] {
         for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
             for (precision, reduce_dtype, offload) in [
@@ -496,18 +496,14 @@ fn hybrid_sharding_holds_the_model_states_of_its_shard_group() {
                     assert_eq!(planned, e.memory(), "{what}");
                     let est = zrun_shard::estimate(model.as_ref(), &hybrid, &ec);
                     assert_eq!(est.ledger, planned, "{what}");
-                    // The replica all-reduce in flight: never less than sharding alone.
+                    // The all-reduce across the replicas runs in place on the gradient
+                    // shards: the peak is sharding's alone.
                     let alone = zrun_shard::estimate(model.as_ref(), e_g.layout(), &ec);
-                    assert!(est.peak_bytes >= alone.peak_bytes, "{what}");
-                    if matches!(stage, Stage::Zero0 | Stage::Zero1) {
-                        assert_eq!(est.peak_bytes, alone.peak_bytes, "{what}");
-                    }
-                    grown += usize::from(est.peak_bytes > alone.peak_bytes);
+                    assert_eq!(est.peak_bytes, alone.peak_bytes, "{what}");
                     cases += 1;
                 }
             }
         }
     }
     assert_eq!(cases, 4 * 2 * (2 + 3 * 3));
-    assert!(grown > 0, "no peak holds a replica all-reduce in flight");
 }

@@ -232,6 +232,27 @@ fn accumulation_at_one_rank_matches_one_big_batch() {
 }
 
 #[test]
+fn hybrid_sharding_with_accumulation_matches_one_rank() {
+    // 2 shard groups of 2, 3 micro-steps of 1 sequence: each rank sums its micro-steps'
+    // reduced shards and the trainer's last micro-step all-reduces them across the groups
+    // once; with an on-time update (`on_oom = "stop"`) and with a step that may be dropped.
+    let want = reference("hy-ref", GLOBAL_BATCH, 1);
+    for (stage, on_oom) in [(2u8, "shrink"), (3, "stop")] {
+        let sets = [
+            "zero.shard_group=2".to_string(),
+            format!("train.on_oom=\"{on_oom}\""),
+        ];
+        let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        let got = distributed_with(&format!("hy-s{stage}"), 4, stage, 1, 3, &sets);
+        assert_same(
+            &format!("stage {stage}, 2 shard groups of 2, 3 micro-steps, on_oom {on_oom}"),
+            &got,
+            &want,
+        );
+    }
+}
+
+#[test]
 fn cpu_offload_trains_like_the_device_optimizer() {
     // fp32, 2 ranks, stages 1-3: the CPU AdamW in host memory against libtorch's on the device;
     // with clipping it updates at the step, without (stages 2-3) during backward.

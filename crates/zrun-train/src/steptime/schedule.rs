@@ -80,26 +80,31 @@ pub(super) struct Costs {
 }
 
 /// Stages 2-3's reductions during backward, as the engine's `absorb_into` and `retire`: one
-/// reduce-scatter in flight (issuing the next waits for the older one), then its shard's
-/// replica all-reduce, one of those in flight too.
+/// reduce-scatter in flight (issuing the next waits for the older one), then, in the step's
+/// last micro-step (`replicate`), the replica all-reduce of each unit's shard once the unit
+/// is complete, one of those in flight too.
 #[derive(Default)]
 struct Reducing {
-    scattering: VecDeque<(f64, usize)>,
+    scattering: VecDeque<(f64, usize, bool)>,
     replicating: VecDeque<f64>,
+    replicate: bool,
 }
 
 impl Reducing {
-    fn absorb(&mut self, sim: &mut Sim, c: &Costs, u: usize) {
-        self.scattering.push_back((sim.issue(c.scatter[u]), u));
+    /// Unit `u`'s reduce-scatter; `completes`: the last of the unit's gradient this
+    /// micro-step (not a tied reader's share of it).
+    fn absorb(&mut self, sim: &mut Sim, c: &Costs, u: usize, completes: bool) {
+        self.scattering
+            .push_back((sim.issue(c.scatter[u]), u, completes));
         if self.scattering.len() > 1 {
             let old = self.scattering.pop_front().expect("two in flight");
             self.retire(sim, c, old);
         }
     }
 
-    fn retire(&mut self, sim: &mut Sim, c: &Costs, (done, u): (f64, usize)) {
+    fn retire(&mut self, sim: &mut Sim, c: &Costs, (done, u, completes): (f64, usize, bool)) {
         sim.wait(done, Kind::Reduce);
-        if c.replicate[u] > 0.0 {
+        if self.replicate && completes && c.replicate[u] > 0.0 {
             self.replicating.push_back(sim.issue(c.replicate[u]));
             if self.replicating.len() > 1 {
                 let d = self.replicating.pop_front().expect("two in flight");
@@ -120,9 +125,10 @@ impl Reducing {
 
 /// One micro-step: forward unit by unit (stage 3 taking each unit's gather, and a tied
 /// owner's before it), backward in reverse (recomputing f_u with checkpointing), stages 2-3
-/// reducing each unit as its backward ends (a tied owner's share first). Returns the
-/// backward's compute seconds.
-pub(super) fn micro_step(sim: &mut Sim, inp: &StepInputs, c: &Costs) -> f64 {
+/// reducing each unit as its backward ends (a tied owner's share first) and, in the step's
+/// `last` micro-step, all-reducing it across the replicas. Returns the backward's compute
+/// seconds.
+pub(super) fn micro_step(sim: &mut Sim, inp: &StepInputs, c: &Costs, last: bool) -> f64 {
     let stage3 = inp.stage == Stage::Zero3;
     let mut order = Vec::new();
     for (u, unit) in inp.units.iter().enumerate() {
@@ -147,7 +153,10 @@ pub(super) fn micro_step(sim: &mut Sim, inp: &StepInputs, c: &Costs) -> f64 {
     }
     order.reverse();
     let mut g = gathers(&order);
-    let mut reducing = Reducing::default();
+    let mut reducing = Reducing {
+        replicate: last,
+        ..Reducing::default()
+    };
     let mut backward = 0.0;
     for (u, unit) in inp.units.iter().enumerate().rev() {
         if stage3 {
@@ -160,9 +169,9 @@ pub(super) fn micro_step(sim: &mut Sim, inp: &StepInputs, c: &Costs) -> f64 {
         backward += b;
         if matches!(inp.stage, Stage::Zero2 | Stage::Zero3) {
             if let Some(owner) = unit.tied {
-                reducing.absorb(sim, c, owner);
+                reducing.absorb(sim, c, owner, false);
             }
-            reducing.absorb(sim, c, u);
+            reducing.absorb(sim, c, u, true);
         }
     }
     reducing.drain(sim, c);

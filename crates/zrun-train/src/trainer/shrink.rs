@@ -31,9 +31,14 @@ impl Run {
         let (mut loss, mut data_s) = (0.0, 0.0);
         for micro in 0..accum {
             // An update overlapped with backward cannot be taken back: not when a step
-            // may be dropped.
-            if micro + 1 == accum && !shrink {
-                self.engine.prepare_step(lr, clip);
+            // may be dropped. A hybrid run's all-reduce across the replicas can, so it
+            // overlaps the last backward either way.
+            if micro + 1 == accum {
+                if shrink {
+                    self.engine.last_micro_step();
+                } else {
+                    self.engine.prepare_step(lr, clip);
+                }
             }
             let read = Instant::now();
             let (x, y) = loader.next_micro_batch()?;
