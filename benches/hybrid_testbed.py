@@ -8,11 +8,15 @@ interleaved rounds at each link rate. Reports each side's median step time and t
     sudo python benches/hybrid_testbed.py                           # 1gbit and 200mbit, 2 rounds
     python benches/hybrid_testbed.py --rates 200mbit --rounds 3 --json
     python benches/hybrid_testbed.py --predict                      # and zrun's step-time model
+    python benches/hybrid_testbed.py --against /tmp/zrun-old        # "node" with another build too
 
 With `--predict` the step-time model is calibrated on the testbed first, at each rate
 (`zrun bench comm --save` on one node and across the link, and the compute rate from a
 one-node run at stage 0), and each row shows its prediction for that config (`zrun plan
 --cluster FILE --json`) and the ratio predicted / measured.
+
+With `--against BIN` the "node" side also runs with another zrun binary (an older build, say),
+in the same rounds, and the table adds its row and the ratio of this build's median to it.
 
 Target (the hybrid-sharding issue): "node" at most 0.6x "all"'s step time at the slower rate.
 Needs root (network namespaces); 2 nodes x 2 ranks x 1 thread.
@@ -20,6 +24,7 @@ Needs root (network namespaces); 2 nodes x 2 ranks x 1 thread.
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -120,37 +125,46 @@ def main():
                          "and print its prediction beside each measurement")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (rank logs)")
+    ap.add_argument("--against", help="another zrun binary to run the \"node\" side with too")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="zrun-hybrid-testbed-"))
     zrun = common.ensure_zrun(work)
+    # Each side: its label, shard group and binary.
+    sides = [(m, m, zrun) for m in MODES]
+    if args.against:
+        other = work / "zrun-against"
+        shutil.copy2(args.against, other)
+        sides.append(("node@against", "node", other))
     load0 = common.load_average()
     rows = []
     print(f"{'rate':>8} {'shard_group':>11} {'step s by round':>24} {'median':>8} {'predicted':>9} "
-          f"{'pred/meas':>9} {'node/all':>8}", flush=True)
+          f"{'pred/meas':>9} {'/all':>8}", flush=True)
     for rate in args.rates.split(","):
         cluster = None
         if args.predict:
             cluster, flops = calibrate(zrun, args.config, rate, args.nproc, args.set, work)
             print(f"# {rate}: calibrated {cluster} (compute {flops / 1e9:.1f} GFLOP/s per rank)", flush=True)
-        times = {m: [] for m in MODES}
+        times = {label: [] for label, _, _ in sides}
         for _ in range(args.rounds):
-            for m in MODES:  # interleaved: one of each per round
-                times[m].append(run(zrun, args.config, m, rate, args.steps, args.nproc, args.set, work))
-        med = {m: statistics.median(times[m]) for m in MODES}
-        for m in MODES:
-            pred = plan(zrun, cluster, args.config, m, args.set)["step_s"] if cluster else None
-            ratio = med["node"] / med["all"]
-            row = {"rate": rate, "shard_group": m, "step_s": times[m], "median_s": med[m],
-                   "predicted_s": pred, "predicted_over_measured": pred / med[m] if pred else None,
-                   "node_over_all": ratio}
+            for label, m, binary in sides:  # interleaved: one of each per round
+                times[label].append(run(binary, args.config, m, rate, args.steps, args.nproc, args.set, work))
+        med = {label: statistics.median(t) for label, t in times.items()}
+        for label, m, binary in sides:
+            pred = plan(binary, cluster, args.config, m, args.set)["step_s"] if cluster else None
+            ratio = med[label] / med["all"]
+            row = {"rate": rate, "shard_group": label, "step_s": times[label], "median_s": med[label],
+                   "predicted_s": pred, "predicted_over_measured": pred / med[label] if pred else None,
+                   "over_all": ratio}
             rows.append(row)
-            shown = " ".join(f"{t:.3f}" for t in times[m])
+            shown = " ".join(f"{t:.3f}" for t in times[label])
             pred_s = f"{pred:.3f}" if pred is not None else "-"
-            err = f"{pred / med[m]:.2f}" if pred is not None else "-"
-            print(f"{rate:>8} {m:>11} {shown:>24} {med[m]:>8.3f} {pred_s:>9} {err:>9} "
-                  f"{ratio if m == 'node' else 1.0:>8.2f}", flush=True)
+            err = f"{pred / med[label]:.2f}" if pred is not None else "-"
+            print(f"{rate:>8} {label:>11} {shown:>24} {med[label]:>8.3f} {pred_s:>9} {err:>9} "
+                  f"{ratio:>8.2f}", flush=True)
             if args.json:
                 print(json.dumps(row))
+        if args.against:
+            print(f"# {rate}: node, this build / --against: {med['node'] / med['node@against']:.3f}", flush=True)
     print(f"# load average before {load0:.2f}, after {common.load_average():.2f}; "
           f"{args.nproc} ranks per node x 2 nodes, 1 thread each")
     common.clean_up(work, args.keep)
