@@ -10,7 +10,15 @@ Checks (one GPU; several ranks share it over the tcp backend, which stages CUDA 
   g  cpu       the same small model on CUDA and on CPU at W=1, stages 0-3, fp32 and bf16,
                offload on and off: per-step losses agree
   c  speed     gpt2-medium bf16 at W=1, stages 0 and 3 (prefetch 1 and 0), against PyTorch
-               eager (benches/gpu/torch_gpt.py), interleaved: tokens/s, MFU
+               eager and torch.compile (benches/gpu/torch_train.py), interleaved: tokens/s,
+               MFU, max_memory_allocated; targets: >= 160K tokens/s, >= 1.0x compile, stage 3
+               within 5% of stage 0
+  m  llama     the llama3.2-1b preset bf16 at 2048 tokens, W=1, at the largest micro-batch
+               zrun's estimate fits on the GPU, against PyTorch eager and torch.compile at the
+               same micro-batch, interleaved; target >= 1.0x compile
+  n  8b        the llama3.1-8b preset at 2048 tokens on one GPU: W=1, bf16, stage 3,
+               offload_optimizer = "cpu" with bf16 moments, activation checkpointing, 20
+               steps: tokens/s, MFU, device and host peaks against zrun's estimate
   d  memory    gpt2-medium bf16 at W=2 on one GPU, stages 0-3: CUDA peaks against the
                model-state formula and zrun's estimate
   e  offload   gpt2-medium bf16 stage 2 at W=1 with and without offload_optimizer = "cpu"
@@ -105,6 +113,11 @@ class Checks:
             p = self.work / f"{name}.toml"
             p.write_text(text)
             self.configs[name] = p
+
+    def add_config(self, name, text):
+        p = self.work / f"{name}.toml"
+        p.write_text(text)
+        self.configs[name] = p
 
     def save(self):
         self.out.write_text(json.dumps(self.results, indent=1))
@@ -248,9 +261,27 @@ def steady(run, skip=5):
             "mfu": statistics.median(mfu) if mfu else None}
 
 
+def torch_side(args, timeout=900):
+    """One run of benches/gpu/torch_train.py: its JSON row, or (None, the output's tail)."""
+    p = subprocess.run([sys.executable, str(HERE / "torch_train.py"), *args],
+                       capture_output=True, text=True, timeout=timeout)
+    rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    if p.returncode != 0 or not rows:
+        return None, (p.stdout + p.stderr)[-2000:]
+    return rows[0], None
+
+
+def with_mfu(best, zrun_side):
+    """The PyTorch sides' MFU from zrun's (the same model and FLOPs per token)."""
+    z = best.get(zrun_side)
+    for k, v in best.items():
+        if k.startswith("pytorch") and z and z.get("mfu") and v.get("mfu") is None:
+            v["mfu"] = z["mfu"] * v["tokens_per_s"] / z["tokens_per_s"]
+
+
 def check_speed(c, rounds=3):
     sides = {"zrun stage 0": [], "zrun stage 3": [], "zrun stage 3 prefetch 0": [],
-             "zrun stage 0 full logits": [], "pytorch eager": []}
+             "zrun stage 0 full logits": [], "pytorch eager": [], "pytorch compile": []}
     runs = {
         "zrun stage 0": ["zero.stage=0"],
         "zrun stage 3": ["zero.stage=3"],
@@ -268,23 +299,22 @@ def check_speed(c, rounds=3):
             else:
                 s["cuda_allocated_peak"] = r["summary"].get("cuda_peak_bytes", [None])[0]
                 sides[side].append(s)
-        p = subprocess.run(
-            [sys.executable, str(HERE / "torch_gpt.py"), "--micro-batch", "8"],
-            capture_output=True, text=True, timeout=300,
-        )
-        rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
-        if p.returncode != 0 or not rows:
-            errors["pytorch eager"] = (p.stdout + p.stderr)[-2000:]
-        else:
-            sides["pytorch eager"].append(rows[0])
+        for side, extra in [("pytorch eager", []), ("pytorch compile", ["--compile"])]:
+            row, err = torch_side(["--micro-batch", "8", *extra])
+            if row is None or row.get("oom"):
+                errors[side] = err or "out of memory"
+            else:
+                sides[side].append(row)
     best = {k: max(v, key=lambda s: s["tokens_per_s"]) for k, v in sides.items() if v}
+    with_mfu(best, "zrun stage 0")
     out = {"best_of_rounds": best, "rounds": sides, "errors": errors,
            "batch": "8 x 1024 tokens", "precision": "bf16 compute, fp32 master and AdamW"}
-    z0, z3, pt = (best.get(k) for k in ["zrun stage 0", "zrun stage 3", "pytorch eager"])
+    z0, z3, pt, pc = (best.get(k) for k in ["zrun stage 0", "zrun stage 3", "pytorch eager",
+                                            "pytorch compile"])
     if z0 and pt:
         out["zrun_s0_over_pytorch"] = z0["tokens_per_s"] / pt["tokens_per_s"]
-        if z0.get("mfu"):
-            pt["mfu"] = z0["mfu"] * pt["tokens_per_s"] / z0["tokens_per_s"]
+    if z0 and pc:
+        out["zrun_s0_over_compile"] = z0["tokens_per_s"] / pc["tokens_per_s"]
     if z0 and z3:
         out["zrun_s3_over_s0"] = z3["tokens_per_s"] / z0["tokens_per_s"]
     full = best.get("zrun stage 0 full logits")
@@ -293,9 +323,157 @@ def check_speed(c, rounds=3):
             "tokens_per_s": z0["tokens_per_s"] / full["tokens_per_s"],
             "cuda_allocated_peak": (z0["cuda_allocated_peak"] or 0) / max(1, full["cuda_allocated_peak"] or 0),
         }
-    out["pass"] = bool(
-        z0 and z3 and pt and out["zrun_s0_over_pytorch"] >= 1.0 and out["zrun_s3_over_s0"] >= 0.9
-    )
+    out["targets"] = {
+        "gpt2-medium >= 160K tokens/s": bool(z0 and z0["tokens_per_s"] >= 160e3),
+        ">= 1.0x torch.compile": bool(pc and out["zrun_s0_over_compile"] >= 1.0),
+        "stage 3 within 5% of stage 0": bool(z3 and out["zrun_s3_over_s0"] >= 0.95),
+    }
+    out["pass"] = all(out["targets"].values())
+    return out
+
+
+LLAMA1B = f"""
+[model]
+arch = "llama"
+preset = "llama3.2-1b"
+[data]
+source = "synthetic"
+seed = 0
+[train]
+steps = 12
+lr = 3e-4
+eval_batches = 1
+seed = 1234
+[zero]
+precision = "bf16"
+[dist]
+device = "cuda"
+[log]
+every = 1
+peak_tflops = {H100_BF16_PEAK_TFLOPS}
+"""
+
+
+def device_memory():
+    """The GPU's memory as `zrun estimate --device-mem` reads it (bytes)."""
+    mib = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout.split()[0]
+    return int(mib) * 2**20
+
+
+def estimate(c, config, sets):
+    """zrun estimate's rank-0 JSON line for `config` with `sets` on this GPU's memory."""
+    args = ["estimate", str(c.configs[config]), "--json", "--device-mem", f"{device_memory() // 2**20}MiB"]
+    for x in sets:
+        args += ["--set", x]
+    rc, out, _ = c.cmd(args, 120)
+    rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    return rows[0] if rc == 0 and rows else None
+
+
+def check_llama(c, rounds=2):
+    c.add_config("llama1b", LLAMA1B)
+    fits = [b for b in [32, 16, 8, 4, 2, 1]
+            if (e := estimate(c, "llama1b", ["zero.stage=0", f"train.micro_batch={b}"])) and e["fits"]]
+    if not fits:
+        return {"pass": False, "error": "zrun estimate fits no micro-batch"}
+    b = fits[0]
+    # A micro-batch the estimate fits but the GPU does not: halve (reported).
+    while b >= 1:
+        r = c.train(f"llama-probe-{b}", "llama1b", 1, ["zero.stage=0", f"train.micro_batch={b}",
+                                                        "train.steps=3"], timeout=400)
+        if r["rc"] == 0:
+            break
+        b //= 2
+    if b < 1:
+        return {"pass": False, "rc": r["rc"], "output": r.get("output")}
+    sides = {"zrun stage 0": [], "zrun stage 3": [], "pytorch eager": [], "pytorch compile": []}
+    errors = {}
+    for i in range(rounds):
+        for side, st in [("zrun stage 0", 0), ("zrun stage 3", 3)]:
+            r = c.train(f"llama-{i}-{st}", "llama1b", 1, [f"zero.stage={st}", f"train.micro_batch={b}"],
+                        timeout=400)
+            s = steady(r, skip=4)
+            if s is None:
+                errors[side] = r.get("output")
+            else:
+                s["cuda_allocated_peak"] = r["summary"].get("cuda_peak_bytes", [None])[0]
+                sides[side].append(s)
+        for side, extra in [("pytorch eager", []), ("pytorch compile", ["--compile"])]:
+            row, err = torch_side(["--arch", "llama", "--micro-batch", str(b), "--steps", "12",
+                                   "--warmup", "4", *extra])
+            if row is None or row.get("oom"):
+                errors[side] = err or f"out of memory at micro-batch {b}"
+            else:
+                row["cuda_allocated_peak"] = row["max_memory_allocated"]
+                sides[side].append(row)
+    best = {k: max(v, key=lambda s: s["tokens_per_s"]) for k, v in sides.items() if v}
+    with_mfu(best, "zrun stage 0")
+    out = {"micro_batch": b, "estimate_fits": fits, "best_of_rounds": best, "rounds": sides,
+           "errors": errors, "batch": f"{b} x 2048 tokens"}
+    z0, pc = best.get("zrun stage 0"), best.get("pytorch compile")
+    if z0 and pc:
+        out["zrun_s0_over_compile"] = z0["tokens_per_s"] / pc["tokens_per_s"]
+    pe = best.get("pytorch eager")
+    if z0 and pe:
+        out["zrun_s0_over_pytorch"] = z0["tokens_per_s"] / pe["tokens_per_s"]
+    out["pass"] = bool(z0 and pc and out["zrun_s0_over_compile"] >= 1.0)
+    return out
+
+
+LLAMA8B = """
+[model]
+arch = "llama"
+preset = "llama3.1-8b"
+[data]
+source = "synthetic"
+seed = 0
+[train]
+steps = 20
+micro_batch = 1
+lr = 3e-4
+eval_every = 0
+seed = 1234
+[zero]
+stage = 3
+precision = "bf16"
+offload_optimizer = "cpu"
+optimizer_state_dtype = "bf16"
+activation_checkpointing = true
+[checkpoint]
+every = 0
+[dist]
+device = "cuda"
+[log]
+every = 1
+peak_tflops = %s
+""" % H100_BF16_PEAK_TFLOPS
+
+
+def check_8b(c):
+    c.add_config("llama8b", LLAMA8B)
+    e = estimate(c, "llama8b", [])
+    r = c.train("llama8b", "llama8b", 1, [], timeout=580)
+    out = {"estimate": e, "rc": r["rc"], "seconds": r["seconds"]}
+    if r["rc"] != 0:
+        return {**out, "pass": False, "output": r.get("output")}
+    s = steady(r, skip=5)
+    summ = r["summary"]
+    dev = summ.get("cuda_peak_bytes", [None])[0]
+    host = summ["peak_rss_bytes"][0] - summ["base_rss_bytes"][0]
+    ms = [m for m in r["metrics"] if m.get("step", 0) > 5 and m.get("ranks")]
+    parts = {k: statistics.median(m["ranks"][0][k] for m in ms)
+             for k in ["forward_s", "backward_s", "comm_wait_s", "optimizer_s", "data_s"]} if ms else {}
+    out.update({
+        "steady": s, "steps": summ["steps"], "step_parts_s": parts,
+        "device_peak": dev, "host_peak": host,
+        "device_estimate": e and e["peak_bytes"], "host_estimate": e and e["host_bytes"],
+    })
+    if e and dev:
+        out["device_estimate_over_peak"] = e["peak_bytes"] / dev
+    if e and host:
+        out["host_estimate_over_peak"] = e["host_bytes"] / host
+    out["pass"] = summ["steps"] == 20 and bool(dev)
     return out
 
 
@@ -522,7 +700,8 @@ def check_nccl_kill(c, timeout_s=30):
     }
 
 
-CHECKS = {"a": ("nccl", check_nccl), "i": ("nccl_ranks", check_nccl_ranks),
+CHECKS = {"a": ("nccl", check_nccl), "i": ("nccl_ranks", check_nccl_ranks), "m": ("llama", check_llama),
+          "n": ("8b", check_8b),
           "j": ("nccl_kill", check_nccl_kill), "l": ("nccl_hybrid", check_nccl_hybrid), "k": ("delay", check_delay), "c": ("speed", check_speed), "e": ("offload", check_offload),
           "d": ("memory", check_memory), "b": ("ranks", check_ranks), "g": ("cpu", check_cpu),
           "f": ("oom", check_oom), "h": ("limit", check_limit)}
@@ -538,6 +717,15 @@ def table(results):
                             + (f" mfu {100 * v['mfu']:.1f}%" if v.get("mfu") else "")
                             for k, v in b.items())
             fig += f"  s0/pytorch {r['zrun_s0_over_pytorch']:.3f} s3/s0 {r.get('zrun_s3_over_s0', 0):.3f}"
+            fig += f" s0/compile {r.get('zrun_s0_over_compile', 0):.3f}"
+        elif key == "llama" and "best_of_rounds" in r:
+            fig = f"micro-batch {r['micro_batch']}  " + "  ".join(
+                f"{k}: {v['tokens_per_s']:.0f} tok/s" for k, v in r["best_of_rounds"].items())
+            fig += f"  s0/compile {r.get('zrun_s0_over_compile', 0):.3f}"
+        elif key == "8b" and r.get("steady"):
+            fig = (f"{r['steady']['tokens_per_s']:.0f} tok/s mfu {100 * (r['steady']['mfu'] or 0):.1f}%  "
+                   f"device est/peak {r.get('device_estimate_over_peak', 0):.3f}  "
+                   f"host est/peak {r.get('host_estimate_over_peak', 0):.3f}")
         elif key in ("ranks", "cpu"):
             bad = [k for k, v in r["rows"].items() if not v["pass"]]
             worst = max((v["worst_rel_loss"] or 0) for v in r["rows"].values())
@@ -579,7 +767,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--zrun", required=True, help="the zrun binary built with --features cuda")
     ap.add_argument("--out", required=True, help="the JSON file of results")
-    ap.add_argument("--only", default="a,i,l,j,c,e,k,d,b,g,f,h",
+    ap.add_argument("--only", default="a,i,l,j,c,m,n,e,k,d,b,g,f,h",
                     help="checks to run, in this order")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="zrun-gpu-") as work:
