@@ -8,38 +8,18 @@ use std::process::{Child, Command, ExitStatus, Output};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+#[path = "scratch.rs"]
+mod scratch;
+pub use scratch::Scratch;
+
 /// The repository root.
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// A fresh scratch directory for one test: removed when the test passes, kept (and named on
-/// stderr) when it fails, so a run leaves nothing behind but what a failure needs.
+/// A fresh scratch directory (see [`Scratch`]).
 pub fn scratch(name: &str) -> Scratch {
-    let dir = std::env::temp_dir().join(format!("zrun-e2e-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    Scratch(dir)
-}
-
-/// See [`scratch`]; dereferences to its path.
-pub struct Scratch(PathBuf);
-
-impl std::ops::Deref for Scratch {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("scratch directory kept: {}", self.0.display());
-        } else {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
+    Scratch::fresh(std::env::temp_dir().join(format!("zrun-e2e-{}-{name}", std::process::id())))
 }
 
 /// Runs `zrun` with `args` in the repository root.

@@ -271,6 +271,27 @@ def torch_side(args, timeout=900):
     return rows[0], None
 
 
+def interleaved_round(c, i, config, runs, torch_args, sides, errors, skip=5, timeout=240):
+    """One round: each zrun side of `runs` (side: its --set lines) at W=1, then PyTorch eager
+    and torch.compile with `torch_args`; appends each side's figures to `sides[side]`, or
+    its output to `errors[side]`."""
+    for side, sets in runs.items():
+        r = c.train(f"{config}-{i}-{side.replace(' ', '_')}", config, 1, sets, timeout=timeout)
+        s = steady(r, skip=skip)
+        if s is None:
+            errors[side] = r.get("output")
+        else:
+            s["cuda_allocated_peak"] = r["summary"].get("cuda_peak_bytes", [None])[0]
+            sides[side].append(s)
+    for side, extra in [("pytorch eager", []), ("pytorch compile", ["--compile"])]:
+        row, err = torch_side([*torch_args, *extra])
+        if row is None or row.get("oom"):
+            errors[side] = err or "out of memory"
+        else:
+            row["cuda_allocated_peak"] = row["max_memory_allocated"]
+            sides[side].append(row)
+
+
 def with_mfu(best, zrun_side):
     """The PyTorch sides' MFU from zrun's (the same model and FLOPs per token)."""
     z = best.get(zrun_side)
@@ -291,20 +312,7 @@ def check_speed(c, rounds=3):
     }
     errors = {}
     for i in range(rounds):
-        for side, sets in runs.items():
-            r = c.train(f"speed-{i}-{side.replace(' ', '_')}", "gpt2m", 1, sets)
-            s = steady(r)
-            if s is None:
-                errors[side] = r.get("output")
-            else:
-                s["cuda_allocated_peak"] = r["summary"].get("cuda_peak_bytes", [None])[0]
-                sides[side].append(s)
-        for side, extra in [("pytorch eager", []), ("pytorch compile", ["--compile"])]:
-            row, err = torch_side(["--micro-batch", "8", *extra])
-            if row is None or row.get("oom"):
-                errors[side] = err or "out of memory"
-            else:
-                sides[side].append(row)
+        interleaved_round(c, i, "gpt2m", runs, ["--micro-batch", "8"], sides, errors)
     best = {k: max(v, key=lambda s: s["tokens_per_s"]) for k, v in sides.items() if v}
     with_mfu(best, "zrun stage 0")
     out = {"best_of_rounds": best, "rounds": sides, "errors": errors,
@@ -332,26 +340,9 @@ def check_speed(c, rounds=3):
     return out
 
 
-LLAMA1B = f"""
-[model]
-arch = "llama"
-preset = "llama3.2-1b"
-[data]
-source = "synthetic"
-seed = 0
-[train]
-steps = 12
-lr = 3e-4
-eval_batches = 1
-seed = 1234
-[zero]
-precision = "bf16"
-[dist]
-device = "cuda"
-[log]
-every = 1
-peak_tflops = {H100_BF16_PEAK_TFLOPS}
-"""
+# gpt2-medium's settings with the llama3.2-1b preset (2048 tokens); the check sets micro_batch.
+LLAMA1B = GPT2M.replace('preset = "gpt2-medium"', 'arch = "llama"\npreset = "llama3.2-1b"').replace(
+    "steps = 15\nmicro_batch = 8\n", "steps = 12\n")
 
 
 def device_memory():
@@ -388,25 +379,11 @@ def check_llama(c, rounds=2):
     if b < 1:
         return {"pass": False, "rc": r["rc"], "output": r.get("output")}
     sides = {"zrun stage 0": [], "zrun stage 3": [], "pytorch eager": [], "pytorch compile": []}
+    runs = {f"zrun stage {st}": [f"zero.stage={st}", f"train.micro_batch={b}"] for st in [0, 3]}
+    torch_args = ["--arch", "llama", "--micro-batch", str(b), "--steps", "12", "--warmup", "4"]
     errors = {}
     for i in range(rounds):
-        for side, st in [("zrun stage 0", 0), ("zrun stage 3", 3)]:
-            r = c.train(f"llama-{i}-{st}", "llama1b", 1, [f"zero.stage={st}", f"train.micro_batch={b}"],
-                        timeout=400)
-            s = steady(r, skip=4)
-            if s is None:
-                errors[side] = r.get("output")
-            else:
-                s["cuda_allocated_peak"] = r["summary"].get("cuda_peak_bytes", [None])[0]
-                sides[side].append(s)
-        for side, extra in [("pytorch eager", []), ("pytorch compile", ["--compile"])]:
-            row, err = torch_side(["--arch", "llama", "--micro-batch", str(b), "--steps", "12",
-                                   "--warmup", "4", *extra])
-            if row is None or row.get("oom"):
-                errors[side] = err or f"out of memory at micro-batch {b}"
-            else:
-                row["cuda_allocated_peak"] = row["max_memory_allocated"]
-                sides[side].append(row)
+        interleaved_round(c, i, "llama1b", runs, torch_args, sides, errors, skip=4, timeout=400)
     best = {k: max(v, key=lambda s: s["tokens_per_s"]) for k, v in sides.items() if v}
     with_mfu(best, "zrun stage 0")
     out = {"micro_batch": b, "estimate_fits": fits, "best_of_rounds": best, "rounds": sides,

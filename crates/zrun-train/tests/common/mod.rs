@@ -4,43 +4,25 @@
 //! leaves: per-step figures from metrics.jsonl and the final parameters rank 0 writes.
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use zrun_comm::{Backend, Communicator, StoreServer, Topology};
 
+#[path = "../../../../tests/scratch.rs"]
+mod scratch;
+pub use scratch::Scratch;
+
 /// Set to `rank` in the processes [`spawn_ranks`] starts.
 pub const ROLE: &str = "ZRUN_TEST_ROLE";
 
-/// A fresh scratch directory: removed when the test passes, kept (and named on stderr) when
-/// it fails.
+/// A fresh scratch directory (see [`Scratch`]).
 pub fn scratch(prefix: &str, name: &str) -> Scratch {
-    let dir = std::env::temp_dir().join(format!("zrun-{prefix}-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    Scratch(dir)
-}
-
-/// See [`scratch`]; dereferences to its path.
-pub struct Scratch(PathBuf);
-
-impl std::ops::Deref for Scratch {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("scratch directory kept: {}", self.0.display());
-        } else {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
+    Scratch::fresh(
+        std::env::temp_dir().join(format!("zrun-{prefix}-{}-{name}", std::process::id())),
+    )
 }
 
 /// Whether this process is a rank started by [`spawn_ranks`].
