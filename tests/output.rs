@@ -1,6 +1,6 @@
 //! What zrun prints, end to end: the live progress line in a pseudo-terminal, plain lines in a
-//! pipe, `--quiet`, `--log-format json`, the environment the workers get for it, and the
-//! usage of a bare `zrun`.
+//! pipe, `--quiet`, `--log-format json`, the environment the workers get for it, the usage of
+//! a bare `zrun`, and the trace `log.profile_step` leaves.
 
 mod common;
 use common::*;
@@ -349,4 +349,46 @@ fn zrun_alone_prints_the_usage_and_exits_2() {
         assert!(e.contains(needle), "usage lacks {needle:?}: {e}");
     }
     assert!(e.lines().count() < 25, "short: {e}");
+}
+
+/// `log.profile_step` leaves one Chrome trace per rank, of that step alone, and
+/// benches/profile_table.py sums it by kind: the step's matmuls, attention and loss are in it.
+#[test]
+fn a_profiled_step_leaves_a_trace_per_rank_that_the_table_reads() {
+    let dir = scratch("profile");
+    let mut args = tiny_args(&dir);
+    for s in ["train.steps=3", "log.every=1", "log.profile_step=2"] {
+        args.extend(["--set".to_string(), s.to_string()]);
+    }
+    let o = run(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(dir.join("profile-rank1.json").exists());
+    let trace = dir.join("profile-rank0.json");
+    let out = Command::new(root().join(".venv/bin/python"))
+        .arg(root().join("benches/profile_table.py"))
+        .arg(&trace)
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for kind in ["matmuls", "attention", "loss"] {
+        assert!(
+            v["by_kind_ms"][kind].as_f64().unwrap_or(0.0) > 0.0,
+            "{kind}: {v}"
+        );
+    }
+    // The window is the profiled step's, not the run's.
+    let step_ms = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|m| m["step"] == 2)
+        .map(|m| m["step_time_s"].as_f64().unwrap() * 1e3)
+        .unwrap();
+    let window = v["window_ms"].as_f64().unwrap();
+    assert!(
+        window > 0.5 * step_ms && window < 1.2 * step_ms + 5.0,
+        "window {window} ms, step 2 took {step_ms} ms"
+    );
 }

@@ -13,6 +13,9 @@ Checks (one GPU; several ranks share it over the tcp backend, which stages CUDA 
                eager and torch.compile (benches/gpu/torch_train.py), interleaved: tokens/s,
                MFU, max_memory_allocated; targets: >= 160K tokens/s, >= 1.0x compile, stage 3
                within 5% of stage 0
+  p  profile   where one gpt2-medium step's time goes (bf16, 8 x 1024, W=1, stages 0 and 3):
+               log.profile_step's trace summed by benches/profile_table.py (GPU time by kind,
+               the host gaps between kernels, the most expensive kernels)
   m  llama     the llama3.2-1b preset bf16 at 2048 tokens, W=1, at the largest micro-batch
                zrun's estimate fits on the GPU, against PyTorch eager and torch.compile at the
                same micro-batch, interleaved; target >= 1.0x compile
@@ -362,6 +365,26 @@ def estimate(c, config, sets):
     return rows[0] if rc == 0 and rows else None
 
 
+def check_profile(c):
+    tables, ok = {}, True
+    for stage in [0, 3]:
+        r = c.train(f"profile-s{stage}", "gpt2m", 1, [f"zero.stage={stage}", "train.steps=8",
+                                                       "log.profile_step=6"])
+        trace = c.work / f"profile-s{stage}" / "profile-rank0.json"
+        if r["rc"] != 0 or not trace.exists():
+            tables[f"stage {stage}"] = {"rc": r["rc"], "output": r.get("output")}
+            ok = False
+            continue
+        p = subprocess.run([sys.executable, str(HERE.parent / "profile_table.py"), str(trace), "--json",
+                            "--top", "15"], capture_output=True, text=True)
+        if p.returncode != 0:
+            tables[f"stage {stage}"] = {"error": p.stderr[-2000:]}
+            ok = False
+            continue
+        tables[f"stage {stage}"] = {**json.loads(p.stdout), "step": steady(r, skip=5)}
+    return {"pass": ok, "tables": tables, "what": "gpt2-medium bf16, 8 x 1024 tokens, W=1, step 6"}
+
+
 def check_llama(c, rounds=2):
     c.add_config("llama1b", LLAMA1B)
     fits = [b for b in [32, 16, 8, 4, 2, 1]
@@ -678,6 +701,7 @@ def check_nccl_kill(c, timeout_s=30):
 
 
 CHECKS = {"a": ("nccl", check_nccl), "i": ("nccl_ranks", check_nccl_ranks), "m": ("llama", check_llama),
+          "p": ("profile", check_profile),
           "n": ("8b", check_8b),
           "j": ("nccl_kill", check_nccl_kill), "l": ("nccl_hybrid", check_nccl_hybrid), "k": ("delay", check_delay), "c": ("speed", check_speed), "e": ("offload", check_offload),
           "d": ("memory", check_memory), "b": ("ranks", check_ranks), "g": ("cpu", check_cpu),
@@ -695,6 +719,11 @@ def table(results):
                             for k, v in b.items())
             fig += f"  s0/pytorch {r['zrun_s0_over_pytorch']:.3f} s3/s0 {r.get('zrun_s3_over_s0', 0):.3f}"
             fig += f" s0/compile {r.get('zrun_s0_over_compile', 0):.3f}"
+        elif key == "profile" and "tables" in r:
+            fig = "  ".join(
+                f"{k}: window {v['window_ms']:.0f} ms idle {v['idle_ms']:.0f} ms "
+                + " ".join(f"{n} {t:.0f}" for n, t in list(v["by_kind_ms"].items())[:4])
+                for k, v in r["tables"].items() if "window_ms" in v)
         elif key == "llama" and "best_of_rounds" in r:
             fig = f"micro-batch {r['micro_batch']}  " + "  ".join(
                 f"{k}: {v['tokens_per_s']:.0f} tok/s" for k, v in r["best_of_rounds"].items())
@@ -744,7 +773,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--zrun", required=True, help="the zrun binary built with --features cuda")
     ap.add_argument("--out", required=True, help="the JSON file of results")
-    ap.add_argument("--only", default="a,i,l,j,c,m,n,e,k,d,b,g,f,h",
+    ap.add_argument("--only", default="a,i,l,j,p,c,m,n,e,k,d,b,g,f,h",
                     help="checks to run, in this order")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="zrun-gpu-") as work:

@@ -24,6 +24,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 
 #include "linear_loss.h"
 
@@ -34,6 +35,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -615,6 +617,38 @@ int zrun_ext_linear_cross_entropy(const at::Tensor* h, const at::Tensor* w,
       return refuse(err, "the chunk must hold at least one logit");
     }
     *out = new at::Tensor(zrun::linear_cross_entropy(*h, *w, *targets, ignore_index, chunk));
+    return ZR_OK;
+  });
+}
+
+// Starts libtorch's profiler (Kineto) on the calling thread, and on the threads that inherit
+// its state (autograd's): operators with their input shapes, and with `cuda` CUDA kernels,
+// copies and memsets. Refused while a profiler is on.
+int zrun_ext_profiler_start(int cuda, char** err) {
+  return guard(err, [&] {
+    namespace impl = torch::profiler::impl;
+    if (impl::profilerEnabled()) {
+      return refuse(err, "a profiler is already on in this thread");
+    }
+    impl::ProfilerConfig config(impl::ProfilerState::KINETO, /*report_input_shapes=*/true);
+    std::set<impl::ActivityType> activities{impl::ActivityType::CPU};
+    if (cuda != 0) {
+      activities.insert(impl::ActivityType::CUDA);
+    }
+    torch::autograd::profiler::prepareProfiler(config, activities);
+    torch::autograd::profiler::enableProfiler(config, activities);
+    return ZR_OK;
+  });
+}
+
+// Stops the profiler started on this thread and writes what it recorded to `path` as a
+// Chrome trace (JSON; chrome://tracing, Perfetto, benches/profile_table.py).
+int zrun_ext_profiler_stop(const char* path, char** err) {
+  return guard(err, [&] {
+    if (!torch::profiler::impl::profilerEnabled()) {
+      return refuse(err, "no profiler is on in this thread");
+    }
+    torch::autograd::profiler::disableProfiler()->save(path);
     return ZR_OK;
   });
 }

@@ -102,6 +102,8 @@ extern "C" {
         err: *mut *mut c_char,
     ) -> c_int;
     pub(crate) fn zrun_ext_event_synchronize(event: *mut c_void, err: *mut *mut c_char) -> c_int;
+    pub(crate) fn zrun_ext_profiler_start(cuda: c_int, err: *mut *mut c_char) -> c_int;
+    pub(crate) fn zrun_ext_profiler_stop(path: *const c_char, err: *mut *mut c_char) -> c_int;
     pub(crate) fn zrun_ext_event_free(event: *mut c_void);
     pub(crate) fn zrun_ext_copy_to_host_on_side_stream(
         dst: *const c_void,

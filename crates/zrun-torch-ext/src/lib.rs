@@ -16,7 +16,9 @@
 //! - [`linear_cross_entropy`]: the head's matmul and the cross-entropy in chunks, with its
 //!   own backward (the full logits are never held);
 //! - [`count_allocations`]: libtorch's allocations made by a piece of code (tests that check
-//!   a path allocates nothing).
+//!   a path allocates nothing);
+//! - [`profiler_start`] / [`profiler_stop`]: libtorch's profiler around part of a run, written
+//!   as a Chrome trace.
 //!
 //! No C++ exception crosses into Rust: the shim turns each into an [`Error`].
 
@@ -28,6 +30,7 @@ mod error;
 mod ffi;
 mod loss;
 mod optim;
+mod profile;
 pub mod rng;
 mod storage;
 
@@ -44,4 +47,5 @@ pub use cuda::{
 pub use error::Error;
 pub use loss::linear_cross_entropy;
 pub use optim::{fused_adam, sum_of_squares, AdamStep};
+pub use profile::{profiler_start, profiler_stop};
 pub use storage::{resize_storage, storage_nbytes};

@@ -227,6 +227,27 @@ impl Run {
         &mut self.engine
     }
 
+    /// Stops the profiler started for step `step` (the device's queued work done first, so
+    /// its last kernels are in) and writes this rank's trace into the log directory.
+    fn write_profile(&self, step: u64) -> Result<(), Error> {
+        if let tch::Device::Cuda(i) = self.engine.config().device {
+            tch::Cuda::synchronize(i as i64);
+        }
+        let path = self
+            .cfg
+            .log
+            .dir
+            .join(format!("profile-rank{}.json", self.engine.comm().rank()));
+        zrun_torch_ext::profiler_stop(&path)?;
+        if self.engine.comm().rank() == 0 {
+            tracing::info!(
+                "profile of step {step} written to {} (and one per rank beside it); python benches/profile_table.py sums it by kind",
+                path.display()
+            );
+        }
+        Ok(())
+    }
+
     /// Mean of `x` over the ranks.
     fn average(&self, x: f64) -> Result<f64, Error> {
         let comm = self.engine.comm();
@@ -455,7 +476,11 @@ impl Run {
         let flops_per_token = self.model.flops_per_token();
         let peak_flops = self.cfg.log.peak_tflops.map(|t| t * 1e12);
         let mut shrinks = Vec::new();
+        let profile = self.cfg.log.profile_step;
         for step in first..t.steps {
+            if profile == step + 1 {
+                zrun_torch_ext::profiler_start(self.engine.config().device.is_cuda())?;
+            }
             let t0 = Instant::now();
             let lr = schedule.at(step);
             let start = loader.cursor();
@@ -477,6 +502,9 @@ impl Run {
                 }
             };
             let stats = self.engine.step(lr, t.grad_clip)?;
+            if profile == step + 1 {
+                self.write_profile(step + 1)?;
+            }
             let overflow_skip = !stats.applied && self.cfg.zero.precision == Precision::Fp16;
             if overflow_skip {
                 skipped += 1;

@@ -147,6 +147,12 @@ fn malformed_configs_each_get_their_own_message() {
             &["log.every = 0", "at least 1"],
         ),
         (
+            "bad-profile-step.toml",
+            "[train]\nsteps = 10\n[log]\nprofile_step = 11\n",
+            &[],
+            &["log.profile_step = 11", "past train.steps = 10"],
+        ),
+        (
             "syntax.toml",
             "[train]\nsteps = = 3\n",
             &[],

@@ -260,6 +260,16 @@ impl Config {
         if self.log.every == 0 {
             return bad("log.every", 0, "must be at least 1");
         }
+        if self.log.profile_step > self.train.steps {
+            return bad(
+                "log.profile_step",
+                self.log.profile_step,
+                &format!(
+                    "is past train.steps = {}: no step would be profiled (0 turns it off)",
+                    self.train.steps
+                ),
+            );
+        }
         Ok(())
     }
 }

@@ -388,6 +388,9 @@ pub struct LogConfig {
     pub every: u64,
     /// Peak FLOP/s of one rank's device in TFLOP/s, for MFU (absent: no MFU).
     pub peak_tflops: Option<f64>,
+    /// Record this step (1-based, 0: none) with libtorch's profiler: each rank writes
+    /// `profile-rank{R}.json` (a Chrome trace) into `dir`.
+    pub profile_step: u64,
 }
 
 impl Default for LogConfig {
@@ -396,6 +399,7 @@ impl Default for LogConfig {
             dir: PathBuf::from("runs/default"),
             every: 10,
             peak_tflops: None,
+            profile_step: 0,
         }
     }
 }
