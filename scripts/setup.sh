@@ -54,7 +54,12 @@ pip_install() {
     local what=$1; shift
     local pause=15
     for attempt in 1 2 3 4 5 6; do
-        if .venv/bin/python -m pip install -q --retries 10 --resume-retries 20 "$@"; then
+        # pip before 25.1 (what a new venv may start with) has no --resume-retries.
+        local resume=()
+        if .venv/bin/python -m pip install --help 2>/dev/null | grep -q -- --resume-retries; then
+            resume=(--resume-retries 20)
+        fi
+        if .venv/bin/python -m pip install -q --retries 10 "${resume[@]}" "$@"; then
             return 0
         fi
         if [ "$attempt" = 6 ]; then
