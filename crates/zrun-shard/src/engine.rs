@@ -144,16 +144,6 @@ pub(crate) enum EarlyStep {
     Submitted { lr: f64, max_norm: f64 },
 }
 
-/// With hybrid sharding at stages 2-3, what this rank's gradient shards hold: sums over the
-/// step's micro-steps so far, all-reduced across the replica group once per step.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Replicas {
-    /// This rank's own sums: the step all-reduces them first.
-    Local,
-    /// Already all-reduced, by the backward of the micro-step announced as the last.
-    Reduced,
-}
-
 /// Drives one rank's training step unit by unit.
 pub struct Engine {
     pub(crate) model: Arc<dyn Model>,
@@ -173,7 +163,6 @@ pub struct Engine {
     pub(crate) early: EarlyStep,
     /// Whether the next micro-step is announced as the step's last.
     pub(crate) last_announced: bool,
-    pub(crate) replicas: Replicas,
     /// The delayed parameter update's state (`delay.rs`).
     pub(crate) delay: crate::delay::Delay,
     pub(crate) times: StepTimes,
@@ -307,7 +296,6 @@ impl Engine {
             scaler,
             early: EarlyStep::Off,
             last_announced: false,
-            replicas: Replicas::Local,
             delay: crate::delay::Delay {
                 warmup: cfg.offload_delay,
                 ..Default::default()
@@ -506,10 +494,11 @@ impl Engine {
     }
 
     /// Announces that the next [`Engine::forward_backward`] is the last micro-step before
-    /// `step(lr, max_norm)` (as [`Engine::last_micro_step`]). Where [`Engine::can_overlap_step`], that backward then hands each
-    /// unit's final gradient shard to the CPU AdamW, which updates the unit on its own thread
-    /// while backward goes on with earlier units; returns whether it will. Results are
-    /// bitwise those of updating at `step`.
+    /// `step(lr, max_norm)` (as [`Engine::last_micro_step`]). Where
+    /// [`Engine::can_overlap_step`], that backward then hands each unit's final gradient shard
+    /// to the CPU AdamW, which updates the unit on its own thread while backward goes on with
+    /// earlier units; returns whether it will. Results are bitwise those of updating at
+    /// `step`.
     pub fn prepare_step(&mut self, lr: f64, max_norm: f64) -> bool {
         self.last_micro_step();
         // A delayed update runs on the host buffers until the step's end: nothing may be
@@ -543,7 +532,8 @@ impl Engine {
         let _guard = tch::no_grad_guard();
         self.enter(Phase::Step, 0);
         let early = std::mem::replace(&mut self.early, EarlyStep::Off);
-        let replicas = std::mem::replace(&mut self.replicas, Replicas::Local);
+        // Whether the last micro-step's backward all-reduced across the replicas already.
+        let replicated_in_backward = std::mem::take(&mut self.mover.replicates);
         self.last_announced = false;
         if let EarlyStep::Submitted { lr: l, max_norm: m } = early {
             if (l, m) != (lr, max_norm) {
@@ -566,7 +556,7 @@ impl Engine {
             // Reduced per unit during backward; across the replicas there too when the last
             // micro-step was announced.
             Stage::Zero2 | Stage::Zero3 => {
-                if self.mover.replicated() && replicas == Replicas::Local {
+                if self.mover.replicated() && !replicated_in_backward {
                     self.mover.replicate_units(&self.grads)?;
                 }
             }

@@ -10,7 +10,7 @@
 //! all-reduce in flight. Activation checkpointing keeps only unit inputs and recomputes each
 //! unit's forward in its backward.
 
-use crate::engine::{views, EarlyStep, Engine, Optimizer, Phase, Replicas};
+use crate::engine::{views, EarlyStep, Engine, Optimizer, Phase};
 use crate::state::{Mover, Pending};
 use crate::{Context, Error, Result, Stage};
 use std::collections::VecDeque;
@@ -164,7 +164,7 @@ impl Engine {
             }
             EarlyStep::Off => {}
         }
-        if self.replicas == Replicas::Reduced {
+        if self.mover.replicates {
             return Err(Error::Unsupported(
                 "forward_backward after the micro-step announced as the last by last_micro_step: call step first".into(),
             ));
@@ -334,9 +334,6 @@ impl Engine {
         }
         while let Some(p) = reducing.replicating.pop_front() {
             self.finish_replicate(p)?;
-        }
-        if replicate {
-            self.replicas = Replicas::Reduced;
         }
         let value = value.f_double_value(&[]).ctx("read loss", "head")?;
         // The loss came from gathered parameters (stage 3): valid only if no gather was cut.

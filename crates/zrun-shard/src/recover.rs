@@ -204,7 +204,7 @@ impl Engine {
         }
         self.early = EarlyStep::Off;
         self.last_announced = false;
-        self.replicas = crate::engine::Replicas::Local;
+        self.mover.replicates = false;
         let _guard = tch::no_grad_guard();
         self.grads.f_zero_().done("zero gradients", "-")?;
         self.mover.reset_in_flight();
@@ -297,6 +297,15 @@ mod tests {
                     let units = model.units().len();
                     assert_eq!(replicates, if replicate && sharded { units } else { 0 });
                 }
+                // After the micro-step that all-reduced across the replicas, only the step
+                // may come; then micro-steps again.
+                let sharded = matches!(stage, Stage::Zero2 | Stage::Zero3);
+                assert_eq!(
+                    e.forward_backward(&x, &x, 1.0).is_err(),
+                    replicated && sharded
+                );
+                e.step(1e-3, 0.0).unwrap();
+                e.forward_backward(&x, &x, 1.0).unwrap();
             }
         }
     }

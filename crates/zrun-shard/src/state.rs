@@ -79,7 +79,9 @@ pub(crate) struct Mover {
     pub(crate) peak_gathered: i64,
     /// The collectives issued since the current micro-step began, in order.
     pub(crate) issued: Vec<(Collective, usize)>,
-    /// Whether the current micro-step all-reduces across the replica group.
+    /// Whether the micro-step begun last all-reduces across the replica group (the step's
+    /// last, with hybrid sharding at stages 2-3): set as it begins, cleared by the step (or
+    /// by abandoning it), which then has no all-reduce of its own to do.
     pub(crate) replicates: bool,
 }
 
@@ -249,11 +251,13 @@ impl Mover {
     fn replicate_scattered(&mut self, p: Pending) -> Result<Pending> {
         let (u, grad, shard) = self.timed(|| p.wait())?;
         drop(grad);
-        self.replicate_in_place(shard, u)
+        self.start_replicate(shard, u)
     }
 
-    /// Starts averaging unit `u`'s gradient shard `shard` over the replica group, in place.
-    fn replicate_in_place(&mut self, shard: Tensor, u: usize) -> Result<Pending> {
+    /// Starts averaging unit `u`'s gradient shard `shard` over the replica group, in place:
+    /// no buffer of its own (a reduce-scatter's output shard stays counted until
+    /// [`Mover::finish_reduce_scatter`]; a slice of the rank's gradient shards is not counted).
+    pub(crate) fn start_replicate(&mut self, shard: Tensor, u: usize) -> Result<Pending> {
         let Some(replica) = &self.replica else {
             return Err(Error::Unsupported(
                 "a replica all-reduce without a replica group".into(),
@@ -264,13 +268,6 @@ impl Mover {
             .map_err(Error::Comm)?;
         self.issued.push((Collective::Replicate, u));
         Ok(Pending::new(work, u, shard.shallow_clone(), shard))
-    }
-
-    /// Starts averaging unit `u`'s slice `shard` of this rank's gradient shards (summed
-    /// over the step's micro-steps) over the replica group, in place: no buffer of its own,
-    /// nothing counted in flight.
-    pub(crate) fn start_replicate(&mut self, shard: Tensor, u: usize) -> Result<Pending> {
-        self.replicate_in_place(shard, u)
     }
 
     /// Waits for an all-reduce from [`Mover::start_replicate`]; returns the unit and its
