@@ -73,10 +73,16 @@ fn nccl_detail(e: &nc::NcclError) -> String {
             std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
         }
     };
-    if last.is_empty() {
+    let what = if last.is_empty() {
         format!("{:?}", e.0)
     } else {
         format!("{:?}: {last}", e.0)
+    };
+    if e.0 == ncsys::ncclResult_t::ncclRemoteError {
+        // Seen on the H100 when a peer was killed: the socket transport notices at once.
+        format!("{what}; a peer rank failed, was killed or lost its connection (NCCL does not say which: the launcher's log or the other ranks' logs name it)")
+    } else {
+        what
     }
 }
 

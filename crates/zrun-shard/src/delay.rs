@@ -23,7 +23,12 @@
 //!
 //! The delayed update needs its own host copy of the gradient shard (the CPU reads it while
 //! the next step accumulates new gradients), so the engine never lends it its gradients in
-//! place, and the update never overlaps the last backward (`Engine::prepare_step`).
+//! place. At stages 2-3 the next step's backward still copies each unit's final gradient to
+//! the host as the unit completes, once the running update has finished with that unit: the
+//! update runs its units last first, the order backward makes them, so that wait is
+//! normally nil. With 16-bit parameters on a device the update also writes their new values
+//! into the pinned staging buffer, so the refresh at the step's end is one DMA copy per unit
+//! (no cast on the host, no pageable copy).
 
 use crate::engine::Optimizer;
 use crate::offload::HostOptimizer;
@@ -39,6 +44,9 @@ pub(crate) struct Delay {
     pub updates: u64,
     /// The compute parameters are one update behind the master (which may still be running).
     pub behind: bool,
+    /// The pending update was submitted by this process (not read from a checkpoint): its
+    /// result is in [`HostOptimizer::refreshed`], staging included.
+    pub submitted: bool,
     /// Stale parameters read from a checkpoint (fp32, this rank's shard), until the load
     /// completes.
     pub loaded: Option<Tensor>,
@@ -72,18 +80,27 @@ impl Engine {
         if !self.delay.behind {
             return Ok(());
         }
-        self.host()?.finish()?;
-        self.params_from_host_master()?;
+        let submitted = self.delay.submitted;
+        let h = self.host()?;
+        h.finish()?;
+        let src = if submitted {
+            h.refreshed().shallow_clone()
+        } else {
+            h.master().shallow_clone()
+        };
+        self.params_from_shard(&src)?;
         self.delay.behind = false;
+        self.delay.submitted = false;
         Ok(())
     }
 
     /// The end of a delayed step: applies the pending update to the compute parameters, then
-    /// (when `applied`) submits this step's update of the owned gradient `segments` with `lr`
-    /// and `grad_scale` (unscaling and clipping) without waiting for it.
+    /// (when `applied`) submits this step's update of the owned gradient `segments` (`None`:
+    /// staged during backward) with `lr` and `grad_scale` (unscaling and clipping) without
+    /// waiting for it.
     pub(crate) fn delayed_step(
         &mut self,
-        segments: &[Tensor],
+        segments: Option<&[Tensor]>,
         lr: f64,
         grad_scale: f64,
         applied: bool,
@@ -100,6 +117,7 @@ impl Engine {
         };
         h.submit_deferred(&self.mover.layout, segments, lr, grad_scale)?;
         self.delay.behind = true;
+        self.delay.submitted = true;
         Ok(())
     }
 
@@ -189,6 +207,7 @@ impl Engine {
     /// [`Engine::load_delayed_params`] (then behind the loaded master), else from the master.
     pub(crate) fn finish_delayed_load(&mut self) -> Result<()> {
         self.delay.behind = false;
+        self.delay.submitted = false;
         match self.delay.loaded.take() {
             Some(stale) => {
                 self.params_from_shard(&stale)?;

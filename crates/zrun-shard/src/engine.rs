@@ -269,7 +269,13 @@ impl Engine {
             let setup = HostSetup {
                 adamw: cfg.adamw,
                 state: cfg.optimizer_state_dtype,
-                threads: cfg.optimizer_threads,
+                // A delayed update runs beside the thread that launches the GPU's kernels:
+                // it leaves that thread a core of its own.
+                threads: if dev.is_cuda() && cfg.offload_delay.is_some() {
+                    cfg.optimizer_threads.saturating_sub(1).max(1)
+                } else {
+                    cfg.optimizer_threads
+                },
                 precision: cfg.precision,
                 device: dev,
             };
@@ -502,12 +508,13 @@ impl Engine {
     pub fn prepare_step(&mut self, lr: f64, max_norm: f64) -> bool {
         self.last_micro_step();
         // A delayed update runs on the host buffers until the step's end: nothing may be
-        // staged or updated during this backward then.
+        // updated during this backward then; a unit's gradient is staged once the running
+        // update is done with the unit (`HostOptimizer::stage_unit`).
         let delayed = self.delay.behind || self.delay_active();
         let overlap = self.can_overlap_step(max_norm) && !delayed;
         self.early = if overlap {
             EarlyStep::Armed { lr, max_norm }
-        } else if self.host_gets_unit_gradients() && !delayed {
+        } else if self.host_gets_unit_gradients() {
             EarlyStep::StageArmed
         } else {
             EarlyStep::Off
@@ -595,7 +602,9 @@ impl Engine {
         let clip_coef = clip_coefficient(grad_norm, max_norm);
         self.scaler.update(applied);
         if self.delay_active() && !overlapped {
-            self.delayed_step(&grads, lr, clip_coef / loss_scale, applied)?;
+            // Gradients staged during backward need no second copy.
+            let segments = (early != EarlyStep::Staged).then_some(&grads[..]);
+            self.delayed_step(segments, lr, clip_coef / loss_scale, applied)?;
         } else if overlapped {
             // Every unit was updated during backward; wait for the last of them.
             if let Optimizer::Host(h) = &mut self.optimizer {

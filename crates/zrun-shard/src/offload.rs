@@ -83,8 +83,10 @@ enum Route {
     Staged(Tensor),
     /// fp32 parameters on a device: a copy from the master.
     FromMaster,
-    /// The master only: the compute parameters are refreshed from it later (delayed update).
-    Deferred,
+    /// The master only, and with 16-bit parameters on a device the pinned staging slice too:
+    /// the compute parameters are refreshed from them later (delayed update), with no cast
+    /// and no pageable copy on the step's path.
+    Deferred(Option<Tensor>),
 }
 
 /// A copy into the compute parameters that the thread driving the model makes: libtorch
@@ -113,7 +115,8 @@ struct Worker {
     jobs: mpsc::Sender<Job>,
     results: mpsc::Receiver<Result<Option<Transfer>>>,
     handle: JoinHandle<CpuAdamW>,
-    pending: usize,
+    /// The unit of each submitted job not yet answered, in submission order.
+    pending: std::collections::VecDeque<usize>,
 }
 
 /// A zeroed host tensor, allocated pinned when CUDA is present so device copies are
@@ -200,11 +203,14 @@ fn run(
         (Some(kind), Route::Direct, Some(dst)) => {
             Some((unsafe { slice_mut::<u16>(dst.data_ptr(), 0, len) }, kind))
         }
+        (Some(kind), Route::Deferred(Some(st)), _) => {
+            Some((unsafe { slice_mut::<u16>(st.data_ptr(), 0, len) }, kind))
+        }
         _ => None,
     };
     adam.update(off, m, g, lr, grad_scale, out)?;
     let dst = match (route, dst) {
-        (Route::Deferred, _) => return Ok(None),
+        (Route::Deferred(_), _) => return Ok(None),
         (route, Some(dst)) => (route, dst),
         (_, None) => {
             return Err(Error::Unsupported(format!(
@@ -226,7 +232,7 @@ fn run(
                 .ctx("slice master", &unit)?;
             Some(Transfer { unit, dst, src })
         }
-        (_, (Route::Deferred, _)) => None,
+        (_, (Route::Deferred(_), _)) => None,
     })
 }
 
@@ -392,7 +398,10 @@ impl HostOptimizer {
                 && dst.kind() == self.precision.kind()
         });
         let route = match (self.half(), direct, &self.staging) {
-            (_, None, _) => Route::Deferred,
+            (Some(_), None, Some(st)) => Route::Deferred(Some(
+                st.f_narrow(0, off, len).ctx("slice staging", &l.unit)?,
+            )),
+            (_, None, _) => Route::Deferred(None),
             (_, Some(true), _) => Route::Direct,
             (None, Some(false), _) => Route::FromMaster,
             (Some(_), Some(false), Some(st)) => {
@@ -417,13 +426,15 @@ impl HostOptimizer {
         })
     }
 
-    /// Copies unit `u`'s final reduced gradient shard `grad` to the host, ahead of the step.
+    /// Copies unit `u`'s final reduced gradient shard `grad` to the host, ahead of the step,
+    /// once a delayed update of the unit still running has finished with its host slices.
     pub(crate) fn stage_unit(
         &mut self,
         layout: &ShardLayout,
         u: usize,
         grad: &Tensor,
     ) -> Result<()> {
+        self.wait_unit(u)?;
         let ready = self.stage(layout.shard_offsets[u], grad, &layout.units[u].unit)?;
         // Read at the step: the last unit's event covers every copy queued before it.
         if ready.is_some() {
@@ -478,11 +489,32 @@ impl HostOptimizer {
         let ready = self.stage(layout.shard_offsets[u], grad, &layout.units[u].unit)?;
         let mut job = self.job(layout, u, lr, 1.0, Some(dst))?;
         job.ready = ready;
-        self.send(job)?;
+        self.send(u, job)?;
         let w = self.worker.as_mut().expect("sent above");
         // Device copies of the units already updated go out while backward continues.
         while let Ok(r) = w.results.try_recv() {
-            w.pending -= 1;
+            w.pending.pop_front();
+            if let Some(t) = r? {
+                t.apply()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until no submitted update of unit `u` is still running: its host gradients,
+    /// master and staging slices are then free (a delayed update of the last step may still
+    /// be reading them while this step's backward makes the unit's gradient).
+    fn wait_unit(&mut self, u: usize) -> Result<()> {
+        let Some(w) = self.worker.as_mut() else {
+            return Ok(());
+        };
+        while w.pending.contains(&u) {
+            let r = w.results.recv().unwrap_or_else(|_| {
+                Err(Error::Unsupported(
+                    "the CPU AdamW thread stopped mid-step".into(),
+                ))
+            });
+            w.pending.pop_front();
             if let Some(t) = r? {
                 t.apply()?;
             }
@@ -491,14 +523,17 @@ impl HostOptimizer {
     }
 
     /// A delayed update (`delay.rs`): stages the owned gradient `segments` (end to end in
-    /// shard order) on the host and waits for the copies, then begins a step and hands every
-    /// unit's update with `lr` and `grad_scale` to the worker thread, which writes the
-    /// master only; returns at once. [`HostOptimizer::finish`] waits for it; the compute
-    /// parameters are then refreshed from [`HostOptimizer::master`] by the caller.
+    /// shard order; `None`: staged unit by unit during backward) on the host and waits for
+    /// the copies, then begins a step and hands every unit's update with `lr` and
+    /// `grad_scale` to the worker thread, last unit first (the order the next backward
+    /// needs them back in), which writes the master (and the 16-bit staging buffer where
+    /// parameters live on a device) only; returns at once. [`HostOptimizer::finish`] waits
+    /// for it; the compute parameters are then refreshed from
+    /// [`HostOptimizer::refreshed`] by the caller.
     pub(crate) fn submit_deferred(
         &mut self,
         layout: &ShardLayout,
-        segments: &[Tensor],
+        segments: Option<&[Tensor]>,
         lr: f64,
         grad_scale: f64,
     ) -> Result<()> {
@@ -510,22 +545,33 @@ impl HostOptimizer {
         }
         let mut at = 0;
         let mut ready = self.staged.take();
-        for g in segments {
+        for g in segments.unwrap_or_default() {
             ready = self.stage(at, g, "-")?.or(ready);
             at += g.numel() as i64;
         }
         // The engine zeroes (then accumulates into) its gradients as soon as this returns.
         wait_ready(ready, "-")?;
         self.begin_step()?;
-        for u in 0..layout.units.len() {
+        for u in (0..layout.units.len()).rev() {
             let job = self.job(layout, u, lr, grad_scale, None)?;
-            self.send(job)?;
+            self.send(u, job)?;
         }
         Ok(())
     }
 
-    /// Hands `job` to the worker thread, starting it (with the AdamW) if it is not running.
-    fn send(&mut self, job: Job) -> Result<()> {
+    /// What a finished delayed update left for the compute parameters, in shard layout:
+    /// the pinned 16-bit staging buffer (16-bit parameters on a device: copied as they are,
+    /// by DMA) or else the fp32 master.
+    pub(crate) fn refreshed(&self) -> &Tensor {
+        match (&self.staging, self.half()) {
+            (Some(st), Some(_)) => st,
+            _ => &self.master,
+        }
+    }
+
+    /// Hands `job` (of unit `u`) to the worker thread, starting it (with the AdamW) if it is
+    /// not running.
+    fn send(&mut self, u: usize, job: Job) -> Result<()> {
         if self.worker.is_none() {
             let adam = self.adam.take().ok_or_else(|| {
                 Error::Unsupported("the CPU AdamW is lent to another update".into())
@@ -536,7 +582,7 @@ impl HostOptimizer {
         w.jobs
             .send(job)
             .map_err(|_| Error::Unsupported("the CPU AdamW worker stopped".into()))?;
-        w.pending += 1;
+        w.pending.push_back(u);
         Ok(())
     }
 
@@ -568,7 +614,7 @@ impl HostOptimizer {
             jobs,
             results,
             handle,
-            pending: 0,
+            pending: Default::default(),
         })
     }
 
@@ -578,7 +624,7 @@ impl HostOptimizer {
             return Ok(());
         };
         let mut first = Ok(());
-        for _ in 0..w.pending {
+        for _ in 0..w.pending.len() {
             let r = w.results.recv().unwrap_or_else(|_| {
                 Err(Error::Unsupported(
                     "the CPU AdamW thread stopped mid-step".into(),
@@ -612,4 +658,62 @@ impl Drop for HostOptimizer {
 /// Whether offload applies at `stage` (stages 1-3 shard the optimizer state).
 pub(crate) fn supported(stage: Stage) -> bool {
     stage != Stage::Zero0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use zrun_models::{Gpt, GptConfig, Model};
+
+    /// The next backward stages a unit's gradient while the delayed update of the last step
+    /// may still read the unit's host slice: staging waits for that unit's update. The
+    /// update runs its units last first, so unit 0 (the embedding) is its last; its gradient
+    /// staged at once must not reach the update.
+    #[test]
+    fn staging_a_unit_waits_for_its_delayed_update() -> Result<()> {
+        let m = Gpt::new(GptConfig {
+            vocab_size: 64,
+            seq_len: 8,
+            n_layer: 4,
+            n_head: 4,
+            d_model: 256,
+            init_std: 0.02,
+            tied: false,
+        })
+        .map_err(|e| Error::Unsupported(e.to_string()))?;
+        let layout = ShardLayout::new(m.units(), 0, 1);
+        let n = layout.shard_numel();
+        let setup = HostSetup {
+            adamw: AdamWConfig {
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.0,
+            },
+            state: StateDtype::Fp32,
+            threads: 1,
+            precision: Precision::Fp32,
+            device: Device::Cpu,
+        };
+        let zeros = Tensor::zeros([n], (Kind::Float, Device::Cpu));
+        let mut h = HostOptimizer::new(&layout, zeros, setup, None)?;
+        let lr = 1e-3;
+        // The delayed update: gradient +1 everywhere.
+        let ones = Tensor::ones([n], (Kind::Float, Device::Cpu));
+        h.submit_deferred(&layout, Some(&[ones]), lr, 1.0)?;
+        // The next backward's final gradient of unit 0: -1.
+        let len = layout.units[0].shard_len();
+        let next = Tensor::full([len], -1.0, (Kind::Float, Device::Cpu));
+        h.stage_unit(&layout, 0, &next)?;
+        h.finish()?;
+        // AdamW's first step moves each parameter by lr against the gradient's sign.
+        let unit0 = h.master().narrow(0, layout.shard_offsets[0], len);
+        let want = Tensor::full([len], -lr, (Kind::Float, Device::Cpu));
+        let off = (unit0 - want).abs().max().double_value(&[]);
+        assert!(off < 1e-6, "unit 0's update read the next step's gradient: off by {off}");
+        // ... and the staged gradient is there for the next update.
+        let staged = h.grads.narrow(0, layout.shard_offsets[0], len);
+        assert!(staged.equal(&Tensor::full([len], -1.0, (Kind::Float, Device::Cpu))));
+        Ok(())
+    }
 }
