@@ -710,7 +710,10 @@ mod tests {
         let unit0 = h.master().narrow(0, layout.shard_offsets[0], len);
         let want = Tensor::full([len], -lr, (Kind::Float, Device::Cpu));
         let off = (unit0 - want).abs().max().double_value(&[]);
-        assert!(off < 1e-6, "unit 0's update read the next step's gradient: off by {off}");
+        assert!(
+            off < 1e-6,
+            "unit 0's update read the next step's gradient: off by {off}"
+        );
         // ... and the staged gradient is there for the next update.
         let staged = h.grads.narrow(0, layout.shard_offsets[0], len);
         assert!(staged.equal(&Tensor::full([len], -1.0, (Kind::Float, Device::Cpu))));
