@@ -1,0 +1,34 @@
+"""Helpers of the GPU checks: losses of a run and per-step comparisons of pairs of runs."""
+import concurrent.futures
+
+
+def losses(run):
+    return [m["loss"] for m in run.get("metrics", []) if "loss" in m]
+
+
+def worst_rel(a, b):
+    if not a or len(a) != len(b):
+        return None
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def compare(c, pairs, bound):
+    """Runs (name, want_job, got_job) pairs, four jobs at a time (they barely load the GPU),
+    and compares per-step losses; `bound(key)` is the relative bound of a pair."""
+    jobs = {}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for key, want, got in pairs:
+            jobs[key] = (pool.submit(c.train, *want), pool.submit(c.train, *got))
+    rows, ok = {}, True
+    for key, (fw, fg) in jobs.items():
+        w, g = fw.result(), fg.result()
+        rel = worst_rel(losses(g), losses(w))
+        good = w["rc"] == 0 and g["rc"] == 0 and rel is not None and rel <= bound(key)
+        ok &= good
+        row = {"pass": good, "worst_rel_loss": rel, "bound": bound(key),
+               "final_loss": (losses(g) or [None])[-1]}
+        for side, r in [("want", w), ("got", g)]:
+            if r["rc"] != 0:
+                row[f"{side}_rc"], row[f"{side}_output"] = r["rc"], r.get("output")
+        rows[key] = row
+    return {"pass": ok, "rows": rows}
