@@ -433,3 +433,37 @@ fn auto_stage_and_micro_batch_take_the_plans_choice() {
         stderr(&o)
     );
 }
+
+/// `train.loss_chunk = "auto"` (the default) as `zrun estimate` resolves it for a GPU config:
+/// the full logits where the estimate with them fits the device memory, chunks where only
+/// the chunked loss does; on CPU ranks it stays chunked and says nothing.
+#[test]
+fn the_estimate_resolves_an_auto_loss_chunk_against_the_gpu_memory() {
+    let vocab = ["--set", "model.vocab_size=50304"];
+    let gpu = |mem: &str| {
+        let mut a = vec!["estimate", CONFIG, "--device-mem", mem];
+        a.extend(["--set", "dist.device=\"cuda\""]);
+        a.extend(vocab);
+        let out = zrun(&a);
+        assert!(out.status.success(), "{}", stderr(&out));
+        stdout(&out)
+    };
+    let text = gpu("64GiB");
+    assert!(text.contains("train.loss_chunk = \"auto\": the full logits"), "{text}");
+    let text = gpu("2GiB");
+    assert!(
+        text.contains("train.loss_chunk = \"auto\": chunks of 16777216 logits"),
+        "{text}"
+    );
+    // The chunked estimate is the one printed then: lower than the full logits'.
+    let peak = |t: &str| {
+        t.lines()
+            .find(|l| l.starts_with("rank 0: peak"))
+            .map(str::to_string)
+    };
+    assert_ne!(peak(&gpu("64GiB")), peak(&text), "{text}");
+    let mut a = vec!["estimate", CONFIG];
+    a.extend(vocab);
+    let cpu = stdout(&zrun(&a));
+    assert!(!cpu.contains("loss_chunk"), "{cpu}");
+}

@@ -62,7 +62,10 @@ fn resolve_auto(
         );
     }
     let mut out = chosen.apply(cfg);
-    out.auto = crate::config::Auto::default();
+    out.auto = crate::config::Auto {
+        loss_chunk: cfg.auto.loss_chunk,
+        ..Default::default()
+    };
     Ok(out)
 }
 
@@ -149,6 +152,22 @@ impl Run {
         let nccl_comms = crate::memory::nccl_comms(comm.backend(), rank.world_size, group);
         let fixed = crate::memory::fixed_cost(device, base_rss, nccl_comms);
         let cfg = &resolve_auto(cfg, comm.as_ref(), device, fixed, rank)?;
+        // The loss's chunking computes nothing across ranks: each may choose for itself.
+        let limit = match device.is_cuda() && cfg.auto.loss_chunk {
+            true => Some(crate::memory::budget(cfg, device, rank.local_world_size)?.0),
+            false => None,
+        };
+        let (cfg, why) = crate::memory::resolve_loss_chunk(
+            cfg,
+            device.is_cuda(),
+            rank.world_size,
+            fixed,
+            limit,
+        )?;
+        let cfg = &cfg;
+        if let (0, Some(why)) = (rank.rank, why) {
+            tracing::info!("{why}");
+        }
         if let Some(l) = crate::memory::apply_memory_limit(cfg, device, base_rss)? {
             if rank.rank == 0 {
                 tracing::info!(

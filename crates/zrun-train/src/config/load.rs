@@ -5,9 +5,14 @@ use std::fmt::Display;
 use std::path::Path;
 use zrun_shard::{Offload, Precision, ReduceDtype, Stage, StateDtype};
 
-/// Replaces `zero.stage = "auto"` and `train.micro_batch = "auto"` with placeholders (0 and 1)
-/// and says which were there: the planner sets them when the run starts.
+/// Replaces `zero.stage = "auto"`, `train.micro_batch = "auto"` and `train.loss_chunk =
+/// "auto"` with placeholders (0, 1 and the chunked default) and says which were there: the
+/// planner sets them when the run starts. An absent `train.loss_chunk` is `"auto"`.
 fn take_auto(table: &mut toml::Table) -> super::Auto {
+    let loss_chunk_set = table
+        .get("train")
+        .and_then(|t| t.as_table())
+        .is_some_and(|t| t.contains_key("loss_chunk"));
     let mut take = |section: &str, key: &str, placeholder: i64| {
         let slot = table
             .get_mut(section)
@@ -24,6 +29,7 @@ fn take_auto(table: &mut toml::Table) -> super::Auto {
     super::Auto {
         stage: take("zero", "stage", 0),
         micro_batch: take("train", "micro_batch", 1),
+        loss_chunk: take("train", "loss_chunk", zrun_models::LOSS_CHUNK) || !loss_chunk_set,
     }
 }
 

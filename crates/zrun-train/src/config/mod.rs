@@ -49,13 +49,16 @@ pub struct Config {
     pub auto: Auto,
 }
 
-/// Config keys set to `"auto"`: `zero.stage` and `train.micro_batch`.
+/// Config keys set to `"auto"`: `zero.stage`, `train.micro_batch` and `train.loss_chunk`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Auto {
     /// `zero.stage = "auto"`.
     pub stage: bool,
     /// `train.micro_batch = "auto"` (with `train.global_batch`).
     pub micro_batch: bool,
+    /// `train.loss_chunk = "auto"` (the default): the full logits on a GPU where they are
+    /// predicted to fit, else chunks ([`crate::memory::resolve_loss_chunk`]).
+    pub loss_chunk: bool,
 }
 
 /// Model architecture family.
@@ -190,6 +193,7 @@ pub struct TrainConfig {
     pub on_oom: OnOom,
     /// Logits (positions x vocabulary entries) per chunk of the head's matmul and the loss,
     /// which then never hold the whole logits (B, T, V); 0 computes all logits at once.
+    /// `"auto"` (the default, [`Auto::loss_chunk`]) holds the chunked value until resolved.
     pub loss_chunk: u64,
 }
 
