@@ -449,7 +449,10 @@ fn the_estimate_resolves_an_auto_loss_chunk_against_the_gpu_memory() {
         stdout(&out)
     };
     let text = gpu("64GiB");
-    assert!(text.contains("train.loss_chunk = \"auto\": the full logits"), "{text}");
+    assert!(
+        text.contains("train.loss_chunk = \"auto\": the full logits"),
+        "{text}"
+    );
     let text = gpu("2GiB");
     assert!(
         text.contains("train.loss_chunk = \"auto\": chunks of 16777216 logits"),

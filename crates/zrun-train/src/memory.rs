@@ -646,7 +646,14 @@ pub fn resolve_loss_chunk(
     let ranks = estimate_ranks(&full, world, fixed, Some(limit))?;
     let peak = fixed + ranks.iter().map(|r| r.peak_bytes).max().unwrap_or(0);
     let (out, what) = if ranks.iter().all(|r| r.fits) {
-        (full, format!("the full logits (predicted peak {} within {})", human(peak), human(limit)))
+        (
+            full,
+            format!(
+                "the full logits (predicted peak {} within {})",
+                human(peak),
+                human(limit)
+            ),
+        )
     } else {
         (
             chunked,
@@ -706,7 +713,10 @@ mod tests {
         let mut full = cfg.clone();
         full.train.loss_chunk = 0;
         let (chunked_peak, full_peak) = (peak(&cfg), peak(&full));
-        assert!(full_peak > chunked_peak + (64 << 20), "{full_peak} vs {chunked_peak}");
+        assert!(
+            full_peak > chunked_peak + (64 << 20),
+            "{full_peak} vs {chunked_peak}"
+        );
         let between = (chunked_peak + full_peak) / 2;
         let chunk = zrun_models::LOSS_CHUNK as u64;
         for (cuda, limit, want) in [
