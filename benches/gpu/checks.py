@@ -58,7 +58,7 @@ import time
 from pathlib import Path
 
 from nccl_checks import check_nccl, check_nccl_hybrid, check_nccl_kill, check_nccl_ranks
-from runs import compare, losses
+from runs import compare, losses, rank_pairs
 
 HERE = Path(__file__).resolve().parent
 H100_BF16_PEAK_TFLOPS = 989.0
@@ -194,13 +194,7 @@ def gpu_name():
 
 
 def check_ranks(c):
-    pairs = []
-    for prec in ["fp32", "bf16"]:
-        for stage in range(4):
-            common = [f"zero.stage={stage}", f'zero.precision="{prec}"']
-            key = f"{prec}-stage{stage}"
-            pairs.append((key, (f"w1-{key}", "small", 1, common + ["train.micro_batch=12"]),
-                          (f"w2-{key}", "small", 2, common + ["train.micro_batch=6"])))
+    pairs = rank_pairs("w")
     r = compare(c, pairs, lambda k: 1e-5 if k.startswith("fp32") else 3e-2)
     r["what"] = "W=2 on one GPU over tcp against W=1, same global batch, per-step loss"
     return r

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import time
 
-from runs import compare
+from runs import compare, rank_pairs
 
 SHARE = {"ZRUN_NCCL_SHARE_GPU": "1"}
 
@@ -27,14 +27,7 @@ def check_nccl(c):
 
 
 def check_nccl_ranks(c):
-    pairs = []
-    for prec in ["fp32", "bf16"]:
-        for stage in range(4):
-            common = [f"zero.stage={stage}", f'zero.precision="{prec}"']
-            key = f"{prec}-stage{stage}"
-            pairs.append((key, (f"nw1-{key}", "small", 1, common + ["train.micro_batch=12"]),
-                          (f"nw2-{key}", "small", 2,
-                           common + ["train.micro_batch=6", 'dist.backend="nccl"'], SHARE)))
+    pairs = rank_pairs("nw", ['dist.backend="nccl"'], SHARE)
     r = compare(c, pairs, lambda k: 1e-5 if k.startswith("fp32") else 3e-2)
     r["what"] = "W=2 over NCCL sharing one GPU against W=1, same global batch, per-step loss"
     rows = []

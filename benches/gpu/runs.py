@@ -32,3 +32,17 @@ def compare(c, pairs, bound):
                 row[f"{side}_rc"], row[f"{side}_output"] = r["rc"], r.get("output")
         rows[key] = row
     return {"pass": ok, "rows": rows}
+
+
+def rank_pairs(tag, w2_sets=(), env=None):
+    """(key, W=1 job, W=2 job) for the small model at stages 0-3 in fp32 and bf16, the same
+    global batch on both sides (12 sequences); `w2_sets` and `env` go to the W=2 side."""
+    pairs = []
+    for prec in ["fp32", "bf16"]:
+        for stage in range(4):
+            common = [f"zero.stage={stage}", f'zero.precision="{prec}"']
+            key = f"{prec}-stage{stage}"
+            w2 = (f"{tag}2-{key}", "small", 2, common + ["train.micro_batch=6", *w2_sets])
+            pairs.append((key, (f"{tag}1-{key}", "small", 1, common + ["train.micro_batch=12"]),
+                          w2 + ((env,) if env else ())))
+    return pairs

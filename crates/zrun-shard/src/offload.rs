@@ -119,6 +119,18 @@ struct Worker {
     pending: std::collections::VecDeque<usize>,
 }
 
+impl Worker {
+    /// Waits for the oldest submitted job's answer.
+    fn next(&mut self) -> Result<Option<Transfer>> {
+        self.pending.pop_front();
+        self.results.recv().unwrap_or_else(|_| {
+            Err(Error::Unsupported(
+                "the CPU AdamW thread stopped mid-step".into(),
+            ))
+        })
+    }
+}
+
 /// A zeroed host tensor, allocated pinned when CUDA is present so device copies are
 /// asynchronous DMA (never pageable first and pinned after: that would hold it twice).
 fn host_tensor(numel: i64, kind: Kind, device: Device) -> Result<Tensor> {
@@ -509,13 +521,7 @@ impl HostOptimizer {
             return Ok(());
         };
         while w.pending.contains(&u) {
-            let r = w.results.recv().unwrap_or_else(|_| {
-                Err(Error::Unsupported(
-                    "the CPU AdamW thread stopped mid-step".into(),
-                ))
-            });
-            w.pending.pop_front();
-            if let Some(t) = r? {
+            if let Some(t) = w.next()? {
                 t.apply()?;
             }
         }
@@ -563,10 +569,7 @@ impl HostOptimizer {
     /// the pinned 16-bit staging buffer (16-bit parameters on a device: copied as they are,
     /// by DMA) or else the fp32 master.
     pub(crate) fn refreshed(&self) -> &Tensor {
-        match (&self.staging, self.half()) {
-            (Some(st), Some(_)) => st,
-            _ => &self.master,
-        }
+        self.staging.as_ref().unwrap_or(&self.master)
     }
 
     /// Hands `job` (of unit `u`) to the worker thread, starting it (with the AdamW) if it is
@@ -620,17 +623,12 @@ impl HostOptimizer {
 
     /// Waits for every submitted update; returns the first error among them.
     pub(crate) fn finish(&mut self) -> Result<()> {
-        let Some(w) = self.worker.take() else {
+        let Some(mut w) = self.worker.take() else {
             return Ok(());
         };
         let mut first = Ok(());
-        for _ in 0..w.pending.len() {
-            let r = w.results.recv().unwrap_or_else(|_| {
-                Err(Error::Unsupported(
-                    "the CPU AdamW thread stopped mid-step".into(),
-                ))
-            });
-            let r = r.and_then(|t| t.map_or(Ok(()), Transfer::apply));
+        while !w.pending.is_empty() {
+            let r = w.next().and_then(|t| t.map_or(Ok(()), Transfer::apply));
             if first.is_ok() {
                 first = r;
             }

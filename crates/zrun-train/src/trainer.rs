@@ -153,9 +153,10 @@ impl Run {
         let fixed = crate::memory::fixed_cost(device, base_rss, nccl_comms);
         let cfg = &resolve_auto(cfg, comm.as_ref(), device, fixed, rank)?;
         // The loss's chunking computes nothing across ranks: each may choose for itself.
-        let limit = match device.is_cuda() && cfg.auto.loss_chunk {
-            true => Some(crate::memory::budget(cfg, device, rank.local_world_size)?.0),
-            false => None,
+        let limit = if device.is_cuda() && cfg.auto.loss_chunk {
+            Some(crate::memory::budget(cfg, device, rank.local_world_size)?.0)
+        } else {
+            None
         };
         let (cfg, why) = crate::memory::resolve_loss_chunk(
             cfg,
