@@ -176,13 +176,18 @@ impl Block {
             .f_layer_norm([c], Some(ln1_w), Some(ln1_b), LN_EPS, true)
             .ctx(u, "layer_norm(ln_1)")?;
         let qkv = h.f_linear(qkv_w, Some(qkv_b)).ctx(u, "linear(qkv)")?; // (B, T, 3C)
-        let heads = |part: i64| -> Result<Tensor> {
-            qkv.f_narrow(2, part * c, c) // (B, T, C)
-                .and_then(|p| p.f_reshape([b, t, nh, hs])) // (B, T, nh, hs)
+                                                                         // One split, not three narrows: split's backward writes the three gradients into
+                                                                         // one (B, T, 3C) tensor with one cat, where each narrow's would fill a (B, T, 3C)
+                                                                         // tensor of zeros around its third and autograd would add the three together.
+        let parts = qkv.f_split(c, 2).ctx(u, "split(qkv)")?; // 3 x (B, T, C)
+        let heads = |p: &Tensor| -> Result<Tensor> {
+            p.f_view([b, t, nh, hs]) // (B, T, nh, hs)
                 .and_then(|p| p.f_transpose(1, 2)) // (B, nh, T, hs)
                 .ctx(u, "split heads")
         };
-        let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
+        let [q, k, v] = [&parts[0], &parts[1], &parts[2]].map(heads);
+        let (q, k, v) = (q?, k?, v?);
+        drop(parts);
         let (k, v, causal) = match cache {
             None => (k, v, true),
             Some((pos, cache)) => cache_append(u, cache, k, v, pos)?, // (B, nh, pos+T, hs)
