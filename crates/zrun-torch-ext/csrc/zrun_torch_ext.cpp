@@ -27,6 +27,7 @@
 #include <torch/csrc/autograd/profiler_kineto.h>
 
 #include "linear_loss.h"
+#include "rms_norm.h"
 
 #include <atomic>
 #include <cstdint>
@@ -617,6 +618,25 @@ int zrun_ext_linear_cross_entropy(const at::Tensor* h, const at::Tensor* w,
       return refuse(err, "the chunk must hold at least one logit");
     }
     *out = new at::Tensor(zrun::linear_cross_entropy(*h, *w, *targets, ignore_index, chunk));
+    return ZR_OK;
+  });
+}
+
+// zrun::rms_norm after checking its inputs (see rms_norm.h).
+int zrun_ext_rms_norm(const at::Tensor* x, const at::Tensor* w, double eps, at::Tensor** out,
+                      char** err) {
+  return guard(err, [&] {
+    if (!x->defined() || !w->defined()) {
+      return refuse(err, "an input is undefined");
+    }
+    if (x->dim() < 1 || w->dim() != 1 || x->size(-1) != w->size(0) || !x->is_floating_point() ||
+        x->scalar_type() != w->scalar_type() || x->device() != w->device()) {
+      return refuse(err, "x (..., C) and w (C) must be floating point of one dtype and device");
+    }
+    if (!(eps >= 0.0)) {
+      return refuse(err, "eps must be a number >= 0");
+    }
+    *out = new at::Tensor(zrun::rms_norm(*x, *w, eps));
     return ZR_OK;
   });
 }

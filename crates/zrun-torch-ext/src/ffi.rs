@@ -126,6 +126,13 @@ extern "C" {
         out: *mut *mut c_void,
         err: *mut *mut c_char,
     ) -> c_int;
+    pub(crate) fn zrun_ext_rms_norm(
+        x: *const c_void,
+        w: *const c_void,
+        eps: f64,
+        out: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
     pub(crate) fn zrun_ext_cpu_alloc_install(limit: u64, err: *mut *mut c_char) -> c_int;
     pub(crate) fn zrun_ext_cpu_alloc_stats(out: *mut i64) -> c_int;
     pub(crate) fn zrun_ext_cpu_alloc_reset_peak();

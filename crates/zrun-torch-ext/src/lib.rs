@@ -15,6 +15,8 @@
 //!   tensors (freed blocks kept and reused, with a byte limit on what it reserves);
 //! - [`linear_cross_entropy`]: the head's matmul and the cross-entropy in chunks, with its
 //!   own backward (the full logits are never held);
+//! - [`rms_norm`]: RMSNorm as one autograd node, fused on CUDA, keeping only its input and
+//!   an rstd per row on every device;
 //! - [`count_allocations`]: libtorch's allocations made by a piece of code (tests that check
 //!   a path allocates nothing);
 //! - [`profiler_start`] / [`profiler_stop`]: libtorch's profiler around part of a run, written
@@ -29,6 +31,7 @@ mod cuda;
 mod error;
 mod ffi;
 mod loss;
+mod norm;
 mod optim;
 mod profile;
 pub mod rng;
@@ -46,6 +49,7 @@ pub use cuda::{
 };
 pub use error::Error;
 pub use loss::linear_cross_entropy;
+pub use norm::rms_norm;
 pub use optim::{fused_adam, sum_of_squares, AdamStep};
 pub use profile::{profiler_start, profiler_stop};
 pub use storage::{resize_storage, storage_nbytes};

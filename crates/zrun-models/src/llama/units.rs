@@ -1,11 +1,13 @@
 //! Llama's three kinds of unit: token embedding, decoder layer (RMSNorm, rotary grouped-query
 //! attention, RMSNorm, SwiGLU MLP), final RMSNorm + head. No biases.
 //!
-//! The math is transformers' `LlamaForCausalLM` op for op (RMSNorm in fp32, rotary angles in
-//! fp32, `repeat_kv` before attention), so Hugging Face weights give its logits. Each unit
-//! computes in its parameters' dtype (activations of another dtype are cast on entry).
+//! The math is transformers' `LlamaForCausalLM` (RMSNorm in fp32, rotary angles in fp32,
+//! `repeat_kv` before attention), so Hugging Face weights give its logits: op for op in fp32;
+//! with 16-bit parameters the RMSNorm's weight multiplies before the one rounding to 16 bits
+//! (as ATen's `rms_norm` and its fused CUDA kernel do), where transformers rounds first. Each
+//! unit computes in its parameters' dtype (activations of another dtype are cast on entry).
 
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use super::rope;
 use crate::activation::Activations;
@@ -16,37 +18,14 @@ use crate::unit::{
     KvCache, Tied, Unit,
 };
 
-/// RMSNorm as transformers computes it: in fp32, `x * rsqrt(mean(x^2) + eps)`, cast back to
-/// the input's dtype, then times the weight. fp64 activations (tests) stay in fp64.
+/// RMSNorm `x * rsqrt(mean(x^2) + eps) * w` in fp32 (fp64 activations, in tests, in fp64),
+/// rounded once to the input's dtype: one autograd node that keeps its input and an fp32
+/// rstd per row, ATen's fused kernels on CUDA (`zrun_torch_ext::rms_norm`).
 fn rms_norm(unit: &str, x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let wide = if x.kind() == Kind::Double {
-        Kind::Double
-    } else {
-        Kind::Float
-    };
-    let xf = x.f_to_kind(wide).ctx(unit, "rms_norm to fp32")?; // (B, T, C)
-    let r = xf
-        .f_pow_tensor_scalar(2)
-        .and_then(|s| s.f_mean_dim(Some([-1i64].as_slice()), true, None))
-        .and_then(|m| m.f_add_scalar(eps))
-        .and_then(|m| m.f_rsqrt())
-        .ctx(unit, "rms_norm rsqrt")?; // (B, T, 1)
-    let h = xf
-        .f_mul(&r)
-        .and_then(|h| h.f_to_kind(x.kind()))
-        .ctx(unit, "rms_norm scale")?;
-    w.f_mul(&h).ctx(unit, "rms_norm weight")
-}
-
-/// Bytes per token an RMSNorm over `c` features keeps for its backward, besides the fp32
-/// rsqrt (4 bytes): with 16-bit activations the fp32 copy of its input and the normalised
-/// input in the compute dtype; in fp32 the normalised input only (the copy is the input).
-fn rms_norm_saved(c: i64, elt: i64) -> i64 {
-    if elt == 4 {
-        4 * c
-    } else {
-        4 * c + elt * c
-    }
+    zrun_torch_ext::rms_norm(x, w, eps).map_err(|source| Error::Shim {
+        place: format!("{unit}: rms_norm"),
+        source,
+    })
 }
 
 /// Unit `"embed"`: `embed_tokens.weight` (V, C); x = table[idx].
@@ -333,21 +312,20 @@ impl Unit for Block {
         2.0 * (2.0 * c * q + 2.0 * c * kv + 3.0 * c * f) + 4.0 * seq_len as f64 * q
     }
 
-    /// Per token, with q = nh hd: each RMSNorm its fp32 rsqrt, its normalised input and, for
-    /// 16-bit activations, an fp32 copy of its input (the second norm's input, the residual
-    /// sum, is otherwise kept as is); the normalised activations feeding q/k/v and gate/up
-    /// (C each); attention's rotated q and the expanded k and v (q each: `repeat_kv` copies,
-    /// the rotary products keep only cos and sin), its output q and fp32 logsumexp (one per
-    /// head); the MLP's gate, silu(gate), up and their product (F each). Besides, cos and
-    /// sin (T, hd) for the whole micro-batch. The forward's peak temporary is the rotary
-    /// work on q (the projection and three products, 4q) or a norm's fp32 square (4C, plus
-    /// the residual sum in 16-bit); the backward's the MLP's three F-wide gradients (or
-    /// attention's four q-wide ones) beside the residual's and the norm input's (2C), or a
-    /// norm's fp32 gradients; without autograd, the MLP's three F-wide tensors beside the
-    /// residual and normalised activations, the rotary work on q beside the norm's output,
-    /// or a norm's fp32 intermediates.
-    /// (`saved` was checked against `torch.autograd.graph.saved_tensors_hooks` on a PyTorch
-    /// replica of these ops, fp32 and bf16.)
+    /// Per token, with q = nh hd: each RMSNorm its input and an fp32 rstd (the first norm's
+    /// input is the layer's, counted where it is made; the second's is the residual sum, C);
+    /// the normalised activations feeding q/k/v and gate/up (C each); attention's rotated q
+    /// and the expanded k and v (q each: `repeat_kv` copies, the rotary products keep only
+    /// cos and sin), its output q and fp32 logsumexp (one per head); the MLP's gate,
+    /// silu(gate), up and their product (F each). Besides, cos and sin (T, hd) for the whole
+    /// micro-batch. The forward's peak temporary is the rotary work on q (the projection and
+    /// three products, 4q) or, off CUDA, a norm's fp32 work (its square and, with 16-bit
+    /// activations, the fp32 copy of its input); the backward's the MLP's three F-wide
+    /// gradients (or attention's four q-wide ones) beside the residual's and the norm
+    /// input's (2C), or, off CUDA, a norm's fp32 gradients; without autograd, the MLP's
+    /// three F-wide tensors beside the residual and normalised activations, the rotary work
+    /// on q beside the norm's output, or a norm's fp32 work.
+    /// (`saved` is measured against the ops themselves by tests/llama_memory.rs.)
     fn activations(&self, b: i64, t: i64, elt: i64) -> Activations {
         let Dims {
             c,
@@ -358,20 +336,22 @@ impl Unit for Block {
         } = self.d;
         let n = b * t;
         let q = n_head * head_dim;
-        let norms = if elt == 4 {
-            // The second norm's fp32 input is the residual sum itself.
-            2 * rms_norm_saved(c, elt) + c * elt
-        } else {
-            2 * rms_norm_saved(c, elt)
-        };
-        let saved = n * (norms + 2 * 4 + 2 * c * elt + 4 * q * elt + n_head * 4 + 4 * f * elt)
+        let saved = n * (c * elt + 2 * 4 + 2 * c * elt + 4 * q * elt + n_head * 4 + 4 * f * elt)
             + 2 * t * head_dim * elt;
+        // A norm's fp32 work off CUDA: its square, and the fp32 copy of a 16-bit input; in
+        // the backward the normalised input, the weighted gradient and a product (and the
+        // fp32 copy of a 16-bit gradient).
+        let (norm_fwd, norm_bwd) = if elt == 4 {
+            (4 * c, 12 * c)
+        } else {
+            (8 * c, 16 * c)
+        };
         let residual_16 = if elt == 4 { 0 } else { c * elt };
         Activations {
             output: n * c * elt,
             saved,
-            forward_temp: n * (4 * q * elt).max(4 * c + residual_16),
-            backward_temp: n * ((3 * f).max(4 * q) * elt + 2 * c * elt).max(12 * c + 2 * c * elt),
+            forward_temp: n * (4 * q * elt).max(norm_fwd),
+            backward_temp: n * ((3 * f).max(4 * q) * elt + 2 * c * elt).max(norm_bwd + 2 * c * elt),
             no_grad_temp: n
                 * ((3 * f + 2 * c) * elt)
                     .max((c + 5 * q) * elt)
@@ -473,18 +453,23 @@ impl Unit for Head {
         2.0 * self.v as f64 * self.c as f64
     }
 
-    /// The logits (B, T, V); the norm keeps what a block's norm keeps plus its output (C)
-    /// for the matmul; the forward's peak temporary is the norm's fp32 square, the
-    /// backward's the norm's gradients, and without autograd the norm's intermediates. The
-    /// loss is [`crate::LossBytes`].
+    /// The logits (B, T, V); the norm keeps an fp32 rstd (its input is the unit's) and its
+    /// output (C) is kept for the matmul; the forward's peak temporary is, off CUDA, the
+    /// norm's fp32 work, the backward's the norm's gradients, and without autograd the norm's
+    /// intermediates (as a layer's norm, see [`Block`]). The loss is [`crate::LossBytes`].
     fn activations(&self, b: i64, t: i64, elt: i64) -> Activations {
         let (n, c) = (b * t, self.c);
         let copy_16 = if elt == 4 { 0 } else { 4 * c };
+        let (norm_fwd, norm_bwd) = if elt == 4 {
+            (4 * c, 12 * c)
+        } else {
+            (8 * c, 16 * c)
+        };
         Activations {
             output: n * self.v * elt,
-            saved: n * (rms_norm_saved(c, elt) + 4 + c * elt),
-            forward_temp: n * 4 * c,
-            backward_temp: n * c * (2 * elt + 8),
+            saved: n * (4 + c * elt),
+            forward_temp: n * norm_fwd,
+            backward_temp: n * (norm_bwd + c * elt),
             no_grad_temp: n * (4 * c + c * elt + copy_16),
         }
     }
