@@ -89,7 +89,8 @@ fn llama3(
     smoothed.f_where_self(&medium, &scaled)
 }
 
-/// cos and sin (T, hd) of positions `[pos, pos + T)`, computed in fp32 and cast to `kind`.
+/// cos (T, hd) of positions `[pos, pos + T)` and the sin that [`apply`] takes, `[-sin, sin]`
+/// over the two halves of the head, computed in fp32 and cast to `kind`.
 pub(crate) fn cos_sin(
     unit: &str,
     inv_freq: &[f32],
@@ -112,25 +113,26 @@ pub(crate) fn cos_sin(
         .f_cos()
         .and_then(|c| c.f_to_kind(kind))
         .ctx(unit, "cos")?;
-    let sin = emb
-        .f_sin()
+    let half = freqs.f_sin().ctx(unit, "sin")?; // (T, hd/2)
+    let sin = half
+        .f_neg()
+        .and_then(|neg| Tensor::f_cat(&[&neg, &half], -1))
         .and_then(|s| s.f_to_kind(kind))
-        .ctx(unit, "sin")?;
+        .ctx(unit, "sin")?; // (T, hd)
     Ok((cos, sin))
 }
 
-/// `x * cos + rotate_half(x) * sin` for heads `x` (B, h, T, hd) and `cos`, `sin` (T, hd).
+/// `x * cos + rotate_half(x) * sin` for heads `x` (B, h, T, hd) and [`cos_sin`]'s `cos` and
+/// signed `sin` (T, hd): `rotate_half(x)` is `[-x2, x1]`, the halves swapped (a roll by hd/2)
+/// with the first negated, and the sign is in `sin`. One roll, whose backward is one roll,
+/// where slicing and concatenating the halves made two zero-filled gradients in backward.
 pub(crate) fn apply(unit: &str, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let hd = x.size().last().copied().unwrap_or(0);
-    let half = hd / 2;
     let x_cos = x.f_mul(cos).ctx(unit, "rope mul(cos)")?; // (B, h, T, hd)
-    let rotated = {
-        let x1 = x.f_narrow(-1, 0, half).ctx(unit, "rope narrow")?; // (B, h, T, hd/2)
-        let x2 = x.f_narrow(-1, half, half).ctx(unit, "rope narrow")?;
-        let neg = x2.f_neg().ctx(unit, "rope neg")?;
-        Tensor::f_cat(&[&neg, &x1], -1).ctx(unit, "rope cat")? // (B, h, T, hd)
-    };
-    let x_sin = rotated.f_mul(sin).ctx(unit, "rope mul(sin)")?;
+    let x_sin = x
+        .f_roll([hd / 2], [-1])
+        .and_then(|r| r.f_mul(sin))
+        .ctx(unit, "rope roll")?; // (B, h, T, hd)
     x_cos.f_add(&x_sin).ctx(unit, "rope add")
 }
 
