@@ -453,10 +453,19 @@ fn the_estimate_resolves_an_auto_loss_chunk_against_the_gpu_memory() {
         text.contains("train.loss_chunk = \"auto\": the full logits"),
         "{text}"
     );
+    // Between the two: the largest chunk that fits, here 2^26 (bench-cpu's micro-batch is
+    // 8 x 128 x 50304 logits, about 2^25.6).
     let text = gpu("2GiB");
     assert!(
-        text.contains("train.loss_chunk = \"auto\": chunks of 16777216 logits"),
+        text.contains(
+            "train.loss_chunk = \"auto\": chunks of 67108864 logits, the largest that fits"
+        ),
         "{text}"
+    );
+    let small = gpu("1500MiB");
+    assert!(
+        small.contains("train.loss_chunk = \"auto\": chunks of 16777216 logits"),
+        "{small}"
     );
     // The chunked estimate is the one printed then: lower than the full logits'.
     let peak = |t: &str| {

@@ -101,7 +101,8 @@ fn setting(a: &FitArgs) -> anyhow::Result<Setting> {
     // The loss's chunking (`"auto"`: the full logits on a GPU where they fit): against the
     // limit, else this machine's first GPU when it has one (a GPU per rank).
     let loss_limit = limit.or_else(|| zrun_comm::gpu_total_bytes(0).map(|b| b as i64));
-    let (cfg, why) = memory::resolve_loss_chunk(&cfg, cuda, world, fixed, loss_limit)?;
+    let (cfg, why) =
+        zrun_train::loss_chunk::resolve_loss_chunk(&cfg, cuda, world, fixed, loss_limit)?;
     match why {
         // stdout holds only JSON then
         Some(why) if a.json => eprintln!("{why}"),

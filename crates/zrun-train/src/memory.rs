@@ -611,62 +611,6 @@ pub fn resolve_auto(cfg: &Config, world: usize, fixed: i64, limit: i64) -> Resul
     Ok(out)
 }
 
-/// `train.loss_chunk = "auto"` (the default) made a number: on a GPU (`cuda`) the full logits
-/// (0) where every rank's predicted peak with them fits `limit`, since there the chunked
-/// loss's extra passes over the logits cost time (12% of gpt2-medium's step on an H100);
-/// otherwise, and on CPU, where memory comes first, chunks of [`zrun_models::LOSS_CHUNK`].
-/// Returns the config and, on a GPU, what was chosen and why (one line for the log).
-pub fn resolve_loss_chunk(
-    cfg: &Config,
-    cuda: bool,
-    world: usize,
-    fixed: i64,
-    limit: Option<i64>,
-) -> Result<(Config, Option<String>), Error> {
-    if !cfg.auto.loss_chunk {
-        return Ok((cfg.clone(), None));
-    }
-    let mut chunked = cfg.clone();
-    chunked.auto.loss_chunk = false;
-    chunked.train.loss_chunk = zrun_models::LOSS_CHUNK as u64;
-    if !cuda {
-        return Ok((chunked, None));
-    }
-    let chunks = format!("chunks of {} logits", chunked.train.loss_chunk);
-    let Some(limit) = limit else {
-        return Ok((
-            chunked,
-            Some(format!(
-                "train.loss_chunk = \"auto\": {chunks} (no GPU memory to check the full logits against: give dist.memory_limit or --device-mem)"
-            )),
-        ));
-    };
-    let mut full = chunked.clone();
-    full.train.loss_chunk = 0;
-    let ranks = estimate_ranks(&full, world, fixed, Some(limit))?;
-    let peak = fixed + ranks.iter().map(|r| r.peak_bytes).max().unwrap_or(0);
-    let (out, what) = if ranks.iter().all(|r| r.fits) {
-        (
-            full,
-            format!(
-                "the full logits (predicted peak {} within {})",
-                human(peak),
-                human(limit)
-            ),
-        )
-    } else {
-        (
-            chunked,
-            format!(
-                "{chunks} (the full logits' predicted peak {} is over {})",
-                human(peak),
-                human(limit)
-            ),
-        )
-    };
-    Ok((out, Some(format!("train.loss_chunk = \"auto\": {what}"))))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -693,50 +637,6 @@ mod tests {
     /// `train.loss_chunk = "auto"` (the default, absent or written): the full logits on a GPU
     /// where the estimate with them fits, chunks where it does not and on CPU; a number is
     /// kept. The full logits cost memory, so the limit between the two estimates decides.
-    #[test]
-    fn an_auto_loss_chunk_takes_the_full_logits_on_a_gpu_where_they_fit() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("t.toml");
-        std::fs::write(
-            &path,
-            "[model]\npreset = \"tiny\"\nvocab_size = 50304\n[train]\nmicro_batch = 16\n",
-        )
-        .unwrap();
-        let load = |sets: &[&str]| {
-            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
-            Config::load(&path, &sets).unwrap()
-        };
-        let cfg = load(&[]);
-        assert!(cfg.auto.loss_chunk, "absent: auto");
-        assert!(load(&["train.loss_chunk=\"auto\""]).auto.loss_chunk);
-        let peak = |c: &Config| estimate_ranks(c, 1, 0, None).unwrap()[0].peak_bytes;
-        let mut full = cfg.clone();
-        full.train.loss_chunk = 0;
-        let (chunked_peak, full_peak) = (peak(&cfg), peak(&full));
-        assert!(
-            full_peak > chunked_peak + (64 << 20),
-            "{full_peak} vs {chunked_peak}"
-        );
-        let between = (chunked_peak + full_peak) / 2;
-        let chunk = zrun_models::LOSS_CHUNK as u64;
-        for (cuda, limit, want) in [
-            (true, Some(2 * full_peak), 0),
-            (true, Some(between), chunk),
-            (true, None, chunk),
-            (false, Some(2 * full_peak), chunk),
-        ] {
-            let (got, why) = resolve_loss_chunk(&cfg, cuda, 1, 0, limit).unwrap();
-            assert_eq!(got.train.loss_chunk, want, "cuda {cuda}, limit {limit:?}");
-            assert!(!got.auto.loss_chunk);
-            assert_eq!(why.is_some(), cuda);
-        }
-        // A number is the user's: kept, on a GPU too.
-        let set = load(&["train.loss_chunk=1048576"]);
-        assert!(!set.auto.loss_chunk);
-        let (got, why) = resolve_loss_chunk(&set, true, 1, 0, Some(2 * full_peak)).unwrap();
-        assert_eq!((got.train.loss_chunk, why), (1 << 20, None));
-    }
-
     /// A config that delays its offloaded updates: every alternative's `--set` lines load on
     /// top of it (a choice without offload must turn the delay off, which needs offload).
     #[test]

@@ -158,7 +158,7 @@ impl Run {
         } else {
             None
         };
-        let (cfg, why) = crate::memory::resolve_loss_chunk(
+        let (cfg, why) = crate::loss_chunk::resolve_loss_chunk(
             cfg,
             device.is_cuda(),
             rank.world_size,

@@ -57,7 +57,7 @@ pub struct Auto {
     /// `train.micro_batch = "auto"` (with `train.global_batch`).
     pub micro_batch: bool,
     /// `train.loss_chunk = "auto"` (the default): the full logits on a GPU where they are
-    /// predicted to fit, else chunks ([`crate::memory::resolve_loss_chunk`]).
+    /// predicted to fit, else chunks ([`crate::loss_chunk::resolve_loss_chunk`]).
     pub loss_chunk: bool,
 }
 
