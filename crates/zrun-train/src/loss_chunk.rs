@@ -66,8 +66,9 @@ pub fn resolve_loss_chunk(
         return Ok((full, say(what)));
     }
     let over = format!(
-        "the full logits' predicted peak {} is over {}",
+        "the full logits' predicted peak {} with a {:.0}% margin is over {}",
         human(full_peak),
+        100.0 * crate::memory::MARGIN,
         human(limit)
     );
     // No larger than the power of two that holds a micro-batch's logits in one chunk.
