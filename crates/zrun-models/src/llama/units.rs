@@ -2,7 +2,7 @@
 //! attention, RMSNorm, SwiGLU MLP), final RMSNorm + head. No biases.
 //!
 //! The math is transformers' `LlamaForCausalLM` (RMSNorm in fp32, rotary angles in fp32,
-//! `repeat_kv` before attention), so Hugging Face weights give its logits: op for op in fp32;
+//! grouped-query attention as `repeat_kv`), so Hugging Face weights give its logits: op for op in fp32;
 //! with 16-bit parameters the RMSNorm's weight multiplies before the one rounding to 16 bits
 //! (as ATen's `rms_norm` and its fused CUDA kernel do), where transformers rounds first. Each
 //! unit computes in its parameters' dtype (activations of another dtype are cast on entry).
@@ -221,17 +221,9 @@ impl Block {
             None => (k, v, true),
             Some((pos, cache)) => cache_append(u, cache, k, v, pos)?, // (B, nkv, S, hd)
         };
-        // transformers' repeat_kv: kv head j serves query heads j*g .. (j+1)*g - 1.
-        let groups = nh / nkv;
-        let expand = |z: Tensor| -> Result<Tensor> {
-            if groups == 1 {
-                Ok(z)
-            } else {
-                z.f_repeat_interleave_self_int(groups, 1, None)
-                    .ctx(u, "repeat_kv")
-            }
-        };
-        let (k, v) = (expand(k)?, expand(v)?); // (B, nh, S, hd)
+        // Grouped-query attention inside SDPA (`enable_gqa`): kv head j serves query heads
+        // j*g .. (j+1)*g - 1, as transformers' repeat_kv, without copying k and v g times (and
+        // summing their gradients back in backward); the flash kernels read them as they are.
         let y = Tensor::f_scaled_dot_product_attention(
             &q,
             &k,
@@ -240,7 +232,7 @@ impl Block {
             0.0,
             causal,
             None,
-            false,
+            nh != nkv,
         )
         .ctx(u, "scaled_dot_product_attention")?; // (B, nh, T, hd)
         drop((q, k, v));
@@ -314,14 +306,15 @@ impl Unit for Block {
 
     /// Per token, with q = nh hd: each RMSNorm its input and an fp32 rstd (the first norm's
     /// input is the layer's, counted where it is made; the second's is the residual sum, C);
-    /// the normalised activations feeding q/k/v and gate/up (C each); attention's rotated q
-    /// and the expanded k and v (q each: `repeat_kv` copies, the rotary products keep only
-    /// cos and sin), its output q and fp32 logsumexp (one per head); the MLP's gate,
+    /// the normalised activations feeding q/k/v and gate/up (C each); attention's rotated q,
+    /// rotated k and v (kv = n_kv_head hd each: SDPA groups the heads itself, and the rotary
+    /// products keep only cos and sin), its output q and fp32 logsumexp (one per head); the
+    /// MLP's gate,
     /// silu(gate), up and their product (F each). Besides, cos and sin (T, hd) for the whole
     /// micro-batch. The forward's peak temporary is the rotary work on q (the projection and
     /// three products, 4q) or, off CUDA, a norm's fp32 work (its square and, with 16-bit
     /// activations, the fp32 copy of its input); the backward's the MLP's three F-wide
-    /// gradients (or attention's four q-wide ones) beside the residual's and the norm
+    /// gradients (or attention's, 2q + 2kv) beside the residual's and the norm
     /// input's (2C), or, off CUDA, a norm's fp32 gradients; without autograd, the MLP's
     /// three F-wide tensors beside the residual and normalised activations, the rotary work
     /// on q beside the norm's output, or a norm's fp32 work.
@@ -330,13 +323,15 @@ impl Unit for Block {
         let Dims {
             c,
             n_head,
+            n_kv_head,
             ffn: f,
             head_dim,
             ..
         } = self.d;
         let n = b * t;
-        let q = n_head * head_dim;
-        let saved = n * (c * elt + 2 * 4 + 2 * c * elt + 4 * q * elt + n_head * 4 + 4 * f * elt)
+        let (q, kv) = (n_head * head_dim, n_kv_head * head_dim);
+        let attention = (2 * q + 2 * kv) * elt;
+        let saved = n * (c * elt + 2 * 4 + 2 * c * elt + attention + n_head * 4 + 4 * f * elt)
             + 2 * t * head_dim * elt;
         // A norm's fp32 work off CUDA: its square, and the fp32 copy of a 16-bit input; in
         // the backward the normalised input, the weighted gradient and a product (and the
@@ -351,7 +346,8 @@ impl Unit for Block {
             output: n * c * elt,
             saved,
             forward_temp: n * (4 * q * elt).max(norm_fwd),
-            backward_temp: n * ((3 * f).max(4 * q) * elt + 2 * c * elt).max(norm_bwd + 2 * c * elt),
+            backward_temp: n
+                * ((3 * f * elt).max(attention) + 2 * c * elt).max(norm_bwd + 2 * c * elt),
             no_grad_temp: n
                 * ((3 * f + 2 * c) * elt)
                     .max((c + 5 * q) * elt)
