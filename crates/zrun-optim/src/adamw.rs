@@ -34,8 +34,9 @@ pub struct AdamW {
     numel: i64,
     decay_ranges: Vec<(i64, i64)>,
     /// On CUDA: libtorch's fused multi-tensor Adam (a few launches per step, where the
-    /// chunked kernels below would launch thousands), with its step count on the device.
-    fused: Option<Tensor>,
+    /// chunked kernels below would launch thousands), with its step count and gradient scale
+    /// on the device.
+    fused: Option<[Tensor; 2]>,
 }
 
 impl AdamW {
@@ -60,14 +61,22 @@ impl AdamW {
             numel,
             decay_ranges,
             fused: match device {
-                // One element: the step count the fused kernel reads.
-                Device::Cuda(_) => Some(torch(
-                    "allocate AdamW step",
-                    Tensor::f_zeros([1], (Kind::Float, device)),
-                )?),
+                // One element each: the step count and gradient scale the fused kernel reads.
+                Device::Cuda(_) => Some(Self::fused_state(device)?),
                 _ => None,
             },
         })
+    }
+
+    /// The fused kernel's step count and gradient scale on `device`.
+    fn fused_state(device: Device) -> Result<[Tensor; 2]> {
+        let one = || {
+            torch(
+                "allocate AdamW step",
+                Tensor::f_zeros([1], (Kind::Float, device)),
+            )
+        };
+        Ok([one()?, one()?])
     }
 
     /// Optimizer steps taken so far.
@@ -126,13 +135,26 @@ impl AdamW {
     /// One AdamW step on `param` (fp32, updated in place) with gradient `grad`, both
     /// contiguous shards.
     pub fn step(&mut self, param: &Tensor, grad: &Tensor, lr: f64) -> Result<()> {
-        self.step_segments(std::slice::from_ref(param), std::slice::from_ref(grad), lr)
+        self.step_segments(
+            std::slice::from_ref(param),
+            std::slice::from_ref(grad),
+            lr,
+            1.0,
+        )
     }
 
     /// One AdamW step where the shard's parameters and gradients are each given as 1-D views
     /// laid end to end (the rank's owned slice of every unit); both lists must total the
-    /// shard size. Parameters are updated in place.
-    pub fn step_segments(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) -> Result<()> {
+    /// shard size. Parameters are updated in place. The gradients are taken times
+    /// `grad_factor` (clipping and loss-scale unscaling; 1.0: as they are), which may scale
+    /// them in place.
+    pub fn step_segments(
+        &mut self,
+        params: &[Tensor],
+        grads: &[Tensor],
+        lr: f64,
+        grad_factor: f64,
+    ) -> Result<()> {
         let (p, g) = (Segments::new(params), Segments::new(grads));
         if p.len() != self.numel {
             return Err(Error::Size {
@@ -150,6 +172,17 @@ impl AdamW {
         }
         let _guard = tch::no_grad_guard();
         self.step += 1;
+        if self.fused.is_some() {
+            return self.fused_update(&p, &g, lr, grad_factor);
+        }
+        if grad_factor != 1.0 {
+            for t in grads {
+                inplace(
+                    "scale gradients",
+                    t.shallow_clone().f_mul_scalar_(grad_factor),
+                )?;
+            }
+        }
         let c = self.cfg;
         if c.weight_decay != 0.0 {
             let keep = 1.0 - lr * c.weight_decay;
@@ -158,9 +191,6 @@ impl AdamW {
                     inplace("weight decay", p.view(o, l)?.f_mul_scalar_(keep))
                 })?;
             }
-        }
-        if self.fused.is_some() {
-            return self.fused_update(&p, &g, lr);
         }
         let bc1 = 1.0 - c.beta1.powi(self.step as i32);
         let bc2_sqrt = (1.0 - c.beta2.powi(self.step as i32)).sqrt();
@@ -192,28 +222,88 @@ impl AdamW {
 }
 
 impl AdamW {
-    /// The Adam part of the step (decay already applied) by libtorch's fused kernel over the
-    /// pieces of the shard that are contiguous in parameters, gradients and moments alike.
-    fn fused_update(&mut self, p: &Segments, g: &Segments, lr: f64) -> Result<()> {
-        let (mut ps, mut gs, mut ms, mut vs) = (vec![], vec![], vec![], vec![]);
-        Segments::pieces(&[p, g], 0, self.numel, |o, l| {
-            ps.push(p.view(o, l)?);
-            gs.push(g.view(o, l)?);
-            ms.push(torch("AdamW m", self.m.f_narrow(0, o, l))?);
-            vs.push(torch("AdamW v", self.v.f_narrow(0, o, l))?);
-            Ok(())
-        })?;
-        let step = self.fused.as_mut().expect("fused state");
-        inplace("AdamW step count", step.f_fill_(self.step as f64))?;
+    /// The whole step by libtorch's fused kernel, over the pieces of the shard that are
+    /// contiguous in parameters, gradients and moments alike: one call for the decay ranges
+    /// with the decoupled weight decay folded in, one for the rest without, and the gradient
+    /// factor applied as the kernel's `grad_scale` (it divides by 1 / `grad_factor`), so no
+    /// pass of its own over the parameters or the gradients.
+    fn fused_update(
+        &mut self,
+        p: &Segments,
+        g: &Segments,
+        lr: f64,
+        grad_factor: f64,
+    ) -> Result<()> {
         let c = self.cfg;
-        let hp = zrun_torch_ext::AdamStep {
-            lr,
-            beta1: c.beta1,
-            beta2: c.beta2,
-            eps: c.eps,
+        let mut decayed = Pieces::default();
+        let mut plain = Pieces::default();
+        let mut at = 0;
+        let mut ranges = if c.weight_decay != 0.0 {
+            self.decay_ranges.clone()
+        } else {
+            Vec::new()
         };
-        zrun_torch_ext::fused_adam(&ps, &gs, &ms, &vs, step, hp).map_err(|e| Error::Fused {
-            detail: e.to_string(),
+        ranges.sort_unstable();
+        // Sorted ranges, each element in one call only (ranges do not overlap; were they to,
+        // the overlap would be decayed once).
+        for (off, len) in ranges.into_iter().chain([(self.numel, 0)]) {
+            if off > at {
+                plain.add(self, p, g, at, off - at)?;
+            }
+            let start = off.max(at);
+            if off + len > start {
+                decayed.add(self, p, g, start, off + len - start)?;
+            }
+            at = at.max(off + len);
+        }
+        let Some([step, scale]) = self.fused.as_mut() else {
+            unreachable!("fused_update without fused state")
+        };
+        inplace("AdamW step count", step.f_fill_(self.step as f64))?;
+        let scale = if grad_factor != 1.0 {
+            inplace("AdamW grad scale", scale.f_fill_(1.0 / grad_factor))?;
+            Some(&*scale)
+        } else {
+            None
+        };
+        for (pieces, weight_decay) in [(decayed, c.weight_decay), (plain, 0.0)] {
+            let hp = zrun_torch_ext::AdamStep {
+                lr,
+                beta1: c.beta1,
+                beta2: c.beta2,
+                eps: c.eps,
+                weight_decay,
+            };
+            let Pieces { p, g, m, v } = pieces;
+            zrun_torch_ext::fused_adam(&p, &g, &m, &v, step, scale, hp).map_err(|e| {
+                Error::Fused {
+                    detail: e.to_string(),
+                }
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// Views of the parameters, gradients and moments of some ranges of the shard, for one
+/// fused call.
+#[derive(Default)]
+struct Pieces {
+    p: Vec<Tensor>,
+    g: Vec<Tensor>,
+    m: Vec<Tensor>,
+    v: Vec<Tensor>,
+}
+
+impl Pieces {
+    /// Elements `[off, off + len)`, split where the parameters' or gradients' parts end.
+    fn add(&mut self, a: &AdamW, p: &Segments, g: &Segments, off: i64, len: i64) -> Result<()> {
+        Segments::pieces(&[p, g], off, len, |o, l| {
+            self.p.push(p.view(o, l)?);
+            self.g.push(g.view(o, l)?);
+            self.m.push(torch("AdamW m", a.m.f_narrow(0, o, l))?);
+            self.v.push(torch("AdamW v", a.v.f_narrow(0, o, l))?);
+            Ok(())
         })
     }
 }
@@ -295,7 +385,7 @@ mod tests {
             let g = Tensor::randn([n], (Kind::Float, Device::Cpu));
             let gparts = vec![g.narrow(0, 0, 999), g.narrow(0, 999, n - 999)];
             a.step(&whole, &g, 1e-2).unwrap();
-            b.step_segments(&parts, &gparts, 1e-2).unwrap();
+            b.step_segments(&parts, &gparts, 1e-2, 1.0).unwrap();
         }
         assert!(whole.equal(&split), "segmented update differs");
         assert!(!whole.equal(&p0));
@@ -318,13 +408,23 @@ mod tests {
         let parts = vec![fused.narrow(0, 0, 100), fused.narrow(0, 100, n - 100)];
         let mut a = AdamW::new(n, Device::Cpu, cfg, ranges.clone()).unwrap();
         let mut b = AdamW::new(n, Device::Cpu, cfg, ranges).unwrap();
-        b.fused = Some(Tensor::zeros([1], (Kind::Float, Device::Cpu)));
-        for step in 0..5 {
+        b.fused = Some(AdamW::fused_state(Device::Cpu).unwrap());
+        for step in 0..6 {
             let g = Tensor::randn([n], (Kind::Float, Device::Cpu));
-            let gparts = vec![g.narrow(0, 0, 999), g.narrow(0, 999, n - 999)];
+            let gb = g.copy();
+            let gparts = vec![gb.narrow(0, 0, 999), gb.narrow(0, 999, n - 999)];
             let lr = 1e-2 * (1.0 + step as f64);
-            a.step(&chunked, &g, lr).unwrap();
-            b.step_segments(&parts, &gparts, lr).unwrap();
+            // Clipping's factor on some steps: the chunked side multiplies, the fused one
+            // gives the kernel its inverse as grad_scale.
+            let f = if step % 2 == 1 { 0.37 } else { 1.0 };
+            a.step_segments(
+                std::slice::from_ref(&chunked),
+                std::slice::from_ref(&g),
+                lr,
+                f,
+            )
+            .unwrap();
+            b.step_segments(&parts, &gparts, lr, f).unwrap();
         }
         let d = (&chunked - &fused).abs().max().double_value(&[]);
         assert!(d < 1e-6, "fused and chunked AdamW differ by {d}");

@@ -633,17 +633,10 @@ impl Engine {
                     self.mover.all_gather_units(&self.params)?;
                 }
             } else {
-                let factor = clip_coef / loss_scale;
-                if factor != 1.0 {
-                    for g in &grads {
-                        g.shallow_clone()
-                            .f_mul_scalar_(factor)
-                            .done("scale gradients", "-")?;
-                    }
-                }
+                // Clipping and unscaling ride on the update (on CUDA inside the fused kernel).
                 let master = self.owned_master()?;
                 if let Optimizer::Device(a) = &mut self.optimizer {
-                    a.step_segments(&master, &grads, lr)?;
+                    a.step_segments(&master, &grads, lr, clip_coef / loss_scale)?;
                 }
                 self.refresh_params()?;
             }

@@ -443,13 +443,14 @@ int zrun_ext_rng_set_state(int kind, int64_t index, const uint8_t* bytes, size_t
   });
 }
 
-// at::_fused_adamw_ over n (param, grad, exp_avg, exp_avg_sq) quadruples with no weight decay
-// (zrun applies its decoupled decay to the matrices only, before this) and one step count
-// for all: what torch.optim.AdamW(fused=True) runs, a few kernels for every tensor at once.
+// at::_fused_adamw_ over n (param, grad, exp_avg, exp_avg_sq) quadruples with one decoupled
+// weight decay and one step count for all, the gradients divided by `grad_scale` first when it
+// is not null (one fp32 element on their device): what torch.optim.AdamW(fused=True) runs, a
+// few kernels for every tensor at once.
 int zrun_ext_fused_adam(const at::Tensor* const* params, const at::Tensor* const* grads,
                         const at::Tensor* const* exp_avgs, const at::Tensor* const* exp_avg_sqs,
-                        size_t n, const at::Tensor* step, double lr, double beta1, double beta2,
-                        double eps, char** err) {
+                        size_t n, const at::Tensor* step, const at::Tensor* grad_scale, double lr,
+                        double beta1, double beta2, double eps, double weight_decay, char** err) {
   return guard(err, [&] {
     std::vector<at::Tensor> p, g, m, v, steps;
     for (size_t i = 0; i < n; ++i) {
@@ -459,9 +460,12 @@ int zrun_ext_fused_adam(const at::Tensor* const* params, const at::Tensor* const
       v.push_back(*exp_avg_sqs[i]);
       steps.push_back(*step);
     }
-    at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, steps, lr, beta1, beta2,
-                      /*weight_decay=*/0.0, eps, /*amsgrad=*/false, /*maximize=*/false,
-                      /*grad_scale=*/std::nullopt, /*found_inf=*/std::nullopt);
+    std::optional<at::Tensor> scale;
+    if (grad_scale != nullptr) {
+      scale = *grad_scale;
+    }
+    at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, steps, lr, beta1, beta2, weight_decay,
+                      eps, /*amsgrad=*/false, /*maximize=*/false, scale, /*found_inf=*/std::nullopt);
     return ZR_OK;
   });
 }

@@ -78,10 +78,12 @@ extern "C" {
         exp_avg_sqs: *const *const c_void,
         n: usize,
         step: *const c_void,
+        grad_scale: *const c_void,
         lr: f64,
         beta1: f64,
         beta2: f64,
         eps: f64,
+        weight_decay: f64,
         err: *mut *mut c_char,
     ) -> c_int;
     pub(crate) fn zrun_ext_sum_of_squares(

@@ -18,23 +18,28 @@ pub struct AdamStep {
     pub beta2: f64,
     /// Added to the bias-corrected denominator.
     pub eps: f64,
+    /// Decoupled weight decay (`p -= lr * weight_decay * p` before the update; 0: none).
+    pub weight_decay: f64,
 }
 
 fn ptrs(ts: &[Tensor]) -> Vec<*const c_void> {
     ts.iter().map(|t| t.as_ptr().cast()).collect()
 }
 
-/// One Adam update (no weight decay: apply decoupled decay before) of every `params[i]` with
-/// `grads[i]` and moments `exp_avgs[i]`, `exp_avg_sqs[i]`, in place, by `at::_fused_adamw_`.
-/// `step` is a one-element fp32 tensor on the tensors' device holding the step number
-/// (1 for the first update); the bias corrections use it. fp32 tensors on one device,
-/// matching in size; libtorch's complaint otherwise comes back as [`Error::Torch`].
+/// One AdamW update (decoupled weight decay `hp.weight_decay` on every tensor given) of every
+/// `params[i]` with `grads[i]` and moments `exp_avgs[i]`, `exp_avg_sqs[i]`, in place, by
+/// `at::_fused_adamw_`. `step` is a one-element fp32 tensor on the tensors' device holding the
+/// step number (1 for the first update); the bias corrections use it. With `grad_scale` (one
+/// fp32 element on the device) the gradients are divided by it first, and written back so.
+/// fp32 tensors on one device, matching in size; libtorch's complaint otherwise comes back as
+/// [`Error::Torch`].
 pub fn fused_adam(
     params: &[Tensor],
     grads: &[Tensor],
     exp_avgs: &[Tensor],
     exp_avg_sqs: &[Tensor],
     step: &Tensor,
+    grad_scale: Option<&Tensor>,
     hp: AdamStep,
 ) -> Result<(), Error> {
     let n = params.len();
@@ -68,10 +73,12 @@ pub fn fused_adam(
             v.as_ptr(),
             n,
             step.as_ptr().cast(),
+            grad_scale.map_or(ptr::null(), |t| t.as_ptr().cast()),
             hp.lr,
             hp.beta1,
             hp.beta2,
             hp.eps,
+            hp.weight_decay,
             &mut err,
         )
     };
@@ -107,6 +114,7 @@ mod tests {
             beta1: 0.9,
             beta2: 0.95,
             eps: 1e-8,
+            weight_decay: 0.1,
         };
         let p = [Tensor::f_randn([7], opts)?, Tensor::f_randn([3], opts)?];
         let g = [Tensor::f_randn([7], opts)?, Tensor::f_randn([3], opts)?];
@@ -114,16 +122,20 @@ mod tests {
         let v = [Tensor::f_rand([7], opts)?, Tensor::f_rand([3], opts)?];
         let step = 3;
         let (bc1, bc2) = (1.0 - hp.beta1.powi(step), 1.0 - hp.beta2.powi(step));
+        // The gradients divided by grad_scale, the parameters decayed, then Adam.
+        let scale = 2.5;
         let want: Vec<Tensor> = (0..2)
             .map(|i| {
-                let m2 = &m[i] * hp.beta1 + &g[i] * (1.0 - hp.beta1);
-                let v2 = &v[i] * hp.beta2 + &g[i] * &g[i] * (1.0 - hp.beta2);
+                let g = &g[i] / scale;
+                let m2 = &m[i] * hp.beta1 + &g * (1.0 - hp.beta1);
+                let v2 = &v[i] * hp.beta2 + &g * &g * (1.0 - hp.beta2);
                 let denom = v2.sqrt() / bc2.sqrt() + hp.eps;
-                &p[i] - m2 / denom * (hp.lr / bc1)
+                &p[i] * (1.0 - hp.lr * hp.weight_decay) - m2 / denom * (hp.lr / bc1)
             })
             .collect();
         let st = Tensor::from(step as f32);
-        fused_adam(&p, &g, &m, &v, &st, hp)?;
+        let scale = Tensor::from_slice(&[scale as f32]);
+        fused_adam(&p, &g, &m, &v, &st, Some(&scale), hp)?;
         for (a, b) in p.iter().zip(&want) {
             let d = (a - b).abs().max().double_value(&[]);
             assert!(d < 1e-6, "{d}");
@@ -145,11 +157,13 @@ mod tests {
             &[],
             &[],
             &Tensor::from(1.0f32),
+            None,
             AdamStep {
                 lr: 1.0,
                 beta1: 0.9,
                 beta2: 0.9,
                 eps: 1e-8,
+                weight_decay: 0.0,
             },
         )
         .unwrap_err();
