@@ -101,6 +101,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/linear_loss.h");
     println!("cargo:rerun-if-changed=csrc/rms_norm.cpp");
     println!("cargo:rerun-if-changed=csrc/rms_norm.h");
+    println!("cargo:rerun-if-changed=csrc/acc_type.h");
     println!("cargo:rerun-if-changed=build.rs");
     let torch = if env_rerun("LIBTORCH_USE_PYTORCH").is_some() {
         from_python()

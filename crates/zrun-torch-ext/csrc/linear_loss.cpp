@@ -10,6 +10,7 @@
 // logits' gradient rounded to the compute dtype before its two matmuls.
 
 #include "linear_loss.h"
+#include "acc_type.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -21,11 +22,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-// The dtype softmax runs in: fp64 for fp64 inputs, else fp32.
-at::ScalarType acc_type(const at::Tensor& t) {
-  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
 
 // `t` in `dtype`: itself when it already is (the caller may then write in place).
 at::Tensor as(const at::Tensor& t, at::ScalarType dtype) {

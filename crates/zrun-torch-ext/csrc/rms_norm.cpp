@@ -7,6 +7,7 @@
 // holds is the same on every device.
 
 #include "rms_norm.h"
+#include "acc_type.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -16,10 +17,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-at::ScalarType acc_type(const at::Tensor& t) {
-  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
 
 struct RmsNorm : public torch::autograd::Function<RmsNorm> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,

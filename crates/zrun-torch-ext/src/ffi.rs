@@ -169,3 +169,32 @@ pub(crate) fn check(
         }),
     }
 }
+
+/// [`Error::Undefined`] for the first of `inputs` (name, tensor) of `op` that is undefined.
+pub(crate) fn require_defined(op: &str, inputs: &[(&str, &tch::Tensor)]) -> Result<(), Error> {
+    match inputs.iter().find(|(_, t)| !t.defined()) {
+        Some((name, _)) => Err(Error::Undefined {
+            op: format!("{op} {name}"),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The tensor a shim call returns through its out-pointer: `call` gets the out-pointer and the
+/// error pointer and returns the status; `op` names the call for an error.
+///
+/// # Safety
+/// `call` must make a shim call that, on success, writes a fresh `new torch::Tensor` into the
+/// out-pointer (and nothing else into it), and otherwise pass it only valid pointers.
+pub(crate) unsafe fn tensor_out(
+    op: impl FnOnce() -> String,
+    call: impl FnOnce(*mut *mut c_void, *mut *mut c_char) -> c_int,
+) -> Result<tch::Tensor, Error> {
+    let mut out: *mut c_void = std::ptr::null_mut();
+    let mut err = std::ptr::null_mut();
+    let status = call(&mut out, &mut err);
+    check(status, err, op)?;
+    // SAFETY: on success `out` is a fresh `new torch::Tensor` (the caller's promise), owned by
+    // the returned Tensor.
+    Ok(unsafe { tch::Tensor::from_ptr(out.cast()) })
+}

@@ -3,8 +3,6 @@
 
 use crate::ffi;
 use crate::Error;
-use std::ffi::c_void;
-use std::ptr;
 use tch::Tensor;
 
 /// Mean cross-entropy of the logits `h @ w^T` (N, V) against `targets`, computed about `chunk`
@@ -35,31 +33,26 @@ pub fn linear_cross_entropy(
             targets.kind()
         )
     };
-    for (name, t) in [("h", h), ("w", w), ("targets", targets)] {
-        if !t.defined() {
-            return Err(Error::Undefined {
-                op: format!("linear_cross_entropy {name}"),
-            });
-        }
+    ffi::require_defined(
+        "linear_cross_entropy",
+        &[("h", h), ("w", w), ("targets", targets)],
+    )?;
+    // SAFETY: the three tensor pointers are live `torch::Tensor*` borrowed for the call, the
+    // others are `tensor_out`'s; the shim catches every C++ exception and writes a fresh
+    // tensor on success.
+    unsafe {
+        ffi::tensor_out(op, |out, err| {
+            ffi::zrun_ext_linear_cross_entropy(
+                h.as_ptr().cast(),
+                w.as_ptr().cast(),
+                targets.as_ptr().cast(),
+                ignore_index,
+                chunk,
+                out,
+                err,
+            )
+        })
     }
-    let mut out: *mut c_void = ptr::null_mut();
-    let mut err = ptr::null_mut();
-    // SAFETY: the three pointers are live `torch::Tensor*` borrowed for the call; `out` is a
-    // valid out-pointer the shim writes only on success; the shim catches every C++ exception.
-    let status = unsafe {
-        ffi::zrun_ext_linear_cross_entropy(
-            h.as_ptr().cast(),
-            w.as_ptr().cast(),
-            targets.as_ptr().cast(),
-            ignore_index,
-            chunk,
-            &mut out,
-            &mut err,
-        )
-    };
-    ffi::check(status, err, op)?;
-    // SAFETY: on success `out` is a fresh `new torch::Tensor`, owned by the returned Tensor.
-    Ok(unsafe { Tensor::from_ptr(out.cast()) })
 }
 
 #[cfg(test)]

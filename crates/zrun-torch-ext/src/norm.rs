@@ -4,8 +4,6 @@
 
 use crate::ffi;
 use crate::Error;
-use std::ffi::c_void;
-use std::ptr;
 use tch::Tensor;
 
 /// `x * rsqrt(mean(x^2) + eps) * w` over the last dimension of `x` (..., C), with `w` (C) of
@@ -23,29 +21,15 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor, Error> {
             w.kind()
         )
     };
-    for (name, t) in [("x", x), ("w", w)] {
-        if !t.defined() {
-            return Err(Error::Undefined {
-                op: format!("rms_norm {name}"),
-            });
-        }
+    ffi::require_defined("rms_norm", &[("x", x), ("w", w)])?;
+    // SAFETY: both tensor pointers are live `torch::Tensor*` borrowed for the call, the others
+    // are `tensor_out`'s; the shim catches every C++ exception and writes a fresh tensor on
+    // success.
+    unsafe {
+        ffi::tensor_out(op, |out, err| {
+            ffi::zrun_ext_rms_norm(x.as_ptr().cast(), w.as_ptr().cast(), eps, out, err)
+        })
     }
-    let mut out: *mut c_void = ptr::null_mut();
-    let mut err = ptr::null_mut();
-    // SAFETY: both pointers are live `torch::Tensor*` borrowed for the call; `out` is a valid
-    // out-pointer the shim writes only on success; the shim catches every C++ exception.
-    let status = unsafe {
-        ffi::zrun_ext_rms_norm(
-            x.as_ptr().cast(),
-            w.as_ptr().cast(),
-            eps,
-            &mut out,
-            &mut err,
-        )
-    };
-    ffi::check(status, err, op)?;
-    // SAFETY: on success `out` is a fresh `new torch::Tensor`, owned by the returned Tensor.
-    Ok(unsafe { Tensor::from_ptr(out.cast()) })
 }
 
 #[cfg(test)]
