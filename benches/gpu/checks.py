@@ -14,7 +14,8 @@ Checks (one GPU; several ranks share it over the tcp backend, which stages CUDA 
                eager and torch.compile (benches/gpu/torch_train.py), interleaved: tokens/s,
                MFU, max_memory_allocated; targets: >= 160K tokens/s, >= 1.0x compile, stage 3
                within 5% of stage 0
-  p  profile   where one gpt2-medium step's time goes (bf16, 8 x 1024, W=1, stages 0 and 3):
+  p  profile   where one step's time goes (gpt2-medium bf16, 8 x 1024, W=1, stages 0 and 3;
+               llama3.2-1b bf16, 8 x 2048, stage 0):
                log.profile_step's trace summed by benches/profile_table.py (GPU time by kind,
                the host gaps between kernels, the most expensive kernels)
   m  llama     the llama3.2-1b preset bf16 at 2048 tokens, W=1, at the largest micro-batch
@@ -349,22 +350,27 @@ def estimate(c, config, sets):
 
 def check_profile(c):
     tables, ok = {}, True
-    for stage in [0, 3]:
-        r = c.train(f"profile-s{stage}", "gpt2m", 1, [f"zero.stage={stage}", "train.steps=8",
-                                                       "log.profile_step=6"])
-        trace = c.work / f"profile-s{stage}" / "profile-rank0.json"
+    c.add_config("llama1b", LLAMA1B)
+    for key, config, sets in [("stage 0", "gpt2m", ["zero.stage=0"]),
+                              ("stage 3", "gpt2m", ["zero.stage=3"]),
+                              ("llama3.2-1b stage 0", "llama1b",
+                               ["zero.stage=0", "train.micro_batch=8"])]:
+        name = f"profile-{key.replace(' ', '_')}"
+        r = c.train(name, config, 1, [*sets, "train.steps=8", "log.profile_step=6"], timeout=400)
+        trace = c.work / name / "profile-rank0.json"
         if r["rc"] != 0 or not trace.exists():
-            tables[f"stage {stage}"] = {"rc": r["rc"], "output": r.get("output")}
+            tables[key] = {"rc": r["rc"], "output": r.get("output")}
             ok = False
             continue
         p = subprocess.run([sys.executable, str(HERE.parent / "profile_table.py"), str(trace), "--json",
                             "--top", "15"], capture_output=True, text=True)
         if p.returncode != 0:
-            tables[f"stage {stage}"] = {"error": p.stderr[-2000:]}
+            tables[key] = {"error": p.stderr[-2000:]}
             ok = False
             continue
-        tables[f"stage {stage}"] = {**json.loads(p.stdout), "step": steady(r, skip=5)}
-    return {"pass": ok, "tables": tables, "what": "gpt2-medium bf16, 8 x 1024 tokens, W=1, step 6"}
+        tables[key] = {**json.loads(p.stdout), "step": steady(r, skip=5)}
+    return {"pass": ok, "tables": tables,
+            "what": "gpt2-medium bf16, 8 x 1024 tokens, and llama3.2-1b bf16, 8 x 2048, W=1, step 6"}
 
 
 def check_llama(c, rounds=2):
