@@ -25,7 +25,8 @@ Checks (one GPU; several ranks share it over the tcp backend, which stages CUDA 
                compile
   n  8b        the llama3.1-8b preset at 2048 tokens on one GPU: W=1, bf16, stage 3,
                offload_optimizer = "cpu" with bf16 moments, activation checkpointing, 20
-               steps: tokens/s, MFU, device and host peaks against zrun's estimate
+               steps at micro-batch 1 (ZRUN_GPU_8B_MICRO_BATCH): tokens/s, MFU, device and
+               host peaks against zrun's estimate
   d  memory    gpt2-medium bf16 at W=2 on one GPU, stages 0-3: CUDA peaks against the
                model-state formula and zrun's estimate
   e  offload   gpt2-medium bf16 stage 2 at W=1 with and without offload_optimizer = "cpu"
@@ -69,7 +70,9 @@ H100_BF16_PEAK_TFLOPS = 989.0
 GB = 1e9
 # ZRUN_GPU_ROUNDS=1 runs one interleaved round where a check runs several, and leaves out
 # the speed check's side that only informs (stage 3 without prefetch): for a short lease.
-# ZRUN_GPU_8B_TIMEOUT caps the 8B run (seconds; the steps it logged are still reported).
+# ZRUN_GPU_8B_TIMEOUT caps the 8B run (seconds; the steps it logged are still reported), and
+# ZRUN_GPU_8B_MICRO_BATCH sets its micro-batch (1; "auto": the largest of 16, 8, 4, 2 the
+# estimate fits).
 ROUNDS = int(os.environ.get("ZRUN_GPU_ROUNDS", "0")) or None
 
 SMALL = """
@@ -455,9 +458,18 @@ peak_tflops = %s
 
 def check_8b(c):
     c.add_config("llama8b", LLAMA8B)
-    e = estimate(c, "llama8b", [])
-    r = c.train("llama8b", "llama8b", 1, [], timeout=int(os.environ.get("ZRUN_GPU_8B_TIMEOUT", "580")))
-    out = {"estimate": e, "rc": r["rc"], "seconds": r["seconds"]}
+    # ZRUN_GPU_8B_MICRO_BATCH: 1 (default), a number, or "auto": the largest of 16, 8, 4, 2
+    # the estimate fits (offload is bound by the CPU AdamW at micro-batch 1; larger batches
+    # give the GPU's share of the step its weight).
+    mb = os.environ.get("ZRUN_GPU_8B_MICRO_BATCH", "1")
+    if mb == "auto":
+        mb = next((b for b in [16, 8, 4, 2]
+                   if (e := estimate(c, "llama8b", [f"train.micro_batch={b}"])) and e["fits"]), 1)
+    sets = [f"train.micro_batch={mb}"]
+    e = estimate(c, "llama8b", sets)
+    r = c.train("llama8b", "llama8b", 1, sets,
+                timeout=int(os.environ.get("ZRUN_GPU_8B_TIMEOUT", "580")))
+    out = {"micro_batch": int(mb), "estimate": e, "rc": r["rc"], "seconds": r["seconds"]}
     if r["rc"] != 0:
         part = r.get("partial_metrics", [])
         return {**out, "pass": False, "output": r.get("output"), "partial_metrics": part[-8:],
