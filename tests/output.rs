@@ -387,8 +387,11 @@ fn a_profiled_step_leaves_a_trace_per_rank_that_the_table_reads() {
         .map(|m| m["step_time_s"].as_f64().unwrap() * 1e3)
         .unwrap();
     let window = v["window_ms"].as_f64().unwrap();
+    // Not the run's (at most the step's), and not a sliver of the step; the step's time also
+    // holds what the window does not (writing the trace), which a loaded machine stretches
+    // (47 ms against a 23.5 ms window once in a full parallel test run).
     assert!(
-        window > 0.5 * step_ms && window < 1.2 * step_ms + 5.0,
+        window > 0.2 * step_ms && window < 1.2 * step_ms + 5.0,
         "window {window} ms, step 2 took {step_ms} ms"
     );
 }
