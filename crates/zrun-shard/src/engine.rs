@@ -155,6 +155,8 @@ pub struct Engine {
     pub(crate) master: Option<Tensor>,
     /// Reduce dtype. Stages 0-1: full gradients. Stages 2-3: this rank's reduced shard.
     pub(crate) grads: Tensor,
+    /// Per unit: its region of `grads` is stale, not zero, until overwritten (`grads.rs`).
+    pub(crate) stale: Vec<bool>,
     /// Stages 2-3: bytes reserved for the stand-in collectives of a micro-step that ran out
     /// of memory (see `recover.rs`), so that recovering allocates nothing.
     pub(crate) reserve: Option<Tensor>,
@@ -290,6 +292,7 @@ impl Engine {
             cfg.initial_loss_scale,
             cfg.loss_scale_window,
         );
+        let n_units = layout.units.len();
         Ok(Engine {
             model,
             cfg,
@@ -297,6 +300,7 @@ impl Engine {
             params,
             master,
             grads,
+            stale: vec![false; n_units],
             reserve,
             optimizer,
             scaler,
@@ -549,7 +553,7 @@ impl Engine {
                 if let Optimizer::Host(h) = &mut self.optimizer {
                     h.finish()?;
                 }
-                self.grads.f_zero_().done("zero gradients", "-")?;
+                self.discard_grads();
                 return Err(Error::Unsupported(format!(
                     "step(lr {lr}, max_norm {max_norm}) after prepare_step(lr {l}, max_norm {m}): \
                      they must agree (this step was applied with lr {l})"
@@ -557,6 +561,8 @@ impl Engine {
             }
         }
         let overlapped = matches!(early, EarlyStep::Submitted { .. });
+        // Units that received no gradient this step read as zeros from here on.
+        self.settle_grads()?;
         match self.cfg.stage {
             Stage::Zero0 => self.mover.all_reduce_units(&self.grads)?,
             Stage::Zero1 => self.mover.reduce_scatter_units(&self.grads)?,
@@ -645,7 +651,7 @@ impl Engine {
             self.catch_up()?;
         }
         self.delay.updates += u64::from(applied);
-        self.grads.f_zero_().done("zero gradients", "-")?;
+        self.discard_grads();
         // The update read gradients (on the host too, offloaded) and gathered parameters.
         self.mover.check()?;
         Ok(StepStats {
@@ -711,6 +717,12 @@ impl Engine {
         let mut out = Vec::new();
         for (u, l) in self.mover.layout.units.iter().enumerate() {
             let flat = self.mover.unit_full(&self.grads, u)?;
+            // A stale region (no gradient yet this step) reads as zeros.
+            let flat = if self.stale[u] {
+                flat.f_zeros_like().ctx("zero gradients", &l.unit)?
+            } else {
+                flat
+            };
             out.extend(l.views.iter().map(|v| v.name.clone()).zip(views(l, &flat)?));
         }
         Ok(out)

@@ -8,6 +8,7 @@
 mod delay;
 mod engine;
 mod estimate;
+mod grads;
 mod init;
 pub mod layout;
 mod memory;

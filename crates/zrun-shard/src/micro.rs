@@ -368,13 +368,7 @@ impl Engine {
             }
         };
         match self.cfg.stage {
-            Stage::Zero0 | Stage::Zero1 => {
-                let acc = self.mover.unit_full(&self.grads, u)?;
-                for (mut dst, g) in pick(views(layout, &acc)?).into_iter().zip(&grads) {
-                    dst.f_add_(g).done("accumulate gradient", &name)?;
-                }
-                Ok(())
-            }
+            Stage::Zero0 | Stage::Zero1 => self.accumulate_full(u, only, &grads),
             Stage::Zero2 | Stage::Zero3 => {
                 let kind = self.cfg.reduce_dtype.kind();
                 let mut flat = Tensor::f_empty([layout.padded], (kind, self.cfg.device))
@@ -410,11 +404,7 @@ impl Engine {
     /// flight; in the other micro-steps the shard is only summed.
     fn retire(&mut self, p: Pending, last: bool, reducing: &mut Reductions) -> Result<()> {
         let (u, shard) = self.mover.finish_reduce_scatter(p)?;
-        let mut acc = self.mover.shard_of(&self.grads, u)?;
-        acc.f_add_(&shard).done(
-            "accumulate gradient shard",
-            &self.mover.layout.units[u].unit,
-        )?;
+        let acc = self.accumulate_shard(u, &shard)?;
         drop(shard);
         if !last {
             return Ok(());

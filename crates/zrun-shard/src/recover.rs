@@ -206,7 +206,7 @@ impl Engine {
         self.last_announced = false;
         self.mover.replicates = false;
         let _guard = tch::no_grad_guard();
-        self.grads.f_zero_().done("zero gradients", "-")?;
+        self.discard_grads();
         self.mover.reset_in_flight();
         Ok(())
     }

@@ -126,6 +126,47 @@ fn every_parameter_gets_a_gradient_and_step_clears_them() {
     }
 }
 
+/// After a step the gradient buffer is not zeroed but marked stale: the next micro-steps'
+/// gradients must be theirs alone (the first overwrites, the second adds), the tied matrix's
+/// two parts included.
+#[test]
+fn the_gradients_after_a_step_are_the_next_micro_steps_alone() {
+    for tied in [false, true] {
+        for stage in [Stage::Zero0, Stage::Zero1] {
+            let m = model_with(tied);
+            let mut e = engine_at(m.clone(), stage);
+            let (x, y) = tokens(7, 2, 24, 97);
+            e.forward_backward(&x, &y, 1.0).unwrap();
+            assert!(e.step(1e-2, 1.0).unwrap().applied);
+            let (x2, y2) = tokens(8, 2, 24, 97);
+            e.forward_backward(&x2, &y2, 0.5).unwrap();
+            e.forward_backward(&x2, &y2, 0.5).unwrap();
+            // Baseline: the stepped parameters as leaves, one backward of the batch's loss.
+            let mut params = e.full_parameters().unwrap().into_iter();
+            let leaves: Vec<Vec<Tensor>> = m
+                .units()
+                .iter()
+                .map(|u| {
+                    (0..u.params().len())
+                        .map(|_| params.next().unwrap().1.set_requires_grad(true))
+                        .collect()
+                })
+                .collect();
+            let loss = lm_loss(&forward_model(m.as_ref(), &leaves, &x2).unwrap(), &y2).unwrap();
+            loss.backward();
+            for ((name, g), want) in e
+                .local_gradients()
+                .unwrap()
+                .iter()
+                .zip(leaves.iter().flatten())
+            {
+                let err = max_rel_err(g, &want.grad());
+                assert!(err <= 1e-5, "tied {tied}, {stage:?}, {name}: {err:e}");
+            }
+        }
+    }
+}
+
 #[test]
 fn clipping_scales_gradients_to_the_max_norm() {
     let m = model();
