@@ -347,7 +347,8 @@ impl Engine {
     }
 
     /// Adds unit `u`'s parameter gradients (in the unit's parameter order, or only parameter
-    /// `only`'s) into the full gradients (stages 0-1), or lays them out in one flat buffer of
+    /// `only`'s) into the full gradients, or copies them over a stale region (stages 0-1,
+    /// `grads.rs`), or lays them out in one flat buffer of
     /// the reduce dtype (zeros elsewhere) and starts its reduce-scatter (stages 2-3),
     /// retiring older reductions so one stays in flight (and, replicated, one all-reduce).
     /// `last` says no more of unit `u`'s gradient follows in this micro-step.
