@@ -49,6 +49,9 @@ impl AdamW {
         decay_ranges: Vec<(i64, i64)>,
     ) -> Result<AdamW> {
         let zeros = |what| torch(what, Tensor::f_zeros([numel], (Kind::Float, device)));
+        // In shard order: the fused step walks them from the start.
+        let mut decay_ranges = decay_ranges;
+        decay_ranges.sort_unstable();
         Ok(AdamW {
             cfg,
             m: zeros("allocate AdamW m")?,
@@ -238,15 +241,14 @@ impl AdamW {
         let mut decayed = Pieces::default();
         let mut plain = Pieces::default();
         let mut at = 0;
-        let mut ranges = if c.weight_decay != 0.0 {
-            self.decay_ranges.clone()
+        let ranges: &[(i64, i64)] = if c.weight_decay != 0.0 {
+            &self.decay_ranges
         } else {
-            Vec::new()
+            &[]
         };
-        ranges.sort_unstable();
-        // Sorted ranges, each element in one call only (ranges do not overlap; were they to,
-        // the overlap would be decayed once).
-        for (off, len) in ranges.into_iter().chain([(self.numel, 0)]) {
+        // The ranges in order (sorted in `new`), each element in one call only (ranges do not
+        // overlap; were they to, the overlap would be decayed once).
+        for &(off, len) in ranges.iter().chain(&[(self.numel, 0)]) {
             if off > at {
                 plain.add(self, p, g, at, off - at)?;
             }

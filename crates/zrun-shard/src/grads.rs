@@ -51,32 +51,26 @@ impl Engine {
         only: Option<usize>,
         grads: &[Tensor],
     ) -> Result<()> {
-        let layout = &self.mover.layout.units[u];
-        let (name, numel, padded) = (layout.unit.clone(), layout.numel, layout.padded);
         let stale = self.take_stale(u);
         let mut acc = self.unit_grads(u)?;
+        let layout = &self.mover.layout.units[u];
+        let name = layout.unit.as_str();
         if stale && only.is_some() {
             // Part of the unit: the rest must read as zeros.
-            acc.f_zero_().done("zero unit gradient", &name)?;
+            acc.f_zero_().done("zero unit gradient", name)?;
         }
         let overwrite = stale && only.is_none();
-        let layout = &self.mover.layout.units[u];
-        let all = views(layout, &acc)?;
-        let dsts: Vec<Tensor> = match only {
-            Some(p) => all.into_iter().skip(p).take(1).collect(),
-            None => all,
-        };
-        for (mut dst, g) in dsts.into_iter().zip(grads) {
+        for (mut dst, g) in pick(only, views(layout, &acc)?).into_iter().zip(grads) {
             if overwrite {
-                dst.f_copy_(g).done("lay out gradient", &name)?;
+                dst.f_copy_(g).done("lay out gradient", name)?;
             } else {
-                dst.f_add_(g).done("accumulate gradient", &name)?;
+                dst.f_add_(g).done("accumulate gradient", name)?;
             }
         }
-        if overwrite && padded > numel {
-            acc.f_narrow(0, numel, padded - numel)
+        if overwrite && layout.padded > layout.numel {
+            acc.f_narrow(0, layout.numel, layout.padded - layout.numel)
                 .and_then(|mut pad| pad.f_zero_())
-                .done("zero gradient padding", &name)?;
+                .done("zero gradient padding", name)?;
         }
         Ok(())
     }
@@ -84,14 +78,23 @@ impl Engine {
     /// Stages 2-3: adds a reduced shard of unit `u` into its gradient shard, or copies it
     /// over it where it is stale; returns the shard's region.
     pub(crate) fn accumulate_shard(&mut self, u: usize, shard: &Tensor) -> Result<Tensor> {
-        let name = self.mover.layout.units[u].unit.clone();
         let stale = self.take_stale(u);
         let mut acc = self.unit_grads(u)?;
+        let name = &self.mover.layout.units[u].unit;
         if stale {
-            acc.f_copy_(shard).done("lay out gradient shard", &name)?;
+            acc.f_copy_(shard).done("lay out gradient shard", name)?;
         } else {
-            acc.f_add_(shard).done("accumulate gradient shard", &name)?;
+            acc.f_add_(shard).done("accumulate gradient shard", name)?;
         }
         Ok(acc)
+    }
+}
+
+/// The views of `all` (a unit's parameters in order) that a gradient of parameter `only`
+/// (or of every parameter) goes to.
+pub(crate) fn pick(only: Option<usize>, all: Vec<Tensor>) -> Vec<Tensor> {
+    match only {
+        Some(p) => all.into_iter().skip(p).take(1).collect(),
+        None => all,
     }
 }

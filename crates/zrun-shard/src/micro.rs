@@ -11,6 +11,7 @@
 //! unit's forward in its backward.
 
 use crate::engine::{views, EarlyStep, Engine, Optimizer, Phase};
+use crate::grads::pick;
 use crate::state::{Mover, Pending};
 use crate::{Context, Error, Result, Stage};
 use std::collections::VecDeque;
@@ -362,12 +363,6 @@ impl Engine {
     ) -> Result<()> {
         let layout = &self.mover.layout.units[u];
         let name = layout.unit.clone();
-        let pick = |all: Vec<Tensor>| -> Vec<Tensor> {
-            match only {
-                Some(p) => all.into_iter().skip(p).take(1).collect(),
-                None => all,
-            }
-        };
         match self.cfg.stage {
             Stage::Zero0 | Stage::Zero1 => self.accumulate_full(u, only, &grads),
             Stage::Zero2 | Stage::Zero3 => {
@@ -378,7 +373,7 @@ impl Engine {
                     flat.f_zero_().done("zero unit gradient", &name)?;
                 }
                 // Each parameter's gradient straight into its place (cast on the way).
-                for (mut dst, g) in pick(views(layout, &flat)?).into_iter().zip(&grads) {
+                for (mut dst, g) in pick(only, views(layout, &flat)?).into_iter().zip(&grads) {
                     dst.f_copy_(g).ctx("lay out gradient", &name)?;
                 }
                 if layout.padded > layout.numel && only.is_none() {

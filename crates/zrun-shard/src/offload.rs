@@ -555,7 +555,7 @@ impl HostOptimizer {
             ready = self.stage(at, g, "-")?.or(ready);
             at += g.numel() as i64;
         }
-        // The engine zeroes (then accumulates into) its gradients as soon as this returns.
+        // The engine overwrites (then accumulates into) its gradients as soon as this returns.
         wait_ready(ready, "-")?;
         self.begin_step()?;
         for u in (0..layout.units.len()).rev() {

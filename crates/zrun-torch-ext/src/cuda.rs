@@ -143,15 +143,14 @@ pub fn empty_pinned(numel: i64, kind: tch::Kind) -> Result<tch::Tensor, Error> {
         op: op(),
         message: e.to_string(),
     })?;
-    let mut out: *mut std::ffi::c_void = ptr::null_mut();
-    let mut err = ptr::null_mut();
-    // SAFETY: `like` is a live tensor borrowed for the call; `out` and `err` are valid
-    // out-pointers; the shim catches every C++ exception.
-    let status =
-        unsafe { ffi::zrun_ext_empty_pinned(like.as_ptr().cast(), numel, &mut out, &mut err) };
-    ffi::check(status, err, op)?;
-    // SAFETY: on success `out` is a fresh `new torch::Tensor`, owned by the returned Tensor.
-    Ok(unsafe { tch::Tensor::from_ptr(out.cast()) })
+    // SAFETY: `like` is a live tensor borrowed for the call, the other pointers are
+    // `tensor_out`'s; the shim catches every C++ exception and writes a fresh tensor on
+    // success.
+    unsafe {
+        ffi::tensor_out(op, |out, err| {
+            ffi::zrun_ext_empty_pinned(like.as_ptr().cast(), numel, out, err)
+        })
+    }
 }
 
 /// Bytes libtorch's caching host allocator holds for a pinned block of `bytes`: the next

@@ -91,13 +91,13 @@ pub fn fused_adam(
 pub fn sum_of_squares(tensors: &[Tensor]) -> Result<Tensor, Error> {
     let op = || format!("sum_of_squares({} tensors)", tensors.len());
     let ts = ptrs(tensors);
-    let mut out: *mut c_void = ptr::null_mut();
-    let mut err = ptr::null_mut();
-    // SAFETY: as in `fused_adam`; `out` is a valid out-pointer the shim writes on success.
-    let status = unsafe { ffi::zrun_ext_sum_of_squares(ts.as_ptr(), ts.len(), &mut out, &mut err) };
-    ffi::check(status, err, op)?;
-    // SAFETY: on success `out` is a fresh `new torch::Tensor`, owned by the returned Tensor.
-    Ok(unsafe { Tensor::from_ptr(out.cast()) })
+    // SAFETY: as in `fused_adam`; the other pointers are `tensor_out`'s, and the shim writes
+    // a fresh tensor on success.
+    unsafe {
+        ffi::tensor_out(op, |out, err| {
+            ffi::zrun_ext_sum_of_squares(ts.as_ptr(), ts.len(), out, err)
+        })
+    }
 }
 
 #[cfg(test)]

@@ -55,38 +55,33 @@ pub fn resolve_loss_chunk(
         let peak = fixed + ranks.iter().map(|r| r.peak_bytes).max().unwrap_or(0);
         Ok((peak, ranks.iter().all(|r| r.fits)))
     };
-    let full = with(0);
-    let (full_peak, fits) = peak(&full)?;
-    if fits {
-        let what = format!(
-            "the full logits (predicted peak {} within {})",
-            human(full_peak),
-            human(limit)
-        );
-        return Ok((full, say(what)));
-    }
-    let over = format!(
-        "the full logits' predicted peak {} with a {:.0}% margin is over {}",
-        human(full_peak),
-        100.0 * crate::memory::MARGIN,
-        human(limit)
-    );
-    // No larger than the power of two that holds a micro-batch's logits in one chunk.
+    // The full logits first, then halving chunks from the largest worth trying: no larger
+    // than the power of two that holds a micro-batch's logits in one chunk.
     let arch = cfg.arch()?;
     let logits = cfg.train.micro_batch as i64 * arch.seq_len() * arch.vocab_size();
-    let mut chunk = LARGEST_AUTO_CHUNK.min((logits.max(1) as u64).next_power_of_two());
-    while chunk > smallest {
+    let largest = LARGEST_AUTO_CHUNK.min((logits.max(1) as u64).next_power_of_two());
+    let chunks =
+        std::iter::successors(Some(largest), |c| Some(c / 2)).take_while(|&c| c > smallest);
+    let mut over = String::new();
+    for chunk in std::iter::once(0).chain(chunks) {
         let c = with(chunk);
         let (p, fits) = peak(&c)?;
-        if fits {
-            let what = format!(
-                "chunks of {chunk} logits, the largest that fits (predicted peak {} within {}; {over})",
+        let within = format!("predicted peak {} within {}", human(p), human(limit));
+        if chunk == 0 && fits {
+            return Ok((c, say(format!("the full logits ({within})"))));
+        }
+        if chunk == 0 {
+            over = format!(
+                "the full logits' predicted peak {} with a {:.0}% margin is over {}",
                 human(p),
+                100.0 * crate::memory::MARGIN,
                 human(limit)
             );
+        } else if fits {
+            let what =
+                format!("chunks of {chunk} logits, the largest that fits ({within}; {over})");
             return Ok((c, say(what)));
         }
-        chunk /= 2;
     }
     Ok((
         with(smallest),

@@ -185,8 +185,7 @@ impl Block {
                 .and_then(|p| p.f_transpose(1, 2)) // (B, nh, T, hs)
                 .ctx(u, "split heads")
         };
-        let [q, k, v] = [&parts[0], &parts[1], &parts[2]].map(heads);
-        let (q, k, v) = (q?, k?, v?);
+        let (q, k, v) = (heads(&parts[0])?, heads(&parts[1])?, heads(&parts[2])?);
         drop(parts);
         let (k, v, causal) = match cache {
             None => (k, v, true),
