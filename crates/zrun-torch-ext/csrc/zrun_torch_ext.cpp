@@ -26,6 +26,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
+#include "fused_loss.h"
 #include "linear_loss.h"
 #include "rms_norm.h"
 
@@ -625,6 +626,44 @@ int zrun_ext_linear_cross_entropy(const at::Tensor* h, const at::Tensor* w,
     return ZR_OK;
   });
 }
+
+// zrun::fused_linear_cross_entropy after checking its inputs (see fused_loss.h).
+int zrun_ext_fused_linear_cross_entropy(const at::Tensor* h, const at::Tensor* w,
+                                        const at::Tensor* targets, int64_t ignore_index,
+                                        at::Tensor** out, char** err) {
+  return guard(err, [&] {
+    if (!h->defined() || !w->defined() || !targets->defined()) {
+      return refuse(err, "an input is undefined");
+    }
+    if (h->dim() != 2 || w->dim() != 2 || h->size(1) != w->size(1) ||
+        (h->scalar_type() != at::kFloat && h->scalar_type() != at::kBFloat16) ||
+        h->scalar_type() != w->scalar_type() || h->device() != w->device()) {
+      return refuse(err, "h (N, C) and w (V, C) must be bf16 or fp32 of one dtype and device");
+    }
+    if (targets->dim() != 1 || targets->size(0) != h->size(0) ||
+        targets->scalar_type() != at::kLong || targets->device() != h->device()) {
+      return refuse(err, "targets must be int64 (N) on the device of h (N, C)");
+    }
+    *out = new at::Tensor(zrun::fused_linear_cross_entropy(*h, *w, *targets, ignore_index));
+    return ZR_OK;
+  });
+}
+
+// zrun::ce_rows (see fused_loss.h): *out gets the rows' losses; `logits` is written in place
+// with `grad`. The checks are ce_rows' own.
+int zrun_ext_ce_rows(const at::Tensor* logits, const at::Tensor* targets, const at::Tensor* coef,
+                     int grad, int force_aten, at::Tensor** out, char** err) {
+  return guard(err, [&] {
+    if (!logits->defined() || !targets->defined() || !coef->defined()) {
+      return refuse(err, "an input is undefined");
+    }
+    *out = new at::Tensor(zrun::ce_rows(*logits, *targets, *coef, grad != 0, force_aten != 0));
+    return ZR_OK;
+  });
+}
+
+// Registers the CUDA kernel behind zrun::ce_rows (nullptr: none); cannot fail.
+void zrun_ext_set_ce_rows_kernel(zrun::CeRowsKernel kernel) { zrun::set_ce_rows_kernel(kernel); }
 
 // zrun::rms_norm after checking its inputs (see rms_norm.h).
 int zrun_ext_rms_norm(const at::Tensor* x, const at::Tensor* w, double eps, at::Tensor** out,

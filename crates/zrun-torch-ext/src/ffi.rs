@@ -135,11 +135,59 @@ extern "C" {
         out: *mut *mut c_void,
         err: *mut *mut c_char,
     ) -> c_int;
+    pub(crate) fn zrun_ext_fused_linear_cross_entropy(
+        h: *const c_void,
+        w: *const c_void,
+        targets: *const c_void,
+        ignore_index: i64,
+        out: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    pub(crate) fn zrun_ext_ce_rows(
+        logits: *const c_void,
+        targets: *const c_void,
+        coef: *const c_void,
+        grad: c_int,
+        force_aten: c_int,
+        out: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    fn zrun_ext_set_ce_rows_kernel(kernel: Option<CeRowsKernel>);
     pub(crate) fn zrun_ext_cpu_alloc_install(limit: u64, err: *mut *mut c_char) -> c_int;
     pub(crate) fn zrun_ext_cpu_alloc_stats(out: *mut i64) -> c_int;
     pub(crate) fn zrun_ext_cpu_alloc_reset_peak();
     pub(crate) fn zrun_ext_cpu_alloc_empty_cache();
 }
+
+/// The shim's `zrun::CeRowsKernel` (csrc/fused_loss.h).
+pub(crate) type CeRowsKernel = extern "C" fn(
+    c_int,
+    c_int,
+    *mut c_void,
+    *const c_void,
+    *const c_void,
+    *mut c_void,
+    i64,
+    i64,
+    c_int,
+    *mut c_void,
+    *mut *mut c_char,
+) -> c_int;
+
+/// Registers `kernel` behind the shim's `ce_rows` (`None`: ATen's ops); returns the one it
+/// replaces.
+pub(crate) fn set_ce_rows_kernel(kernel: Option<CeRowsKernel>) -> Option<CeRowsKernel> {
+    let previous = CE_ROWS_KERNEL
+        .lock()
+        .map(|mut k| std::mem::replace(&mut *k, kernel))
+        .unwrap_or(None);
+    // SAFETY: the shim stores the pointer atomically; `kernel` is a Rust `extern "C"`
+    // function of the shim's signature, valid for the process.
+    unsafe { zrun_ext_set_ce_rows_kernel(kernel) };
+    previous
+}
+
+static CE_ROWS_KERNEL: std::sync::Mutex<Option<CeRowsKernel>> = std::sync::Mutex::new(None);
 
 /// Turns a shim status and its message into a `Result`, freeing the message.
 ///

@@ -15,6 +15,8 @@
 //!   tensors (freed blocks kept and reused, with a byte limit on what it reserves);
 //! - [`linear_cross_entropy`]: the head's matmul and the cross-entropy in chunks, with its
 //!   own backward (the full logits are never held);
+//! - [`fused_linear_cross_entropy`]: the same on the full logits, their gradient written over
+//!   them in the forward, through zrun's own CUDA kernel ([`kernels`], compiled with NVRTC);
 //! - [`rms_norm`]: RMSNorm as one autograd node, fused on CUDA, keeping only its input and
 //!   an rstd per row on every device;
 //! - [`count_allocations`]: libtorch's allocations made by a piece of code (tests that check
@@ -30,6 +32,7 @@ mod cpu_alloc;
 mod cuda;
 mod error;
 mod ffi;
+pub mod kernels;
 mod loss;
 mod norm;
 mod optim;
@@ -48,7 +51,7 @@ pub use cuda::{
     reset_cuda_peak, set_allocator_settings, set_cuda_device, CudaEvent, CudaMemory,
 };
 pub use error::Error;
-pub use loss::linear_cross_entropy;
+pub use loss::{ce_rows, fused_linear_cross_entropy, linear_cross_entropy};
 pub use norm::rms_norm;
 pub use optim::{fused_adam, sum_of_squares, AdamStep};
 pub use profile::{profiler_start, profiler_stop};

@@ -3,6 +3,7 @@
 
 use crate::ffi;
 use crate::Error;
+use std::ffi::c_int;
 use tch::Tensor;
 
 /// Mean cross-entropy of the logits `h @ w^T` (N, V) against `targets`, computed about `chunk`
@@ -48,6 +49,87 @@ pub fn linear_cross_entropy(
                 targets.as_ptr().cast(),
                 ignore_index,
                 chunk,
+                out,
+                err,
+            )
+        })
+    }
+}
+
+/// Mean cross-entropy of the logits `h @ w^T` against `targets`, on the full logits with
+/// the gradient made in the forward (csrc/fused_loss.cpp): the logits, in the inputs' dtype,
+/// are the only (N, V) tensor; in grad mode with `h` or `w` requiring grad the forward
+/// overwrites them with their gradient (up to the upstream factor) and keeps that for the
+/// backward, which is the head's two matmuls. On CUDA the per-row work is one kernel once
+/// [`crate::kernels::install`] has run; elsewhere ATen's ops in fp32 a block of rows at a time.
+///
+/// `h` (N, C) and `w` (V, C) are bf16 or fp32 of one device; `targets` (N) int64, rows with
+/// `ignore_index` left out of the mean. The loss is fp32. The arithmetic is
+/// [`linear_cross_entropy`]'s but for where the upstream gradient enters: after the two
+/// matmuls, not before the logits' gradient is rounded (why fp16, whose loss scale must
+/// come first, is refused).
+pub fn fused_linear_cross_entropy(
+    h: &Tensor,
+    w: &Tensor,
+    targets: &Tensor,
+    ignore_index: i64,
+) -> Result<Tensor, Error> {
+    let op = || {
+        format!(
+            "fused_linear_cross_entropy(h {:?} {:?}, w {:?} {:?}, targets {:?} {:?})",
+            h.size(),
+            h.kind(),
+            w.size(),
+            w.kind(),
+            targets.size(),
+            targets.kind()
+        )
+    };
+    ffi::require_defined(
+        "fused_linear_cross_entropy",
+        &[("h", h), ("w", w), ("targets", targets)],
+    )?;
+    // SAFETY: as in `linear_cross_entropy`.
+    unsafe {
+        ffi::tensor_out(op, |out, err| {
+            ffi::zrun_ext_fused_linear_cross_entropy(
+                h.as_ptr().cast(),
+                w.as_ptr().cast(),
+                targets.as_ptr().cast(),
+                ignore_index,
+                out,
+                err,
+            )
+        })
+    }
+}
+
+/// Each row's softmax cross-entropy of `logits` (N, V; contiguous bf16 or fp32) against
+/// `targets` (N, int64, in [0, V)) weighted by `coef` (N, fp32): the rows' losses (fp32, N;
+/// 0 where coef is 0). With `grad` the logits are overwritten by coef x (softmax - one-hot).
+/// `force_aten` runs ATen's ops even where the CUDA kernel is installed (its reference).
+pub fn ce_rows(
+    logits: &Tensor,
+    targets: &Tensor,
+    coef: &Tensor,
+    grad: bool,
+    force_aten: bool,
+) -> Result<Tensor, Error> {
+    let op = || format!("ce_rows(logits {:?} {:?})", logits.size(), logits.kind());
+    ffi::require_defined(
+        "ce_rows",
+        &[("logits", logits), ("targets", targets), ("coef", coef)],
+    )?;
+    // SAFETY: as in `linear_cross_entropy`; the logits are written in place, which the
+    // caller owns.
+    unsafe {
+        ffi::tensor_out(op, |out, err| {
+            ffi::zrun_ext_ce_rows(
+                logits.as_ptr().cast(),
+                targets.as_ptr().cast(),
+                coef.as_ptr().cast(),
+                c_int::from(grad),
+                c_int::from(force_aten),
                 out,
                 err,
             )

@@ -1,0 +1,127 @@
+// Softmax cross-entropy per row of the logits, and its gradient written over them
+// (csrc/fused_loss.h, ce_rows). Compiled at run time with NVRTC; needs no header.
+//
+// One block per row. Pass 1 reads the row once, each thread keeping a running maximum and
+// the sum of exponentials below it (online softmax), merged across the block; the row's
+// logsumexp follows. Pass 2 (with grad) reads the row again and writes
+// coef x (exp(x - lse) - one-hot(target)), rounded once to the logits' dtype. The target's
+// logit is read before any thread writes. NaN anywhere in a row makes its loss NaN (as
+// ATen's); a row whose coef is 0 gets loss 0 and a zero gradient.
+
+typedef unsigned short zr_bf16;
+
+#define ZR_THREADS 512
+#define ZR_WARPS (ZR_THREADS / 32)
+#define ZR_INF __int_as_float(0x7f800000)
+
+__device__ __forceinline__ float zr_load(const float* p) { return *p; }
+__device__ __forceinline__ float zr_load(const zr_bf16* p) {
+  return __uint_as_float(((unsigned int)(*p)) << 16);
+}
+__device__ __forceinline__ void zr_store(float* p, float f) { *p = f; }
+// Round to nearest even, as c10::BFloat16; NaN becomes 0x7fc0.
+__device__ __forceinline__ void zr_store(zr_bf16* p, float f) {
+  unsigned int u = __float_as_uint(f);
+  if (f != f) {
+    *p = (zr_bf16)0x7fc0u;
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  *p = (zr_bf16)(u >> 16);
+}
+
+// (m, s): the largest value seen and the sum of exp(x - m) over the values seen; m = -inf
+// with s = 0 for none.
+__device__ __forceinline__ void zr_merge(float& m, float& s, float m2, float s2) {
+  if (m2 == -ZR_INF) {
+    return;
+  }
+  if (m == -ZR_INF) {
+    m = m2;
+    s = s2;
+    return;
+  }
+  const float top = fmaxf(m, m2);
+  s = s * expf(m - top) + s2 * expf(m2 - top);
+  m = top;
+}
+
+template <typename T>
+__device__ void zr_ce_rows(T* logits, const long long* targets, const float* coef, float* loss,
+                           long long v, int grad) {
+  __shared__ float sh_m[ZR_WARPS];
+  __shared__ float sh_s[ZR_WARPS];
+  __shared__ float sh_lse;
+  __shared__ float sh_target;
+  const long long row = blockIdx.x;
+  T* x = logits + row * v;
+  const long long t = targets[row];
+  const float c = coef[row];
+  if (threadIdx.x == 0) {
+    sh_target = zr_load(x + t);
+  }
+  float m = -ZR_INF;
+  float s = 0.0f;
+  int nan = 0;
+  for (long long j = threadIdx.x; j < v; j += ZR_THREADS) {
+    const float a = zr_load(x + j);
+    if (a != a) {
+      nan = 1;
+    } else if (a > m) {
+      s = (m == -ZR_INF ? 0.0f : s * expf(m - a)) + 1.0f;
+      m = a;
+    } else if (a != -ZR_INF) {
+      s += expf(a - m);
+    }
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+    const float s2 = __shfl_xor_sync(0xffffffffu, s, off);
+    zr_merge(m, s, m2, s2);
+  }
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (lane == 0) {
+    sh_m[warp] = m;
+    sh_s[warp] = s;
+  }
+  nan = __syncthreads_or(nan);
+  if (warp == 0) {
+    m = lane < ZR_WARPS ? sh_m[lane] : -ZR_INF;
+    s = lane < ZR_WARPS ? sh_s[lane] : 0.0f;
+    for (int off = 16; off > 0; off >>= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+      const float s2 = __shfl_xor_sync(0xffffffffu, s, off);
+      zr_merge(m, s, m2, s2);
+    }
+    if (lane == 0) {
+      const float lse = nan ? __int_as_float(0x7fc00000) : m + logf(s);
+      sh_lse = lse;
+      loss[row] = c == 0.0f ? 0.0f : lse - sh_target;
+    }
+  }
+  __syncthreads();
+  if (!grad) {
+    return;
+  }
+  const float lse = sh_lse;
+  for (long long j = threadIdx.x; j < v; j += ZR_THREADS) {
+    float d = 0.0f;
+    if (c != 0.0f) {
+      d = (expf(zr_load(x + j) - lse) - (j == t ? 1.0f : 0.0f)) * c;
+    }
+    zr_store(x + j, d);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(ZR_THREADS)
+    zr_ce_rows_f32(float* logits, const long long* targets, const float* coef, float* loss,
+                   long long v, int grad) {
+  zr_ce_rows<float>(logits, targets, coef, loss, v, grad);
+}
+
+extern "C" __global__ void __launch_bounds__(ZR_THREADS)
+    zr_ce_rows_bf16(zr_bf16* logits, const long long* targets, const float* coef, float* loss,
+                    long long v, int grad) {
+  zr_ce_rows<zr_bf16>(logits, targets, coef, loss, v, grad);
+}

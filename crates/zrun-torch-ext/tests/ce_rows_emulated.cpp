@@ -1,0 +1,181 @@
+// Runs src/kernels/ce_rows.cu as plain C++ on the CPU: each CUDA thread of a block is an OS
+// thread, __syncthreads a barrier, a warp shuffle an exchange through memory between two
+// barriers, __shared__ a static shared by the block's threads (blocks run one at a time).
+// Checks each row's loss and the gradient written over the logits against a double
+// precision reference, for fp32 and bf16, and prints "ok" or what is off (the test in
+// fused_loss.rs compiles and runs it).
+
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <math.h>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(n)
+#define __shared__ static
+
+struct Dim {
+  unsigned x = 0, y = 0, z = 0;
+};
+thread_local Dim threadIdx;
+thread_local Dim blockIdx;
+
+inline float __uint_as_float(unsigned u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline unsigned __float_as_uint(float f) {
+  unsigned u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float __int_as_float(int i) {
+  float f;
+  std::memcpy(&f, &i, 4);
+  return f;
+}
+
+
+
+
+constexpr int kThreads = 512;
+std::barrier<>* g_barrier = nullptr;
+std::vector<std::barrier<>*> g_warps;
+float g_lanes[kThreads];
+std::atomic<int> g_or{0};
+
+inline void __syncthreads() { g_barrier->arrive_and_wait(); }
+inline int __syncthreads_or(int p) {
+  if (p) g_or.store(1);
+  g_barrier->arrive_and_wait();
+  const int r = g_or.load();
+  g_barrier->arrive_and_wait();
+  if (threadIdx.x == 0) g_or.store(0);
+  g_barrier->arrive_and_wait();
+  return r;
+}
+// The 32 threads of a warp call it together (full mask, as the kernel's shuffles).
+inline float __shfl_xor_sync(unsigned, float v, int off) {
+  std::barrier<>* warp = g_warps[threadIdx.x / 32];
+  g_lanes[threadIdx.x] = v;
+  warp->arrive_and_wait();
+  const float r = g_lanes[(threadIdx.x & ~31u) | ((threadIdx.x & 31u) ^ unsigned(off))];
+  warp->arrive_and_wait();
+  return r;
+}
+
+#include "../src/kernels/ce_rows.cu"
+
+template <typename F>
+void launch(unsigned rows, F body) {
+  for (unsigned b = 0; b < rows; ++b) {
+    std::barrier<> bar(kThreads);
+    g_barrier = &bar;
+    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    g_warps.clear();
+    for (int w = 0; w < kThreads / 32; ++w) {
+      warps.push_back(std::make_unique<std::barrier<>>(32));
+      g_warps.push_back(warps.back().get());
+    }
+    std::vector<std::thread> threads;
+    for (unsigned t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, b, t] {
+        blockIdx.x = b;
+        threadIdx.x = t;
+        body();
+      });
+    }
+    for (auto& th : threads) th.join();
+  }
+}
+
+float bf16_round(float f) {
+  unsigned short h;
+  zr_store(&h, f);
+  return zr_load(&h);
+}
+
+int main() {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  int bad = 0;
+  for (long long v : {37LL, 1000LL, 5003LL}) {
+    const long long n = 5;
+    std::vector<float> base(n * v);
+    for (auto& x : base) x = normal(rng);
+    base[1 * v + 3] = -INFINITY;  // a -inf logit counts for nothing
+    std::vector<long long> targets = {0, v - 1, v / 2, 1, 2};
+    std::vector<float> coef = {0.25f, 0.5f, 0.0f, 1.0f, 0.125f};
+    for (int bf = 0; bf < 2; ++bf) {
+      std::vector<float> want_loss(n), want_grad(n * v);
+      std::vector<float> f32 = base;
+      std::vector<unsigned short> b16(n * v);
+      for (long long i = 0; i < n * v; ++i) {
+        zr_store(&b16[i], base[i]);
+        if (bf) f32[i] = zr_load(&b16[i]);
+      }
+      for (long long r = 0; r < n; ++r) {
+        double m = -INFINITY, s = 0;
+        for (long long j = 0; j < v; ++j) m = std::fmax(m, f32[r * v + j]);
+        for (long long j = 0; j < v; ++j) s += std::exp(double(f32[r * v + j]) - m);
+        const double lse = m + std::log(s);
+        want_loss[r] = coef[r] == 0 ? 0 : float(lse - f32[r * v + targets[r]]);
+        for (long long j = 0; j < v; ++j) {
+          double d = (std::exp(double(f32[r * v + j]) - lse) - (j == targets[r])) * coef[r];
+          want_grad[r * v + j] = bf ? bf16_round(float(d)) : float(d);
+        }
+      }
+      std::vector<float> loss(n, -1.0f);
+      if (bf) {
+        launch(n, [&] { zr_ce_rows_bf16(b16.data(), targets.data(), coef.data(), loss.data(), v, 1); });
+      } else {
+        launch(n, [&] { zr_ce_rows_f32(f32.data(), targets.data(), coef.data(), loss.data(), v, 1); });
+      }
+      double loss_err = 0, grad_err = 0, grad_top = 0;
+      for (long long r = 0; r < n; ++r) {
+        loss_err = std::fmax(loss_err, std::fabs(loss[r] - want_loss[r]) / std::fmax(1.0, std::fabs(want_loss[r])));
+      }
+      for (long long i = 0; i < n * v; ++i) {
+        const float got = bf ? zr_load(&b16[i]) : f32[i];
+        grad_err = std::fmax(grad_err, std::fabs(got - want_grad[i]));
+        grad_top = std::fmax(grad_top, std::fabs(want_grad[i]));
+      }
+      // fp32: the sums' order; bf16: one rounding apart at most (2^-8 of the largest).
+      const double tol = bf ? grad_top / 128.0 : grad_top * 1e-5;
+      if (!(loss_err <= 1e-5) || !(grad_err <= tol)) {
+        std::printf("v %lld %s: loss off by %g (relative), gradient by %g of %g\n", v,
+                    bf ? "bf16" : "fp32", loss_err, grad_err, grad_top);
+        bad = 1;
+      }
+    }
+  }
+  // NaN in a row: its loss is NaN.
+  {
+    const long long v = 700;
+    std::vector<float> x(v, 0.5f);
+    x[600] = NAN;
+    std::vector<long long> t = {4};
+    std::vector<float> c = {1.0f}, loss = {0.0f};
+    launch(1, [&] { zr_ce_rows_f32(x.data(), t.data(), c.data(), loss.data(), v, 0); });
+    if (!std::isnan(loss[0])) {
+      std::printf("a NaN logit gave loss %g, not NaN\n", loss[0]);
+      bad = 1;
+    }
+    if (x[0] != 0.5f) {
+      std::printf("grad 0 wrote the logits\n");
+      bad = 1;
+    }
+  }
+  if (!bad) std::printf("ok\n");
+  return bad;
+}
