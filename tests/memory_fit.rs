@@ -453,12 +453,13 @@ fn the_estimate_resolves_an_auto_loss_chunk_against_the_gpu_memory() {
         text.contains("train.loss_chunk = \"auto\": the full logits"),
         "{text}"
     );
-    // Between the two: the largest chunk that fits, here 2^26 (bench-cpu's micro-batch is
-    // 8 x 128 x 50304 logits, about 2^25.6).
-    let text = gpu("2GiB");
+    // Between the two: the largest chunk that fits, here 2^25 (bench-cpu's micro-batch is
+    // 8 x 128 x 50304 logits, about 2^25.6; in fp32 a chunk of 2^26 would hold more than
+    // the fused loss on the full logits, which keeps only their gradient).
+    let text = gpu("1800MiB");
     assert!(
         text.contains(
-            "train.loss_chunk = \"auto\": chunks of 67108864 logits, the largest that fits"
+            "train.loss_chunk = \"auto\": chunks of 33554432 logits, the largest that fits"
         ),
         "{text}"
     );
@@ -478,4 +479,47 @@ fn the_estimate_resolves_an_auto_loss_chunk_against_the_gpu_memory() {
     a.extend(vocab);
     let cpu = stdout(&zrun(&a));
     assert!(!cpu.contains("loss_chunk"), "{cpu}");
+}
+
+/// The full logits' loss on a GPU in bf16 or fp32 is the fused one: the estimate's loss
+/// temporaries at the head's backward are the logits' gradient alone in the compute dtype
+/// (n x V x e), where PyTorch's cross-entropy (fp16, CPU ranks, or `ZRUN_FUSED_LOSS=0`) holds
+/// the fp32 log-probabilities, their gradient and the logits' in fp32 and the compute dtype.
+#[test]
+fn the_estimate_counts_the_fused_loss_on_a_gpu() {
+    // bench-cpu: micro-batch 8 x 128 tokens over 50304 vocabulary entries.
+    let (n, v) = (8 * 128, 50304i64);
+    let loss = |prec: &str, device: &str, env: &[(&str, &str)]| -> i64 {
+        let p = format!("zero.precision=\"{prec}\"");
+        let d = format!("dist.device=\"{device}\"");
+        let vocab = format!("model.vocab_size={v}");
+        let args = [
+            "estimate",
+            CONFIG,
+            "--json",
+            "--device-mem",
+            "64GiB",
+            "--set",
+            &p,
+            "--set",
+            &d,
+            "--set",
+            "train.loss_chunk=0",
+            "--set",
+            &vocab,
+        ];
+        let out = common::zrun_child(&args, env).wait_with_output().unwrap();
+        assert!(out.status.success(), "{}", stderr(&out));
+        let j: serde_json::Value =
+            serde_json::from_str(stdout(&out).lines().find(|l| l.starts_with('{')).unwrap())
+                .unwrap();
+        assert_eq!(j["phase"], "backward of unit head", "{j}");
+        j["terms"]["loss_temporaries"].as_i64().unwrap()
+    };
+    assert_eq!(loss("bf16", "cuda", &[]), n * v * 2);
+    assert_eq!(loss("fp32", "cuda", &[]), n * v * 4);
+    // PyTorch's: 4nV kept, 8nV of fp32 gradients and nV x e in the backward.
+    let unfused = n * v * (4 + 8 + 2);
+    assert_eq!(loss("bf16", "cuda", &[("ZRUN_FUSED_LOSS", "0")]), unfused);
+    assert_eq!(loss("fp16", "cuda", &[]), unfused);
 }

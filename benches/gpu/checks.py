@@ -181,6 +181,9 @@ class Checks:
             args += ["--set", s]
         rc, out, secs = self.cmd(args, timeout, env=env)
         run = {"rc": rc, "seconds": round(secs, 1)}
+        warnings = [x for x in out.splitlines() if "WARN" in x]
+        if warnings:
+            run["warnings"] = warnings[-5:]
         if rc != 0:
             run["output"] = out[-3000:]
             # a run cut short still reports the steps it logged
@@ -261,7 +264,9 @@ def interleaved_round(c, i, config, runs, torch_args, sides, errors, skip=5, tim
     sides (eager, torch.compile) with `torch_args`; appends each side's figures to
     `sides[side]`, or its output to `errors[side]`."""
     for side, sets in runs.items():
-        r = c.train(f"{config}-{i}-{side.replace(' ', '_')}", config, 1, sets, timeout=timeout)
+        sets, env = sets if isinstance(sets, tuple) else (sets, None)
+        r = c.train(f"{config}-{i}-{side.replace(' ', '_')}", config, 1, sets, env=env,
+                    timeout=timeout)
         s = steady(r, skip=skip)
         if s is None:
             errors[side] = r.get("output")
@@ -290,7 +295,8 @@ def with_mfu(best, zrun_side):
 def check_speed(c, rounds=3):
     rounds = ROUNDS or rounds
     sides = {"zrun stage 0": [], "zrun stage 3": [], "zrun stage 3 prefetch 0": [],
-             "zrun stage 0 chunked loss": [], "pytorch eager": [], "pytorch compile": []}
+             "zrun stage 0 chunked loss": [], "zrun stage 0 unfused loss": [], "pytorch eager": [],
+             "pytorch compile": []}
     runs = {
         "zrun stage 0": ["zero.stage=0"],
         "zrun stage 3": ["zero.stage=3"],
@@ -298,6 +304,8 @@ def check_speed(c, rounds=3):
         # loss_chunk "auto" (the default) takes the full logits where they fit, as here; the
         # chunked loss's cost beside it.
         "zrun stage 0 chunked loss": ["zero.stage=0", "train.loss_chunk=16777216"],
+        # The full logits through PyTorch's cross_entropy instead of zrun's fused kernel.
+        "zrun stage 0 unfused loss": (["zero.stage=0"], {"ZRUN_FUSED_LOSS": "0"}),
     }
     errors = {}
     for i in range(rounds):
@@ -319,6 +327,12 @@ def check_speed(c, rounds=3):
         out["chunked_over_full_logits"] = {
             "tokens_per_s": chunked["tokens_per_s"] / z0["tokens_per_s"],
             "cuda_allocated_peak": (chunked["cuda_allocated_peak"] or 0) / max(1, z0["cuda_allocated_peak"] or 0),
+        }
+    unfused = best.get("zrun stage 0 unfused loss")
+    if z0 and unfused:
+        out["unfused_over_fused_loss"] = {
+            "tokens_per_s": unfused["tokens_per_s"] / z0["tokens_per_s"],
+            "cuda_allocated_peak": (unfused["cuda_allocated_peak"] or 0) / max(1, z0["cuda_allocated_peak"] or 0),
         }
     out["targets"] = {
         "gpt2-medium >= 160K tokens/s": bool(z0 and z0["tokens_per_s"] >= 160e3),

@@ -69,6 +69,20 @@ impl LossBytes {
         }
     }
 
+    /// For `tokens` positions over a vocabulary of `v`, with logits of `elt` bytes, through
+    /// `zrun_torch_ext::fused_linear_cross_entropy` with its CUDA kernel: the logits are the
+    /// only (N, V) tensor, made by the head's matmul and overwritten by their gradient, kept
+    /// for the backward; the forward holds a few numbers per row beside them (the valid mask,
+    /// the targets with ignored rows zeroed, each row's weight and loss); the backward's two
+    /// matmuls write straight into the gradients.
+    pub fn fused(tokens: i64, v: i64, elt: i64) -> LossBytes {
+        LossBytes {
+            saved: tokens * v * elt,
+            forward_temp: tokens * (1 + 8 + 4 + 4),
+            backward_temp: 0,
+        }
+    }
+
     /// For `tokens` positions over a vocabulary of `v`, with logits of `elt` bytes.
     pub fn new(tokens: i64, v: i64, elt: i64) -> LossBytes {
         let fp32 = 4 * tokens * v;

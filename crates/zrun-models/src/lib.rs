@@ -39,7 +39,10 @@ pub use error::{Error, Result};
 pub use gpt::Gpt;
 pub use hf::HfParam;
 pub use llama::{Llama, LlamaConfig, RopeScaling};
-pub use loss::{linear_lm_loss, lm_loss, IGNORE_INDEX, LOSS_CHUNK};
+pub use loss::{
+    fused_lm_loss, fused_loss_applies, fused_loss_on, linear_lm_loss, lm_loss, IGNORE_INDEX,
+    LOSS_CHUNK,
+};
 pub use param::{Init, ParamSpec};
 pub use unit::{
     forward_model, forward_model_cached, init_model_params, init_unit_params, unit_inputs, KvCache,

@@ -52,6 +52,48 @@ pub fn lm_loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 /// floating dtype. The loss is fp32 (fp64 for fp64 inputs), with an autograd graph to `h`
 /// and `w` in grad mode.
 pub fn linear_lm_loss(h: &Tensor, w: &Tensor, targets: &Tensor, chunk: i64) -> Result<Tensor> {
+    let p = "linear_lm_loss";
+    let (flat, tgt) = flat_rows(h, w, targets)?;
+    zrun_torch_ext::linear_cross_entropy(&flat, w, &tgt, IGNORE_INDEX, chunk).map_err(|source| {
+        Error::Shim {
+            place: p.to_string(),
+            source,
+        }
+    })
+}
+
+/// Mean token cross-entropy of the logits `h @ w^T` against `targets` (B, T), on the full
+/// logits with their gradient made in the forward and written over them
+/// (`zrun_torch_ext::fused_linear_cross_entropy`: one kernel per step on CUDA). `h` (B, T,
+/// C) and `w` (V, C) are bf16 or fp32 ([`fused_loss_applies`]).
+pub fn fused_lm_loss(h: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let p = "fused_lm_loss";
+    let (flat, tgt) = flat_rows(h, w, targets)?;
+    zrun_torch_ext::fused_linear_cross_entropy(&flat, w, &tgt, IGNORE_INDEX).map_err(|source| {
+        Error::Shim {
+            place: p.to_string(),
+            source,
+        }
+    })
+}
+
+/// Whether a head whose input is `x` takes [`fused_lm_loss`] on the full logits: on CUDA, in
+/// bf16 or fp32 (fp16 needs its loss scale before the logits' gradient is rounded), unless
+/// `ZRUN_FUSED_LOSS=0` is set (PyTorch's cross_entropy on fp32 logits then, as on CPU).
+pub fn fused_loss_applies(x: &Tensor) -> bool {
+    fused_loss_on(x.device().is_cuda(), x.kind())
+}
+
+/// [`fused_loss_applies`] for a device and a compute dtype, without a tensor.
+pub fn fused_loss_on(cuda: bool, kind: Kind) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("ZRUN_FUSED_LOSS").is_ok_and(|v| v.trim() == "0"));
+    cuda && matches!(kind, Kind::BFloat16 | Kind::Float) && !off
+}
+
+/// `h` (B, T, C) and `targets` (B, T) as rows (B*T, C) and (B*T), after checking them
+/// against `w` (V, C).
+fn flat_rows(h: &Tensor, w: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
     let (hs, ws, ts) = (h.size(), w.size(), targets.size());
     let bad = |reason: &str| Error::LossInput {
         logits: [hs.first(), hs.get(1), ws.first()]
@@ -77,15 +119,10 @@ pub fn linear_lm_loss(h: &Tensor, w: &Tensor, targets: &Tensor, chunk: i64) -> R
     if hs[..2] != ts[..] {
         return Err(bad("the (B, T) of logits and targets differ"));
     }
-    let p = "linear_lm_loss";
+    let p = "loss rows";
     let flat = h.f_reshape([-1, hs[2]]).ctx(p, "reshape")?; // (B*T, C)
     let tgt = targets.f_reshape([-1]).ctx(p, "reshape")?; // (B*T)
-    zrun_torch_ext::linear_cross_entropy(&flat, w, &tgt, IGNORE_INDEX, chunk).map_err(|source| {
-        Error::Shim {
-            place: p.to_string(),
-            source,
-        }
-    })
+    Ok((flat, tgt))
 }
 
 #[cfg(test)]

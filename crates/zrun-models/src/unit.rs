@@ -59,11 +59,16 @@ pub trait Unit: Send + Sync {
     }
     /// The mean loss of this unit's logits against `targets` (B, T): for a head, with a
     /// positive `chunk`, through [`crate::linear_lm_loss`] (the logits never held whole);
-    /// otherwise [`crate::lm_loss`] of [`Unit::forward`]'s logits.
+    /// with `chunk` 0 where [`crate::fused_loss_applies`] (CUDA, bf16 or fp32) through
+    /// [`crate::fused_lm_loss`]; otherwise [`crate::lm_loss`] of [`Unit::forward`]'s logits.
     fn loss(&self, params: &[Tensor], x: &Tensor, targets: &Tensor, chunk: i64) -> Result<Tensor> {
-        if chunk > 0 {
+        if chunk > 0 || crate::fused_loss_applies(x) {
             if let Some((h, w)) = self.hidden(params, x)? {
-                return crate::linear_lm_loss(&h, &w, targets, chunk);
+                return if chunk > 0 {
+                    crate::linear_lm_loss(&h, &w, targets, chunk)
+                } else {
+                    crate::fused_lm_loss(&h, &w, targets)
+                };
             }
         }
         crate::lm_loss(&self.forward(params, x)?, targets)

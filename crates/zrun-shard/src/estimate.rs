@@ -231,17 +231,26 @@ fn unit_activations(model: &dyn Model, b: i64, t: i64, cfg: &EstimateConfig) -> 
         .iter()
         .map(|u| u.activations(b, t, elt))
         .collect();
-    if let (true, Some(head)) = (cfg.loss_chunk > 0, acts.last_mut()) {
+    if let (true, Some(head)) = (cfg.loss_chunk > 0 || fused_loss(cfg), acts.last_mut()) {
         head.output = 0;
     }
     acts
 }
 
-/// The loss over `tokens` positions: chunked with the head's matmul, or on the full logits.
+/// Whether the full logits' loss is the fused one ([`zrun_models::fused_loss_on`]: CUDA,
+/// bf16 or fp32).
+fn fused_loss(cfg: &EstimateConfig) -> bool {
+    cfg.loss_chunk == 0 && zrun_models::fused_loss_on(cfg.cuda, cfg.precision.kind())
+}
+
+/// The loss over `tokens` positions: chunked with the head's matmul, or on the full logits
+/// (fused on CUDA, PyTorch's cross_entropy elsewhere).
 fn loss_bytes(model: &dyn Model, tokens: i64, cfg: &EstimateConfig) -> LossBytes {
     let (v, elt) = (model.vocab_size(), cfg.precision.bytes());
     if cfg.loss_chunk > 0 {
         LossBytes::chunked(tokens, v, model.d_model(), elt, cfg.loss_chunk)
+    } else if fused_loss(cfg) {
+        LossBytes::fused(tokens, v, elt)
     } else {
         LossBytes::new(tokens, v, elt)
     }
