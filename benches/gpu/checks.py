@@ -407,8 +407,13 @@ def check_llama(c, rounds=2):
         b //= 2
     if b < 1:
         return {"pass": False, "rc": r["rc"], "output": r.get("output")}
-    sides = {"zrun stage 0": [], "zrun stage 3": [], "pytorch eager": [], "pytorch compile": []}
+    sides = {"zrun stage 0": [], "zrun stage 3": [], "zrun stage 0 aten only": [],
+             "pytorch eager": [], "pytorch compile": []}
     runs = {f"zrun stage {st}": [f"zero.stage={st}", f"train.micro_batch={b}"] for st in [0, 3]}
+    # Without zrun's CUDA kernels and fused loss (PyTorch's cross_entropy, ATen's silu and mul):
+    # what they gain.
+    runs["zrun stage 0 aten only"] = (["zero.stage=0", f"train.micro_batch={b}"],
+                                      {"ZRUN_KERNELS": "0", "ZRUN_FUSED_LOSS": "0"})
     torch_args = ["--arch", "llama", "--micro-batch", str(b), "--steps", "12", "--warmup", "4"]
     errors = {}
     for i in range(rounds):
@@ -437,6 +442,12 @@ def check_llama(c, rounds=2):
     pe = best.get("pytorch eager")
     if z0 and pe:
         out["zrun_s0_over_pytorch"] = z0["tokens_per_s"] / pe["tokens_per_s"]
+    z, aten = best.get("zrun stage 0"), best.get("zrun stage 0 aten only")
+    if z and aten:
+        out["aten_only_over_zrun_s0"] = {
+            "tokens_per_s": aten["tokens_per_s"] / z["tokens_per_s"],
+            "cuda_allocated_peak": (aten["cuda_allocated_peak"] or 0) / max(1, z["cuda_allocated_peak"] or 0),
+        }
     out["pass"] = bool(z0 and pc and out["zrun_s0_over_compile"] >= 1.0)
     return out
 

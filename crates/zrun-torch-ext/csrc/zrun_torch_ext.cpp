@@ -29,6 +29,7 @@
 #include "fused_loss.h"
 #include "linear_loss.h"
 #include "rms_norm.h"
+#include "swiglu.h"
 
 #include <atomic>
 #include <cstdint>
@@ -664,6 +665,36 @@ int zrun_ext_ce_rows(const at::Tensor* logits, const at::Tensor* targets, const 
 
 // Registers the CUDA kernel behind zrun::ce_rows (nullptr: none); cannot fail.
 void zrun_ext_set_ce_rows_kernel(zrun::CeRowsKernel kernel) { zrun::set_ce_rows_kernel(kernel); }
+
+// zrun::swiglu (raw: zrun::swiglu_raw, with `g` null for the forward; *out1 only with `g`)
+// after checking its inputs (see swiglu.h).
+int zrun_ext_swiglu(const at::Tensor* a, const at::Tensor* b, const at::Tensor* g, int raw,
+                    int force_aten, at::Tensor** out0, at::Tensor** out1, char** err) {
+  return guard(err, [&] {
+    if (!a->defined() || !b->defined() || (g != nullptr && !g->defined())) {
+      return refuse(err, "an input is undefined");
+    }
+    if (a->sizes() != b->sizes() || !a->is_floating_point() ||
+        a->scalar_type() != b->scalar_type() || a->device() != b->device() ||
+        (g != nullptr && (g->sizes() != a->sizes() || g->scalar_type() != a->scalar_type() ||
+                          g->device() != a->device()))) {
+      return refuse(err, "gate and up (and the gradient) must be floating point of one shape, dtype and device");
+    }
+    if (!raw) {
+      *out0 = new at::Tensor(zrun::swiglu(*a, *b));
+      return ZR_OK;
+    }
+    auto r = zrun::swiglu_raw(*a, *b, g, force_aten != 0);
+    *out0 = new at::Tensor(r[0]);
+    if (g != nullptr) {
+      *out1 = new at::Tensor(r[1]);
+    }
+    return ZR_OK;
+  });
+}
+
+// Registers the CUDA kernel behind zrun::swiglu (nullptr: none); cannot fail.
+void zrun_ext_set_swiglu_kernel(zrun::SwigluKernel kernel) { zrun::set_swiglu_kernel(kernel); }
 
 // zrun::rms_norm after checking its inputs (see rms_norm.h).
 int zrun_ext_rms_norm(const at::Tensor* x, const at::Tensor* w, double eps, at::Tensor** out,

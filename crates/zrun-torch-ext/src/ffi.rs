@@ -153,6 +153,17 @@ extern "C" {
         err: *mut *mut c_char,
     ) -> c_int;
     fn zrun_ext_set_ce_rows_kernel(kernel: Option<CeRowsKernel>);
+    pub(crate) fn zrun_ext_swiglu(
+        a: *const c_void,
+        b: *const c_void,
+        g: *const c_void,
+        raw: c_int,
+        force_aten: c_int,
+        out0: *mut *mut c_void,
+        out1: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    fn zrun_ext_set_swiglu_kernel(kernel: Option<SwigluKernel>);
     pub(crate) fn zrun_ext_cpu_alloc_install(limit: u64, err: *mut *mut c_char) -> c_int;
     pub(crate) fn zrun_ext_cpu_alloc_stats(out: *mut i64) -> c_int;
     pub(crate) fn zrun_ext_cpu_alloc_reset_peak();
@@ -188,6 +199,35 @@ pub(crate) fn set_ce_rows_kernel(kernel: Option<CeRowsKernel>) -> Option<CeRowsK
 }
 
 static CE_ROWS_KERNEL: std::sync::Mutex<Option<CeRowsKernel>> = std::sync::Mutex::new(None);
+
+/// The shim's `zrun::SwigluKernel` (csrc/swiglu.h).
+pub(crate) type SwigluKernel = extern "C" fn(
+    c_int,
+    c_int,
+    c_int,
+    *const c_void,
+    *const c_void,
+    *const c_void,
+    *mut c_void,
+    *mut c_void,
+    i64,
+    *mut c_void,
+    *mut *mut c_char,
+) -> c_int;
+
+/// Registers `kernel` behind the shim's `swiglu` (`None`: ATen's ops); returns the one it
+/// replaces.
+pub(crate) fn set_swiglu_kernel(kernel: Option<SwigluKernel>) -> Option<SwigluKernel> {
+    let previous = SWIGLU_KERNEL
+        .lock()
+        .map(|mut k| std::mem::replace(&mut *k, kernel))
+        .unwrap_or(None);
+    // SAFETY: as in `set_ce_rows_kernel`.
+    unsafe { zrun_ext_set_swiglu_kernel(kernel) };
+    previous
+}
+
+static SWIGLU_KERNEL: std::sync::Mutex<Option<SwigluKernel>> = std::sync::Mutex::new(None);
 
 /// Turns a shim status and its message into a `Result`, freeing the message.
 ///

@@ -19,6 +19,8 @@
 //!   them in the forward, through zrun's own CUDA kernel ([`kernels`], compiled with NVRTC);
 //! - [`rms_norm`]: RMSNorm as one autograd node, fused on CUDA, keeping only its input and
 //!   an rstd per row on every device;
+//! - [`swiglu`]: SwiGLU's product as one autograd node keeping only its two inputs, one
+//!   kernel pass each way on CUDA;
 //! - [`count_allocations`]: libtorch's allocations made by a piece of code (tests that check
 //!   a path allocates nothing);
 //! - [`profiler_start`] / [`profiler_stop`]: libtorch's profiler around part of a run, written
@@ -39,6 +41,7 @@ mod optim;
 mod profile;
 pub mod rng;
 mod storage;
+mod swiglu;
 
 pub use autograd::grad;
 pub use count::{count_allocations, Allocations};
@@ -56,3 +59,4 @@ pub use norm::rms_norm;
 pub use optim::{fused_adam, sum_of_squares, AdamStep};
 pub use profile::{profiler_start, profiler_stop};
 pub use storage::{resize_storage, storage_nbytes};
+pub use swiglu::{swiglu, swiglu_raw};

@@ -153,19 +153,19 @@ fn ce_rows_gives_each_rows_loss_and_writes_its_gradient() {
     assert!(y.equal(&logits));
 }
 
-/// The kernel's source builds for Hopper and Ampere with the NVRTC torch's wheel ships, and
-/// the PTX holds both entry points: what `kernels::install` loads on a GPU.
+/// The kernels' source builds for Hopper and Ampere with the NVRTC torch's wheel ships, and
+/// the PTX holds every entry point: what `kernels::install` loads on a GPU.
 #[test]
-fn the_cuda_kernel_compiles_with_nvrtc() {
+fn the_cuda_kernels_compile_with_nvrtc() {
     for (major, minor) in [(9, 0), (8, 0)] {
-        let ptx = kernels::compile_ce_rows(major, minor)
-            .unwrap_or_else(|e| panic!("sm_{major}{minor}: {e}"));
+        let ptx =
+            kernels::compile(major, minor).unwrap_or_else(|e| panic!("sm_{major}{minor}: {e}"));
         assert!(
             ptx.contains(&format!(".target sm_{major}{minor}")),
             "{}",
             &ptx[..400.min(ptx.len())]
         );
-        for entry in ["zr_ce_rows_f32", "zr_ce_rows_bf16"] {
+        for entry in kernels::ENTRIES {
             assert!(
                 ptx.contains(&format!(".entry {entry}")),
                 "no {entry} in the PTX"
@@ -174,15 +174,16 @@ fn the_cuda_kernel_compiles_with_nvrtc() {
     }
 }
 
-/// The kernel's logic without a GPU: tests/ce_rows_emulated.cpp compiles ce_rows.cu as C++
-/// with each CUDA thread an OS thread (barriers for __syncthreads and the warp shuffles) and
-/// checks its losses and written gradients against a double precision reference, fp32 and
-/// bf16, rows shorter and longer than the block, a -inf logit, a NaN row, a zero weight.
+/// The kernels' logic without a GPU: tests/kernels_emulated.cpp compiles the .cu files as
+/// C++ with each CUDA thread an OS thread (barriers for __syncthreads and the warp shuffles)
+/// and checks them against a double precision reference, fp32 and bf16: ce_rows' losses and
+/// written gradients (rows shorter and longer than the block, a -inf logit, a NaN row, a zero
+/// weight), swiglu's forward and gradients over several blocks and a grid-stride.
 #[test]
-fn the_cuda_kernel_computes_the_rows_when_emulated_on_the_cpu() {
+fn the_cuda_kernels_compute_their_results_when_emulated_on_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
-    let exe = dir.path().join("ce_rows_emulated");
-    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/ce_rows_emulated.cpp");
+    let exe = dir.path().join("kernels_emulated");
+    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/kernels_emulated.cpp");
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
     let built = std::process::Command::new(&cxx)
         .args(["-std=c++20", "-O1", "-pthread", "-o"])

@@ -7,6 +7,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod hf;
+pub mod kernels;
 pub mod loss_chunk;
 pub mod memory;
 pub mod metrics;

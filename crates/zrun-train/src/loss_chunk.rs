@@ -89,44 +89,6 @@ pub fn resolve_loss_chunk(
     ))
 }
 
-/// On a GPU with the full logits (`loss_chunk` 0) in bf16 or fp32: compiles, checks and
-/// registers the fused loss's CUDA kernel (`zrun_torch_ext::kernels`). Rank 0 logs which
-/// loss runs; every rank warns when the kernel could not be installed, and its rows then run
-/// through ATen's ops (the same arithmetic, slower; fp32 blocks of 2^24 logits beside the
-/// logits, which the estimate does not count).
-pub fn install_loss_kernel(cfg: &Config, device: tch::Device, rank: usize) {
-    let tch::Device::Cuda(index) = device else {
-        return;
-    };
-    if cfg.train.loss_chunk() != 0 {
-        return;
-    }
-    if !zrun_models::fused_loss_on(true, cfg.zero.precision.kind()) {
-        if rank == 0 {
-            tracing::info!(
-                "loss: PyTorch's cross_entropy on the full fp32 logits ({})",
-                if cfg.zero.precision.kind() == tch::Kind::Half {
-                    "fp16 compute"
-                } else {
-                    "ZRUN_FUSED_LOSS=0"
-                }
-            );
-        }
-        return;
-    }
-    let t0 = std::time::Instant::now();
-    match zrun_torch_ext::kernels::install(index) {
-        Ok(()) if rank == 0 => tracing::info!(
-            "loss: fused on the full logits, the logits' gradient made in the forward (zrun's CUDA kernel, compiled and checked against ATen in {:.2} s; ZRUN_FUSED_LOSS=0 turns it off)",
-            t0.elapsed().as_secs_f64()
-        ),
-        Ok(()) => {}
-        Err(e) => tracing::warn!(
-            "rank {rank}: the fused loss's CUDA kernel is not installed ({e}); its rows run through ATen's ops instead (slower)"
-        ),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -169,7 +169,7 @@ impl Run {
         if let (0, Some(why)) = (rank.rank, why) {
             tracing::info!("{why}");
         }
-        crate::loss_chunk::install_loss_kernel(cfg, device, rank.rank);
+        crate::kernels::install(cfg, device, rank.rank);
         if let Some(l) = crate::memory::apply_memory_limit(cfg, device, base_rss)? {
             if rank.rank == 0 {
                 tracing::info!(

@@ -412,9 +412,9 @@ fn activations_scale_with_tokens_and_follow_the_dtype() {
     assert_eq!(a2.output, 2 * a1.output);
     // Per token in bf16, C 2048, q 2048, kv 512, F 8192: the second norm's input 2C, 8 rstd,
     // normalised activations 2 * 2C, q and out 2 * 2q, k and v 2 * 2kv, logsumexp 32 * 4,
-    // MLP 4 * 2F.
+    // MLP 3 * 2F (gate, up and their SwiGLU product).
     let per_token =
-        2 * 2048 + 8 + 2 * 2 * 2048 + 2 * 2 * 2048 + 2 * 2 * 512 + 32 * 4 + 4 * 2 * 8192;
+        2 * 2048 + 8 + 2 * 2 * 2048 + 2 * 2 * 2048 + 2 * 2 * 512 + 32 * 4 + 3 * 2 * 8192;
     assert_eq!(a1.saved, 512 * per_token + rope);
     // fp32: twice the bytes, but for rstd, logsumexp and cos/sin.
     let f = block.activations(1, 512, 4);

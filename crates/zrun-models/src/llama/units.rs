@@ -246,15 +246,16 @@ impl Block {
     fn mlp(&self, x: &Tensor, [ln, wg, wu, wd]: [&Tensor; 4]) -> Result<Tensor> {
         let u = self.name.as_str();
         let h = rms_norm(u, x, ln, self.d.eps)?; // (B, T, C)
-        let a = {
-            let gate = h.f_linear(wg, None::<Tensor>).ctx(u, "linear(gate_proj)")?; // (B, T, F)
-            gate.f_silu().ctx(u, "silu")?
-        };
-        let m = {
-            let up = h.f_linear(wu, None::<Tensor>).ctx(u, "linear(up_proj)")?; // (B, T, F)
-            a.f_mul(&up).ctx(u, "mul(gate, up)")?
-        };
-        drop((a, h));
+        let gate = h.f_linear(wg, None::<Tensor>).ctx(u, "linear(gate_proj)")?; // (B, T, F)
+        let up = h.f_linear(wu, None::<Tensor>).ctx(u, "linear(up_proj)")?; // (B, T, F)
+        drop(h);
+        // silu(gate) * up as one node keeping gate and up only (silu is recomputed in the
+        // backward; one kernel each way on CUDA).
+        let m = zrun_torch_ext::swiglu(&gate, &up).map_err(|source| Error::Shim {
+            place: format!("{u}: swiglu"),
+            source,
+        })?;
+        drop((gate, up));
         m.f_linear(wd, None::<Tensor>).ctx(u, "linear(down_proj)") // (B, T, C)
     }
 }
@@ -309,8 +310,7 @@ impl Unit for Block {
     /// the normalised activations feeding q/k/v and gate/up (C each); attention's rotated q,
     /// rotated k and v (kv = n_kv_head hd each: SDPA groups the heads itself, and the rotary
     /// products keep only cos and sin), its output q and fp32 logsumexp (one per head); the
-    /// MLP's gate,
-    /// silu(gate), up and their product (F each). Besides, cos and sin (T, hd) for the whole
+    /// MLP's gate, up and silu(gate) x up (F each; SwiGLU's node recomputes silu(gate)). Besides, cos and sin (T, hd) for the whole
     /// micro-batch. The forward's peak temporary is the rotary work on q (the projection and
     /// three products, 4q) or, off CUDA, a norm's fp32 work (its square and, with 16-bit
     /// activations, the fp32 copy of its input); the backward's the MLP's three F-wide
@@ -331,7 +331,7 @@ impl Unit for Block {
         let n = b * t;
         let (q, kv) = (n_head * head_dim, n_kv_head * head_dim);
         let attention = (2 * q + 2 * kv) * elt;
-        let saved = n * (c * elt + 2 * 4 + 2 * c * elt + attention + n_head * 4 + 4 * f * elt)
+        let saved = n * (c * elt + 2 * 4 + 2 * c * elt + attention + n_head * 4 + 3 * f * elt)
             + 2 * t * head_dim * elt;
         // A norm's fp32 work off CUDA: its square, and the fp32 copy of a 16-bit input; in
         // the backward the normalised input, the weighted gradient and a product (and the

@@ -1,5 +1,5 @@
 // Softmax cross-entropy per row of the logits, and its gradient written over them
-// (csrc/fused_loss.h, ce_rows). Compiled at run time with NVRTC; needs no header.
+// (csrc/fused_loss.h, ce_rows). Compiled at run time with NVRTC after common.cuh.
 //
 // One block per row. Pass 1 reads the row once, each thread keeping a running maximum and
 // the sum of exponentials below it (online softmax), merged across the block; the row's
@@ -8,27 +8,8 @@
 // logit is read before any thread writes. NaN anywhere in a row makes its loss NaN (as
 // ATen's); a row whose coef is 0 gets loss 0 and a zero gradient.
 
-typedef unsigned short zr_bf16;
-
 #define ZR_THREADS 512
 #define ZR_WARPS (ZR_THREADS / 32)
-#define ZR_INF __int_as_float(0x7f800000)
-
-__device__ __forceinline__ float zr_load(const float* p) { return *p; }
-__device__ __forceinline__ float zr_load(const zr_bf16* p) {
-  return __uint_as_float(((unsigned int)(*p)) << 16);
-}
-__device__ __forceinline__ void zr_store(float* p, float f) { *p = f; }
-// Round to nearest even, as c10::BFloat16; NaN becomes 0x7fc0.
-__device__ __forceinline__ void zr_store(zr_bf16* p, float f) {
-  unsigned int u = __float_as_uint(f);
-  if (f != f) {
-    *p = (zr_bf16)0x7fc0u;
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *p = (zr_bf16)(u >> 16);
-}
 
 // (m, s): the largest value seen and the sum of exp(x - m) over the values seen; m = -inf
 // with s = 0 for none.

@@ -5,6 +5,8 @@
 //! - `ce_rows` (ce_rows.cu): each row's softmax cross-entropy and its gradient written over
 //!   the logits, behind [`crate::fused_linear_cross_entropy`]. Without it the same
 //!   arithmetic runs through ATen's ops (fp32 temporaries a block of rows at a time).
+//! - `swiglu` (swiglu.cu): SwiGLU's product and both its gradients in one pass each, behind
+//!   [`crate::swiglu`] (ATen's silu and mul otherwise).
 //!
 //! [`install`] compiles the kernels for one device, loads them, registers them with the shim
 //! and checks them against ATen's path on that device before any training step uses them; a
@@ -16,15 +18,35 @@ use cudarc::driver::{result as cu, sys as cusys};
 use cudarc::nvrtc;
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::sync::Mutex;
-use tch::{Device, Kind, Tensor};
+use tch::Device;
 
-/// The source of the `ce_rows` kernels (one for fp32 logits, one for bf16).
-pub const CE_ROWS_SOURCE: &str = include_str!("ce_rows.cu");
+mod check;
+
+/// The source of every kernel, one NVRTC program: the shared helpers, then `ce_rows` and
+/// `swiglu` (an fp32 and a bf16 entry point each).
+pub const SOURCE: &str = concat!(
+    include_str!("common.cuh"),
+    include_str!("ce_rows.cu"),
+    include_str!("swiglu.cu")
+);
+
+/// The program's entry points, as `Loaded::functions` holds them.
+pub const ENTRIES: [&str; 6] = [
+    "zr_ce_rows_f32",
+    "zr_ce_rows_bf16",
+    "zr_swiglu_fwd_f32",
+    "zr_swiglu_fwd_bf16",
+    "zr_swiglu_bwd_f32",
+    "zr_swiglu_bwd_bf16",
+];
+
+/// Threads per block of the elementwise kernels (swiglu.cu's `ZR_EW_THREADS`).
+const EW_THREADS: u32 = 256;
 
 /// Threads per block of `ce_rows` (its `ZR_THREADS`).
 const CE_ROWS_THREADS: u32 = 512;
 
-fn fail(op: &str, reason: impl std::fmt::Display) -> Error {
+pub(crate) fn fail(op: &str, reason: impl std::fmt::Display) -> Error {
     Error::Refused {
         op: op.to_string(),
         reason: reason.to_string(),
@@ -87,32 +109,40 @@ fn find_nvrtc() -> Result<(), Error> {
     Err(fail(
         "load libnvrtc",
         format!(
-            "NVRTC (libnvrtc.so.13, from the nvidia-cuda-nvrtc wheel torch depends on) was not found on the library path or beside torch (tried: {}); add its folder to LD_LIBRARY_PATH, or set ZRUN_FUSED_LOSS=0",
+            "NVRTC (libnvrtc.so.13, from the nvidia-cuda-nvrtc wheel torch depends on) was not found on the library path or beside torch (tried: {}); add its folder to LD_LIBRARY_PATH, or set ZRUN_KERNELS=0 to run without zrun's kernels",
             if tried.is_empty() { "nothing".to_string() } else { tried.join(", ") }
         ),
     ))
 }
 
-/// PTX of [`CE_ROWS_SOURCE`] for compute capability `major.minor` (from 7.5 on).
-pub fn compile_ce_rows(major: i32, minor: i32) -> Result<String, Error> {
+/// PTX of [`SOURCE`] for compute capability `major.minor` (from 7.5 on).
+pub fn compile(major: i32, minor: i32) -> Result<String, Error> {
     find_nvrtc()?;
     let arch = format!("--gpu-architecture=compute_{major}{minor}");
     let opts = nvrtc::CompileOptions {
         options: vec![arch, "--std=c++17".to_string()],
-        name: Some("ce_rows.cu".to_string()),
+        name: Some("zrun_kernels.cu".to_string()),
         ..Default::default()
     };
-    nvrtc::compile_ptx_with_opts(CE_ROWS_SOURCE, opts)
+    nvrtc::compile_ptx_with_opts(SOURCE, opts)
         .map(|ptx| ptx.to_src())
-        .map_err(|e| fail("compile ce_rows.cu with NVRTC", format!("{e:?}")))
+        .map_err(|e| fail("compile zrun's kernels with NVRTC", format!("{e:?}")))
 }
 
 /// The kernels loaded into one device's primary context.
 struct Loaded {
     device: i32,
     ctx: usize,
-    f32: usize,
-    bf16: usize,
+    /// The functions of [`ENTRIES`], in order.
+    functions: [usize; 6],
+}
+
+impl Loaded {
+    /// The function of entry `name` (one of [`ENTRIES`]).
+    fn function(&self, name: &str) -> cusys::CUfunction {
+        let i = ENTRIES.iter().position(|e| *e == name).unwrap_or(0);
+        self.functions[i] as cusys::CUfunction
+    }
 }
 
 static LOADED: Mutex<Vec<Loaded>> = Mutex::new(Vec::new());
@@ -149,8 +179,8 @@ fn load(device: i32) -> Result<Loaded, Error> {
         major.map_err(|e| driver("cuDeviceGetAttribute", e))?,
         minor.map_err(|e| driver("cuDeviceGetAttribute", e))?,
     );
-    let ptx = compile_ce_rows(major, minor)?;
-    let image = CString::new(ptx).map_err(|e| fail("load ce_rows", e))?;
+    let ptx = compile(major, minor)?;
+    let image = CString::new(ptx).map_err(|e| fail("load zrun's kernels", e))?;
     // SAFETY: `dev` is valid; the primary context is retained for the process (never
     // released), made current before loading, and the image is NUL-terminated PTX.
     unsafe {
@@ -158,18 +188,18 @@ fn load(device: i32) -> Result<Loaded, Error> {
             cu::primary_ctx::retain(dev).map_err(|e| driver("cuDevicePrimaryCtxRetain", e))?;
         cu::ctx::set_current(ctx).map_err(|e| driver("cuCtxSetCurrent", e))?;
         let module = cu::module::load_data(image.as_ptr().cast())
-            .map_err(|e| driver("cuModuleLoadData(ce_rows)", e))?;
-        let f32 =
-            cu::module::get_function(module, CString::new("zr_ce_rows_f32").unwrap_or_default())
-                .map_err(|e| driver("cuModuleGetFunction(zr_ce_rows_f32)", e))?;
-        let bf16 =
-            cu::module::get_function(module, CString::new("zr_ce_rows_bf16").unwrap_or_default())
-                .map_err(|e| driver("cuModuleGetFunction(zr_ce_rows_bf16)", e))?;
+            .map_err(|e| driver("cuModuleLoadData(zrun's kernels)", e))?;
+        let mut functions = [0usize; 6];
+        for (f, name) in functions.iter_mut().zip(ENTRIES) {
+            let c = CString::new(name).map_err(|e| fail("load zrun's kernels", e))?;
+            *f = cu::module::get_function(module, c)
+                .map_err(|e| driver(&format!("cuModuleGetFunction({name})"), e))?
+                as usize;
+        }
         Ok(Loaded {
             device,
             ctx: ctx as usize,
-            f32: f32 as usize,
-            bf16: bf16 as usize,
+            functions,
         })
     }
 }
@@ -182,6 +212,51 @@ fn report(err: *mut *mut c_char, msg: &str) -> c_int {
         unsafe { *err = libc::strdup(c.as_ptr()) };
     }
     1
+}
+
+/// Launches entry `name` on `device`'s loaded program with `params` (pointers to the
+/// kernel's arguments) on `stream`; `what` names the launch in an error.
+fn launch(
+    device: c_int,
+    name: &str,
+    grid: u32,
+    block: u32,
+    stream: *mut c_void,
+    params: &mut [*mut c_void],
+    what: impl FnOnce() -> String,
+) -> Result<(), String> {
+    let loaded = LOADED
+        .lock()
+        .map_err(|_| "the kernel table is poisoned".to_string())?;
+    let k = loaded
+        .iter()
+        .find(|k| k.device == device)
+        .ok_or_else(|| format!("no kernels were loaded for cuda:{device}"))?;
+    // SAFETY: the context and function are the loaded ones of this device; `params` point at
+    // the caller's locals of the kernel's argument types, which cuLaunchKernel copies before
+    // returning; the shim checked shapes and dtypes.
+    unsafe {
+        cu::ctx::set_current(k.ctx as cusys::CUcontext)
+            .map_err(|e| format!("cuCtxSetCurrent: {e:?}"))?;
+        cu::launch_kernel(
+            k.function(name),
+            (grid, 1, 1),
+            (block, 1, 1),
+            0,
+            stream as cusys::CUstream,
+            params,
+        )
+        .map_err(|e| format!("cuLaunchKernel({}): {e:?}", what()))
+    }
+}
+
+/// Turns a launch's result into the shim's status and message.
+fn status(run: impl FnOnce() -> Result<(), String>, err: *mut *mut c_char) -> c_int {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
+        Ok(Ok(())) => 0,
+        Ok(Err(msg)) => report(err, &msg),
+        Err(_) => report(err, "the launch panicked"),
+    }
 }
 
 /// The shim's `CeRowsKernel`: launches `ce_rows` for `n` rows of `v` logits on `stream`.
@@ -199,16 +274,13 @@ extern "C" fn launch_ce_rows(
     err: *mut *mut c_char,
 ) -> c_int {
     let run = || -> Result<(), String> {
-        let loaded = LOADED
-            .lock()
-            .map_err(|_| "the kernel table is poisoned".to_string())?;
-        let k = loaded
-            .iter()
-            .find(|k| k.device == device)
-            .ok_or_else(|| format!("no kernels were loaded for cuda:{device}"))?;
         let rows =
             u32::try_from(n).map_err(|_| format!("{n} rows are more than one launch takes"))?;
-        let f = if dtype == 1 { k.bf16 } else { k.f32 } as cusys::CUfunction;
+        let name = if dtype == 1 {
+            "zr_ce_rows_bf16"
+        } else {
+            "zr_ce_rows_f32"
+        };
         let (mut logits, mut targets, mut coef, mut loss, mut v, mut grad) =
             (logits, targets, coef, loss, v, grad);
         let mut params: [*mut c_void; 6] = [
@@ -219,34 +291,86 @@ extern "C" fn launch_ce_rows(
             (&raw mut v).cast(),
             (&raw mut grad).cast(),
         ];
-        // SAFETY: the context and function are the loaded ones of this device; the params
-        // point at locals of the kernel's argument types (pointers, long long, int), which
-        // cuLaunchKernel copies before returning; the shim checked shapes and dtypes.
-        unsafe {
-            cu::ctx::set_current(k.ctx as cusys::CUcontext)
-                .map_err(|e| format!("cuCtxSetCurrent: {e:?}"))?;
-            cu::launch_kernel(
-                f,
-                (rows, 1, 1),
-                (CE_ROWS_THREADS, 1, 1),
-                0,
-                stream as cusys::CUstream,
-                &mut params,
-            )
-            .map_err(|e| format!("cuLaunchKernel(ce_rows, {n} x {v}): {e:?}"))
-        }
+        launch(
+            device,
+            name,
+            rows,
+            CE_ROWS_THREADS,
+            stream,
+            &mut params,
+            || format!("{name}, {n} x {v}"),
+        )
     };
-    match std::panic::catch_unwind(run) {
-        Ok(Ok(())) => 0,
-        Ok(Err(msg)) => report(err, &msg),
-        Err(_) => report(err, "the launch panicked"),
-    }
+    status(run, err)
 }
 
-/// Compiles and loads the kernels for CUDA device `device`, checks them there against
-/// ATen's path (bf16 and fp32, ignored rows, targets at both ends, rows longer and shorter
-/// than a block) and registers them for every later [`crate::fused_linear_cross_entropy`].
-/// Idempotent per device. On error nothing new is registered.
+/// The shim's `SwigluKernel`: SwiGLU's forward (`out0`) or backward (`out0` = d(a), `out1` =
+/// d(b) from `g`) over `n` contiguous values on `stream`.
+extern "C" fn launch_swiglu(
+    device: c_int,
+    dtype: c_int,
+    backward: c_int,
+    a: *const c_void,
+    b: *const c_void,
+    g: *const c_void,
+    out0: *mut c_void,
+    out1: *mut c_void,
+    n: i64,
+    stream: *mut c_void,
+    err: *mut *mut c_char,
+) -> c_int {
+    let run = || -> Result<(), String> {
+        // Enough blocks to fill any GPU; the kernel strides over the rest.
+        let blocks = u32::try_from(
+            ((n + i64::from(EW_THREADS) - 1) / i64::from(EW_THREADS)).clamp(1, 16_384),
+        )
+        .map_err(|e| e.to_string())?;
+        let (mut a, mut b, mut g, mut out0, mut out1, mut n) = (a, b, g, out0, out1, n);
+        let (name, mut params): (&str, Vec<*mut c_void>) = if backward != 0 {
+            let name = if dtype == 1 {
+                "zr_swiglu_bwd_bf16"
+            } else {
+                "zr_swiglu_bwd_f32"
+            };
+            let p = vec![
+                (&raw mut a).cast(),
+                (&raw mut b).cast(),
+                (&raw mut g).cast(),
+                (&raw mut out0).cast(),
+                (&raw mut out1).cast(),
+                (&raw mut n).cast(),
+            ];
+            (name, p)
+        } else {
+            let name = if dtype == 1 {
+                "zr_swiglu_fwd_bf16"
+            } else {
+                "zr_swiglu_fwd_f32"
+            };
+            let p = vec![
+                (&raw mut a).cast(),
+                (&raw mut b).cast(),
+                (&raw mut out0).cast(),
+                (&raw mut n).cast(),
+            ];
+            (name, p)
+        };
+        launch(
+            device,
+            name,
+            blocks,
+            EW_THREADS,
+            stream,
+            &mut params,
+            || format!("{name}, {n} values"),
+        )
+    };
+    status(run, err)
+}
+
+/// Compiles and loads the kernels for CUDA device `device`, checks each there against ATen's
+/// path ([`check`]) and registers them for every later [`crate::fused_linear_cross_entropy`]
+/// and [`crate::swiglu`]. Idempotent per device. On error nothing new is registered.
 pub fn install(device: usize) -> Result<(), Error> {
     let index = i32::try_from(device).map_err(|e| fail("install kernels", e))?;
     {
@@ -258,55 +382,20 @@ pub fn install(device: usize) -> Result<(), Error> {
             loaded.push(k);
         }
     }
-    let previous = crate::ffi::set_ce_rows_kernel(Some(launch_ce_rows));
-    if let Err(e) = self_check(Device::Cuda(device)) {
-        crate::ffi::set_ce_rows_kernel(previous);
+    let ce = crate::ffi::set_ce_rows_kernel(Some(launch_ce_rows));
+    let sw = crate::ffi::set_swiglu_kernel(Some(launch_swiglu));
+    let checked =
+        check::ce_rows(Device::Cuda(device)).and_then(|()| check::swiglu(Device::Cuda(device)));
+    if let Err(e) = checked {
+        crate::ffi::set_ce_rows_kernel(ce);
+        crate::ffi::set_swiglu_kernel(sw);
         return Err(e);
     }
     Ok(())
 }
 
-/// Removes the registered kernel (ATen's path from then on).
+/// Removes the registered kernels (ATen's ops from then on).
 pub fn uninstall() {
     crate::ffi::set_ce_rows_kernel(None);
-}
-
-/// The kernel's rows against ATen's on `device`: losses within 1e-5 relative, gradients
-/// within one rounding of the logits' dtype.
-fn self_check(device: Device) -> Result<(), Error> {
-    let _guard = tch::no_grad_guard();
-    for (kind, tol) in [(Kind::Float, 1e-6), (Kind::BFloat16, 1.0 / 128.0)] {
-        for (n, v) in [(5i64, 37i64), (7, 1000), (3, 50_257)] {
-            let op = || format!("check ce_rows on {device:?} ({kind:?}, {n} x {v})");
-            let opts = (Kind::Float, device);
-            let logits =
-                (Tensor::f_randn([n, v], opts).map_err(|e| fail(&op(), e))? * 3.0).to_kind(kind);
-            let targets = Tensor::from_slice(&[0i64, v - 1, 1, v / 2, 2, 3, 4][..n as usize])
-                .to_device(device);
-            let coef = Tensor::from_slice(&[0.25f32, 0.0, 0.5, 0.125, 0.0, 1.0, 2.0][..n as usize])
-                .to_device(device);
-            let (a, b) = (logits.copy(), logits.copy());
-            let got = crate::loss::ce_rows(&a, &targets, &coef, true, false)?;
-            let want = crate::loss::ce_rows(&b, &targets, &coef, true, true)?;
-            let loss_err = (&got - &want).abs().max().double_value(&[]);
-            let loss_top = want.abs().max().double_value(&[]).max(1.0);
-            let grad_err = (a.to_kind(Kind::Float) - b.to_kind(Kind::Float))
-                .abs()
-                .max()
-                .double_value(&[]);
-            let grad_top = b
-                .to_kind(Kind::Float)
-                .abs()
-                .max()
-                .double_value(&[])
-                .max(f64::MIN_POSITIVE);
-            if !(loss_err <= 1e-5 * loss_top && grad_err <= tol * grad_top) {
-                return Err(fail(
-                    &op(),
-                    format!("the kernel disagrees with ATen: losses off by {loss_err:e} (of {loss_top:e}), gradients by {grad_err:e} (of {grad_top:e}); set ZRUN_FUSED_LOSS=0 to run without it"),
-                ));
-            }
-        }
-    }
-    Ok(())
+    crate::ffi::set_swiglu_kernel(None);
 }

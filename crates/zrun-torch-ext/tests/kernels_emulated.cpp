@@ -1,9 +1,9 @@
-// Runs src/kernels/ce_rows.cu as plain C++ on the CPU: each CUDA thread of a block is an OS
+// Runs src/kernels/*.cu as plain C++ on the CPU: each CUDA thread of a block is an OS
 // thread, __syncthreads a barrier, a warp shuffle an exchange through memory between two
 // barriers, __shared__ a static shared by the block's threads (blocks run one at a time).
-// Checks each row's loss and the gradient written over the logits against a double
-// precision reference, for fp32 and bf16, and prints "ok" or what is off (the test in
-// fused_loss.rs compiles and runs it).
+// Checks ce_rows' losses and the gradient it writes over the logits, and swiglu's forward
+// and gradients, against double precision references, for fp32 and bf16, and prints "ok" or
+// what is off (the test in fused_loss.rs compiles and runs it).
 
 #include <atomic>
 #include <barrier>
@@ -28,6 +28,7 @@ struct Dim {
 };
 thread_local Dim threadIdx;
 thread_local Dim blockIdx;
+Dim gridDim;
 
 inline float __uint_as_float(unsigned u) {
   float f;
@@ -74,21 +75,24 @@ inline float __shfl_xor_sync(unsigned, float v, int off) {
   return r;
 }
 
+#include "../src/kernels/common.cuh"
 #include "../src/kernels/ce_rows.cu"
+#include "../src/kernels/swiglu.cu"
 
 template <typename F>
-void launch(unsigned rows, F body) {
+void launch(unsigned rows, F body, unsigned block = kThreads) {
+  gridDim.x = rows;
   for (unsigned b = 0; b < rows; ++b) {
-    std::barrier<> bar(kThreads);
+    std::barrier<> bar(block);
     g_barrier = &bar;
     std::vector<std::unique_ptr<std::barrier<>>> warps;
     g_warps.clear();
-    for (int w = 0; w < kThreads / 32; ++w) {
+    for (unsigned w = 0; w < block / 32; ++w) {
       warps.push_back(std::make_unique<std::barrier<>>(32));
       g_warps.push_back(warps.back().get());
     }
     std::vector<std::thread> threads;
-    for (unsigned t = 0; t < kThreads; ++t) {
+    for (unsigned t = 0; t < block; ++t) {
       threads.emplace_back([&, b, t] {
         blockIdx.x = b;
         threadIdx.x = t;
@@ -173,6 +177,64 @@ int main() {
     }
     if (x[0] != 0.5f) {
       std::printf("grad 0 wrote the logits\n");
+      bad = 1;
+    }
+  }
+  // swiglu over 2 blocks of 256 with n beyond them (the grid-stride loop).
+  for (int bf = 0; bf < 2; ++bf) {
+    const long long n = 1300;
+    std::vector<float> a(n), b(n), g(n);
+    for (long long i = 0; i < n; ++i) {
+      a[i] = normal(rng) * 2.0f;
+      b[i] = normal(rng);
+      g[i] = normal(rng);
+      if (bf) {
+        a[i] = bf16_round(a[i]);
+        b[i] = bf16_round(b[i]);
+        g[i] = bf16_round(g[i]);
+      }
+    }
+    std::vector<float> out(n, NAN), da(n, NAN), db(n, NAN);
+    std::vector<unsigned short> a16(n), b16(n), g16(n), out16(n), da16(n), db16(n);
+    for (long long i = 0; i < n; ++i) {
+      zr_store(&a16[i], a[i]);
+      zr_store(&b16[i], b[i]);
+      zr_store(&g16[i], g[i]);
+    }
+    if (bf) {
+      launch(2, [&] { zr_swiglu_fwd_bf16(a16.data(), b16.data(), out16.data(), n); }, 256);
+      launch(2, [&] { zr_swiglu_bwd_bf16(a16.data(), b16.data(), g16.data(), da16.data(), db16.data(), n); }, 256);
+      for (long long i = 0; i < n; ++i) {
+        out[i] = zr_load(&out16[i]);
+        da[i] = zr_load(&da16[i]);
+        db[i] = zr_load(&db16[i]);
+      }
+    } else {
+      launch(2, [&] { zr_swiglu_fwd_f32(a.data(), b.data(), out.data(), n); }, 256);
+      launch(2, [&] { zr_swiglu_bwd_f32(a.data(), b.data(), g.data(), da.data(), db.data(), n); }, 256);
+    }
+    double err = 0;
+    double top[3] = {0, 0, 0};
+    for (int pass = 0; pass < 2; ++pass) {
+      for (long long i = 0; i < n; ++i) {
+        const double x = a[i], y = b[i], d = g[i];
+        const double s = 1.0 / (1.0 + std::exp(-x));
+        const double want[3] = {x * s * y, d * y * s * (1 + x * (1 - s)), d * x * s};
+        const float got[3] = {out[i], da[i], db[i]};
+        for (int k = 0; k < 3; ++k) {
+          top[k] = std::fmax(top[k], std::fabs(want[k]));
+          if (pass == 1) {
+            // fp32: a few ulps of the value (1 - sigmoid cancels in fp32 as in ATen's, so
+            // also 1e-6 of the largest); bf16: one rounding (2^-8 relative).
+            const double rel = bf ? 1.0 / 256 : 1e-6;
+            const double tol = rel * (std::fabs(want[k]) + top[k]) + 1e-30;
+            err = std::fmax(err, std::fabs(got[k] - want[k]) / tol);
+          }
+        }
+      }
+    }
+    if (!(err <= 1.0)) {
+      std::printf("swiglu %s: off by %g of its bound\n", bf ? "bf16" : "fp32", err);
       bad = 1;
     }
   }

@@ -1,0 +1,86 @@
+//! Each kernel against ATen's ops on the device it was loaded for, before a training step
+//! uses it: a kernel that disagrees is not installed.
+
+use super::fail;
+use crate::Error;
+use tch::{Device, Kind, Tensor};
+
+fn max_abs(t: &Tensor) -> f64 {
+    t.to_kind(Kind::Float).abs().max().double_value(&[])
+}
+
+/// `ce_rows`: fp32 and bf16, rows shorter and longer than a block, targets at both ends,
+/// rows of weight 0; losses within 1e-5 relative, gradients within one rounding of the
+/// logits' dtype.
+pub(super) fn ce_rows(device: Device) -> Result<(), Error> {
+    let _guard = tch::no_grad_guard();
+    for (kind, tol) in [(Kind::Float, 1e-6), (Kind::BFloat16, 1.0 / 128.0)] {
+        for (n, v) in [(5i64, 37i64), (7, 1000), (3, 50_257)] {
+            let op = || format!("check ce_rows on {device:?} ({kind:?}, {n} x {v})");
+            let logits =
+                (Tensor::f_randn([n, v], (Kind::Float, device)).map_err(|e| fail(&op(), e))? * 3.0)
+                    .to_kind(kind);
+            let rows = usize::try_from(n).unwrap_or(0);
+            let targets =
+                Tensor::from_slice(&[0i64, v - 1, 1, v / 2, 2, 3, 4][..rows]).to_device(device);
+            let coef = Tensor::from_slice(&[0.25f32, 0.0, 0.5, 0.125, 0.0, 1.0, 2.0][..rows])
+                .to_device(device);
+            let (a, b) = (logits.copy(), logits.copy());
+            let got = crate::ce_rows(&a, &targets, &coef, true, false)?;
+            let want = crate::ce_rows(&b, &targets, &coef, true, true)?;
+            let loss_err = max_abs(&(&got - &want));
+            let loss_top = max_abs(&want).max(1.0);
+            let grad_err = max_abs(&(a.to_kind(Kind::Float) - b.to_kind(Kind::Float)));
+            let grad_top = max_abs(&b).max(f64::MIN_POSITIVE);
+            if !(loss_err <= 1e-5 * loss_top && grad_err <= tol * grad_top) {
+                return Err(fail(
+                    &op(),
+                    format!("the kernel disagrees with ATen: losses off by {loss_err:e} (of {loss_top:e}), gradients by {grad_err:e} (of {grad_top:e}); set ZRUN_KERNELS=0 to run without zrun's kernels"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `swiglu`: forward and both gradients, fp32 and bf16, sizes below and above one block;
+/// within one rounding of the dtype (ATen rounds silu(a) before the product, the kernel
+/// does not).
+pub(super) fn swiglu(device: Device) -> Result<(), Error> {
+    let _guard = tch::no_grad_guard();
+    for (kind, tol) in [(Kind::Float, 1e-5), (Kind::BFloat16, 2.0 / 128.0)] {
+        for n in [7i64, 100_003] {
+            let op = || format!("check swiglu on {device:?} ({kind:?}, {n} values)");
+            let r = |s: f64| -> Result<Tensor, Error> {
+                Ok(
+                    (Tensor::f_randn([n], (Kind::Float, device)).map_err(|e| fail(&op(), e))? * s)
+                        .to_kind(kind),
+                )
+            };
+            let (a, b, g) = (r(3.0)?, r(1.0)?, r(1.0)?);
+            let pairs = [
+                (
+                    crate::swiglu_raw(&a, &b, None, false)?,
+                    crate::swiglu_raw(&a, &b, None, true)?,
+                ),
+                (
+                    crate::swiglu_raw(&a, &b, Some(&g), false)?,
+                    crate::swiglu_raw(&a, &b, Some(&g), true)?,
+                ),
+            ];
+            for (got, want) in pairs {
+                for (x, y) in got.iter().zip(&want) {
+                    let err = max_abs(&(x.to_kind(Kind::Float) - y.to_kind(Kind::Float)));
+                    let top = max_abs(y).max(f64::MIN_POSITIVE);
+                    if err.is_nan() || err > tol * top {
+                        return Err(fail(
+                            &op(),
+                            format!("the kernel disagrees with ATen by {err:e} (of {top:e}); set ZRUN_KERNELS=0 to run without zrun's kernels"),
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
