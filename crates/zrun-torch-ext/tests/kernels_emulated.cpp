@@ -238,6 +238,23 @@ int main() {
       bad = 1;
     }
   }
+  // A target outside the row: a NaN loss, nothing read or written outside the row.
+  {
+    const long long v = 40;
+    std::vector<float> x(3 * v, 0.25f);
+    std::vector<long long> t = {0, v, -1};
+    std::vector<float> c = {1.0f, 1.0f, 1.0f}, loss(3, 0.0f);
+    launch(1, [&] { zr_ce_rows_f32(x.data() + v, t.data() + 1, c.data(), loss.data(), v, 1); });
+    if (!std::isnan(loss[0]) || x[0] != 0.25f || x[2 * v] != 0.25f) {
+      std::printf("target V: loss %g, neighbours %g %g\n", loss[0], x[0], x[2 * v]);
+      bad = 1;
+    }
+    launch(1, [&] { zr_ce_rows_f32(x.data() + v, t.data() + 2, c.data(), loss.data(), v, 0); });
+    if (!std::isnan(loss[0])) {
+      std::printf("target -1: loss %g\n", loss[0]);
+      bad = 1;
+    }
+  }
   if (!bad) std::printf("ok\n");
   return bad;
 }

@@ -6,7 +6,8 @@
 // logsumexp follows. Pass 2 (with grad) reads the row again and writes
 // coef x (exp(x - lse) - one-hot(target)), rounded once to the logits' dtype. The target's
 // logit is read before any thread writes. NaN anywhere in a row makes its loss NaN (as
-// ATen's); a row whose coef is 0 gets loss 0 and a zero gradient.
+// ATen's); a row whose coef is 0 gets loss 0 and a zero gradient; a target outside [0, V)
+// gives a NaN loss.
 
 #define ZR_THREADS 512
 #define ZR_WARPS (ZR_THREADS / 32)
@@ -39,7 +40,9 @@ __device__ void zr_ce_rows(T* logits, const long long* targets, const float* coe
   const long long t = targets[row];
   const float c = coef[row];
   if (threadIdx.x == 0) {
-    sh_target = zr_load(x + t);
+    // A target outside the row (bad data) is never read: the row's loss is NaN, which the
+    // trainer stops on, and its gradient has no one-hot.
+    sh_target = (t < 0 || t >= v) ? __int_as_float(0x7fc00000) : zr_load(x + t);
   }
   float m = -ZR_INF;
   float s = 0.0f;
