@@ -5,6 +5,17 @@ use super::fail;
 use crate::Error;
 use tch::{Device, Kind, Tensor};
 
+/// `n` values spread like normal draws of scale `scale`, without drawing from libtorch's
+/// generators (a check must not move the run's random streams): sin of a stride through the
+/// integers, made on the CPU and moved to `device`.
+fn spread(n: i64, stride: f64, scale: f64, device: Device) -> Result<Tensor, Error> {
+    let op = || format!("make check inputs on {device:?}");
+    Tensor::f_arange(n, (Kind::Float, Device::Cpu))
+        .and_then(|t| (t * stride).f_sin())
+        .and_then(|t| (t * scale).f_to_device(device))
+        .map_err(|e| fail(&op(), e))
+}
+
 fn max_abs(t: &Tensor) -> f64 {
     t.to_kind(Kind::Float).abs().max().double_value(&[])
 }
@@ -17,9 +28,10 @@ pub(super) fn ce_rows(device: Device) -> Result<(), Error> {
     for (kind, tol) in [(Kind::Float, 1e-6), (Kind::BFloat16, 1.0 / 128.0)] {
         for (n, v) in [(5i64, 37i64), (7, 1000), (3, 50_257)] {
             let op = || format!("check ce_rows on {device:?} ({kind:?}, {n} x {v})");
-            let logits =
-                (Tensor::f_randn([n, v], (Kind::Float, device)).map_err(|e| fail(&op(), e))? * 3.0)
-                    .to_kind(kind);
+            let logits = spread(n * v, 0.7314, 3.0, device)?
+                .f_reshape([n, v])
+                .map_err(|e| fail(&op(), e))?
+                .to_kind(kind);
             let rows = usize::try_from(n).unwrap_or(0);
             let targets =
                 Tensor::from_slice(&[0i64, v - 1, 1, v / 2, 2, 3, 4][..rows]).to_device(device);
@@ -51,13 +63,10 @@ pub(super) fn swiglu(device: Device) -> Result<(), Error> {
     for (kind, tol) in [(Kind::Float, 1e-5), (Kind::BFloat16, 2.0 / 128.0)] {
         for n in [7i64, 100_003] {
             let op = || format!("check swiglu on {device:?} ({kind:?}, {n} values)");
-            let r = |s: f64| -> Result<Tensor, Error> {
-                Ok(
-                    (Tensor::f_randn([n], (Kind::Float, device)).map_err(|e| fail(&op(), e))? * s)
-                        .to_kind(kind),
-                )
+            let r = |stride: f64, s: f64| -> Result<Tensor, Error> {
+                Ok(spread(n, stride, s, device)?.to_kind(kind))
             };
-            let (a, b, g) = (r(3.0)?, r(1.0)?, r(1.0)?);
+            let (a, b, g) = (r(0.7314, 4.0)?, r(1.3172, 1.0)?, r(0.5119, 1.0)?);
             let pairs = [
                 (
                     crate::swiglu_raw(&a, &b, None, false)?,
@@ -83,4 +92,23 @@ pub(super) fn swiglu(device: Device) -> Result<(), Error> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The checks' own inputs and comparisons on CPU, where both sides run ATen's ops: what
+    /// a GPU run would meet but for the kernel (shapes, dtypes, the targets and weights), and
+    /// that no generator is drawn from.
+    #[test]
+    fn the_checks_run_and_leave_the_generators_alone() {
+        tch::manual_seed(9);
+        let want = Tensor::randn([4], (Kind::Float, Device::Cpu));
+        tch::manual_seed(9);
+        ce_rows(Device::Cpu).unwrap();
+        swiglu(Device::Cpu).unwrap();
+        let got = Tensor::randn([4], (Kind::Float, Device::Cpu));
+        assert!(got.equal(&want));
+    }
 }
