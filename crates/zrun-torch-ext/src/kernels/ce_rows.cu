@@ -28,6 +28,23 @@ __device__ __forceinline__ void zr_merge(float& m, float& s, float m2, float s2)
   m = top;
 }
 
+// One value into a thread's running (m, s); NaN only sets the flag, -inf counts for nothing.
+__device__ __forceinline__ void zr_online(float& m, float& s, int& nan, float a) {
+  if (a != a) {
+    nan = 1;
+  } else if (a > m) {
+    s = (m == -ZR_INF ? 0.0f : s * expf(m - a)) + 1.0f;
+    m = a;
+  } else if (a != -ZR_INF) {
+    s += expf(a - m);
+  }
+}
+
+// The gradient of one logit `a`: coef x (softmax - one-hot); 0 in a row of weight 0.
+__device__ __forceinline__ float zr_grad(float a, float lse, bool target, float c) {
+  return c == 0.0f ? 0.0f : (expf(a - lse) - (target ? 1.0f : 0.0f)) * c;
+}
+
 template <typename T>
 __device__ void zr_ce_rows(T* logits, const long long* targets, const float* coef, float* loss,
                            long long v, int grad) {
@@ -47,16 +64,22 @@ __device__ void zr_ce_rows(T* logits, const long long* targets, const float* coe
   float m = -ZR_INF;
   float s = 0.0f;
   int nan = 0;
-  for (long long j = threadIdx.x; j < v; j += ZR_THREADS) {
-    const float a = zr_load(x + j);
-    if (a != a) {
-      nan = 1;
-    } else if (a > m) {
-      s = (m == -ZR_INF ? 0.0f : s * expf(m - a)) + 1.0f;
-      m = a;
-    } else if (a != -ZR_INF) {
-      s += expf(a - m);
+  // Four loads in flight per thread (enough bytes in flight per SM to keep memory busy with
+  // 2-byte loads), then the rest one at a time.
+  long long j = threadIdx.x;
+  for (; j + 3 * ZR_THREADS < v; j += 4 * ZR_THREADS) {
+    float a[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      a[k] = zr_load(x + j + k * ZR_THREADS);
     }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      zr_online(m, s, nan, a[k]);
+    }
+  }
+  for (; j < v; j += ZR_THREADS) {
+    zr_online(m, s, nan, zr_load(x + j));
   }
   for (int off = 16; off > 0; off >>= 1) {
     const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
@@ -89,12 +112,20 @@ __device__ void zr_ce_rows(T* logits, const long long* targets, const float* coe
     return;
   }
   const float lse = sh_lse;
-  for (long long j = threadIdx.x; j < v; j += ZR_THREADS) {
-    float d = 0.0f;
-    if (c != 0.0f) {
-      d = (expf(zr_load(x + j) - lse) - (j == t ? 1.0f : 0.0f)) * c;
+  j = threadIdx.x;
+  for (; j + 3 * ZR_THREADS < v; j += 4 * ZR_THREADS) {
+    float a[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      a[k] = zr_load(x + j + k * ZR_THREADS);
     }
-    zr_store(x + j, d);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      zr_store(x + j + k * ZR_THREADS, zr_grad(a[k], lse, j + k * ZR_THREADS == t, c));
+    }
+  }
+  for (; j < v; j += ZR_THREADS) {
+    zr_store(x + j, zr_grad(zr_load(x + j), lse, j == t, c));
   }
 }
 
