@@ -293,3 +293,36 @@ fn a_dry_run_shows_the_shard_groups() {
     assert!((1.9..=2.01).contains(&ratio), "{ratio}: {hybrid}\n{full}");
     assert_eq!(states(&hybrid, 0), states(&hybrid, 2));
 }
+
+/// `zrun bench kernels` on CPU: both cases run, interleaved, and print their rows; zrun's
+/// fused loss equals PyTorch's cross-entropy (fp32) while holding less at its peak, and the
+/// SwiGLU node equals autograd's silu-then-mul bitwise.
+#[test]
+fn bench_kernels_compares_the_fused_ops_with_pytorchs() {
+    let out = zrun(&[
+        "bench", "kernels", "--device", "cpu", "--shapes", "small", "--rounds", "1", "--dtype",
+        "fp32", "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rows: Vec<serde_json::Value> = stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    let (loss, swiglu) = (&rows[0], &rows[1]);
+    assert_eq!(
+        (loss["case"].as_str(), swiglu["case"].as_str()),
+        (Some("loss"), Some("swiglu"))
+    );
+    assert!(loss["apart"].as_f64().unwrap() < 1e-5, "{loss}");
+    assert_eq!(swiglu["apart"].as_f64(), Some(0.0), "{swiglu}");
+    let peak = |r: &serde_json::Value, k: &str| r[k].as_u64().unwrap();
+    assert!(
+        peak(loss, "zrun_peak_bytes") < peak(loss, "torch_peak_bytes"),
+        "{loss}"
+    );
+    assert!(
+        peak(swiglu, "zrun_peak_bytes") < peak(swiglu, "torch_peak_bytes"),
+        "{swiglu}"
+    );
+}

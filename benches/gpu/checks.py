@@ -5,11 +5,15 @@ the earlier results) and summed up in a table on stdout.
     python3 benches/gpu/checks.py --zrun .gpu/zrun --out "$OUT/results.json" [--only a,c]
 
 Checks (one GPU; several ranks share it over the tcp backend, which stages CUDA tensors):
+  x  kernels   zrun's own CUDA kernels (NVRTC): `zrun bench kernels`, the fused loss on the full
+               logits and SwiGLU against PyTorch's ops at gpt2-medium's and llama3.2-1b's
+               shapes, bf16, forward and backward: time, peak memory, results apart (<= 2e-2)
   a  nccl      NCCL at world size 1: `zrun bench comm` in fp32 and bf16, no wrong element
   b  ranks     stages 0-3 at W=2 over tcp against W=1, fp32 (1e-5) and bf16 (3%), per step
   g  cpu       the same small model on CUDA and on CPU at W=1, stages 0-3, fp32 and bf16,
                offload on and off, and a small Llama at stages 0 and 3 (its RMSNorm is
-               ATen's fused kernel on CUDA): per-step losses agree
+               ATen's fused kernel on CUDA; its SwiGLU and the full logits' loss zrun's own):
+               per-step losses agree, and no run warns that zrun's kernels did not install
   c  speed     gpt2-medium bf16 at W=1, stages 0 and 3 (prefetch 1 and 0), against PyTorch
                eager and torch.compile (benches/gpu/torch_train.py), interleaved: tokens/s,
                MFU, max_memory_allocated; targets: >= 160K tokens/s, >= 1.0x compile, stage 3
@@ -681,7 +685,19 @@ def check_limit(c):
 
 
 
-CHECKS = {"a": ("nccl", check_nccl), "i": ("nccl_ranks", check_nccl_ranks), "m": ("llama", check_llama),
+def check_kernels(c):
+    """`zrun bench kernels`: zrun's fused loss and SwiGLU against PyTorch's ops at the speed
+    checks' shapes (bf16, forward and backward): time, peak memory, and how far apart."""
+    rc, out, secs = c.cmd(["bench", "kernels", "--json", "--rounds", str(ROUNDS or 5)], 600)
+    rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    installed = "zrun's CUDA kernels" in out and "not installed" not in out
+    # bf16: the loss within 1e-3, the gradients within a bf16 rounding or two of the largest.
+    ok = rc == 0 and installed and len(rows) == 4 and all(r["apart"] <= 2e-2 for r in rows)
+    return {"pass": ok, "rc": rc, "seconds": round(secs, 1), "kernels_installed": installed,
+            "rows": rows, **({} if ok else {"output": out[-3000:]})}
+
+
+CHECKS = {"x": ("kernels", check_kernels), "a": ("nccl", check_nccl), "i": ("nccl_ranks", check_nccl_ranks), "m": ("llama", check_llama),
           "p": ("profile", check_profile),
           "n": ("8b", check_8b),
           "j": ("nccl_kill", check_nccl_kill), "l": ("nccl_hybrid", check_nccl_hybrid), "k": ("delay", check_delay), "K": ("delay_loss", check_delay_loss), "c": ("speed", check_speed), "e": ("offload", check_offload),

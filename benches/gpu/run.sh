@@ -5,7 +5,7 @@
 #                                      in .gpu/ (git-ignored) for the device tool's carry
 #   bash benches/gpu/run.sh [CHECKS]   on the GPU machine (repo root, carry [".gpu"]): point
 #                                      the loader at its torch and NCCL, run the checks
-#                                      (default all: a,i,l,j,p,c,m,n,e,K,k,d,b,g,f,h; + runs checks side by side), write $OUT/results.json
+#                                      (default all: x,a,i,l,j,p,c,m,n,e,K,k,d,b,g,f,h; + runs checks side by side), write $OUT/results.json
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
@@ -29,4 +29,4 @@ export PYTHONUNBUFFERED=1
 OUT_DIR="${OUT:-$ROOT/.gpu}"
 nvidia-smi -L
 exec $PY benches/gpu/checks.py --zrun .gpu/zrun --out "$OUT_DIR/results.json" \
-    --only "${1:-a,i,l,j,p,c,m,n,e,K,k,d,b,g,f,h}"
+    --only "${1:-x,a,i,l,j,p,c,m,n,e,K,k,d,b,g,f,h}"

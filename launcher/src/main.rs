@@ -37,6 +37,7 @@
 mod bench;
 mod bench_adam;
 mod bench_ckpt;
+mod bench_kernels;
 mod cluster;
 mod consolidate;
 mod export;
@@ -128,6 +129,9 @@ enum BenchCmd {
     Adam(bench_adam::AdamArgs),
     /// Checkpoint save and load bandwidth against plain file I/O, and training blocked per save.
     Ckpt(bench_ckpt::CkptArgs),
+    /// zrun's fused ops (the loss on the full logits, SwiGLU) against PyTorch's, forward and
+    /// backward: time, peak memory, and how far apart the results are.
+    Kernels(bench_kernels::KernelsArgs),
 }
 
 /// What `zrun` alone prints (then it exits 2).
@@ -187,6 +191,9 @@ fn main() -> ExitCode {
         Some(Cmd::Bench(BenchCmd::Comm(ref args))) => bench::run_comm(args).map(|()| 0),
         Some(Cmd::Bench(BenchCmd::Adam(ref args))) => bench_adam::run_adam(args).map(|()| 0),
         Some(Cmd::Bench(BenchCmd::Ckpt(ref args))) => bench_ckpt::run_ckpt(args).map(|()| 0),
+        Some(Cmd::Bench(BenchCmd::Kernels(ref args))) => {
+            bench_kernels::run_kernels(args).map(|()| 0)
+        }
         Some(Cmd::Consolidate(ref args)) => consolidate::run(args),
         Some(Cmd::Export(ref args)) => export::run(args),
         Some(Cmd::Sample(ref args)) => sample::run(args),
