@@ -75,20 +75,48 @@ impl Engine {
         }
     }
 
-    /// Finishes the pending update and copies the master into the compute parameters.
+    /// Finishes the pending update and copies the master into the compute parameters. An
+    /// update this process submitted is taken unit by unit as the CPU finishes each: the
+    /// copy of a unit's new parameters is queued at once (from pinned memory it does not
+    /// block the host), while the CPU still updates the units after it.
     pub(crate) fn catch_up(&mut self) -> Result<()> {
         if !self.delay.behind {
             return Ok(());
         }
-        let submitted = self.delay.submitted;
-        let h = self.host()?;
-        h.finish()?;
-        let src = if submitted {
-            h.refreshed().shallow_clone()
+        if !self.delay.submitted {
+            let h = self.host()?;
+            h.finish()?;
+            let src = h.master().shallow_clone();
+            self.params_from_shard(&src)?;
         } else {
-            h.master().shallow_clone()
-        };
-        self.params_from_shard(&src)?;
+            let _guard = tch::no_grad_guard();
+            let stage = self.cfg.stage;
+            let src = self.host()?.refreshed().shallow_clone();
+            // Every unit's destination and source, before the host optimizer is borrowed.
+            let pairs = (0..self.units_len())
+                .map(|u| {
+                    Ok((
+                        self.mover.owned_params(&self.params, u, stage)?,
+                        self.mover.shard_of(&src, u)?,
+                        self.mover.layout.units[u].unit.clone(),
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let units = pairs.len();
+            let h = self.host()?;
+            h.finish_each(units, |u| {
+                let (dst, from, name) = &pairs[u];
+                zrun_torch_ext::copy_async(dst, from).map_err(|e| {
+                    Error::Unsupported(format!(
+                        "copy parameters of unit `{name}` to the device: {e}"
+                    ))
+                })
+            })?;
+            h.refreshed_queued()?;
+            if matches!(stage, Stage::Zero1 | Stage::Zero2) {
+                self.mover.all_gather_units(&self.params)?;
+            }
+        }
         self.delay.behind = false;
         self.delay.submitted = false;
         Ok(())

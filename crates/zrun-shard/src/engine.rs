@@ -125,7 +125,7 @@ pub(crate) enum Optimizer {
     /// On the compute device, libtorch kernels over the owned shard.
     Device(AdamW),
     /// In host memory, the CPU AdamW (offload).
-    Host(HostOptimizer),
+    Host(Box<HostOptimizer>),
 }
 
 /// An optimizer update that runs during the last micro-step's backward (CPU offload).
@@ -283,7 +283,7 @@ impl Engine {
             };
             let grads_in_place = in_place.then(|| grads.shallow_clone());
             let host = HostOptimizer::new(&layout, init(Extent::Shard)?, setup, grads_in_place)?;
-            Optimizer::Host(host)
+            Optimizer::Host(Box::new(host))
         } else {
             Optimizer::Device(AdamW::new(opt_numel, dev, cfg.adamw, decay)?)
         };

@@ -58,6 +58,13 @@ pub(crate) struct HostOptimizer {
     /// Host bytes of master and moments (fixed at construction; the AdamW may be lent out).
     state_bytes: i64,
     worker: Option<Worker>,
+    /// Units whose delayed update finished while backward waited for them
+    /// ([`HostOptimizer::stage_unit`]) and whose new parameters have not been taken yet
+    /// ([`HostOptimizer::finish_each`]).
+    finished: Vec<usize>,
+    /// The event after the copies of the last delayed update's new parameters to the device
+    /// (CUDA): the next delayed update writes the buffers they read only once it completes.
+    refreshed_ready: Option<zrun_torch_ext::CudaEvent>,
 }
 
 /// One unit's update: where its elements are and where the new parameters go.
@@ -154,11 +161,15 @@ pub(crate) fn host_bytes(cuda: bool, bytes: i64) -> i64 {
     }
 }
 
-/// Waits, on the calling thread, for the gradient copies `ready` stands for.
+/// Waits, on the calling thread, for the device copies `ready` stands for (gradients to the
+/// host, or the last update's parameters to the device).
 fn wait_ready(ready: Option<zrun_torch_ext::CudaEvent>, unit: &str) -> Result<()> {
     ready.map_or(Ok(()), |e| {
-        e.synchronize()
-            .map_err(|e| Error::Unsupported(format!("gradients of unit `{unit}` to the host: {e}")))
+        e.synchronize().map_err(|e| {
+            Error::Unsupported(format!(
+                "copies of unit `{unit}` to or from the device: {e}"
+            ))
+        })
     })
 }
 
@@ -305,6 +316,8 @@ impl HostOptimizer {
             device,
             precision,
             worker: None,
+            finished: Vec::new(),
+            refreshed_ready: None,
         })
     }
 
@@ -521,9 +534,11 @@ impl HostOptimizer {
             return Ok(());
         };
         while w.pending.contains(&u) {
+            let done = w.pending.front().copied();
             if let Some(t) = w.next()? {
                 t.apply()?;
             }
+            self.finished.extend(done);
         }
         Ok(())
     }
@@ -558,9 +573,65 @@ impl HostOptimizer {
         // The engine overwrites (then accumulates into) its gradients as soon as this returns.
         wait_ready(ready, "-")?;
         self.begin_step()?;
+        // The first job (the worker runs them in order) waits until the device has read the
+        // last update's new parameters, which these jobs overwrite.
+        let mut refreshed = self.refreshed_ready.take();
         for u in (0..layout.units.len()).rev() {
-            let job = self.job(layout, u, lr, grad_scale, None)?;
+            let mut job = self.job(layout, u, lr, grad_scale, None)?;
+            job.ready = refreshed.take();
             self.send(u, job)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for a delayed update of `units` units unit by unit and calls `each(u)` once for
+    /// every unit, as soon as it is done: first the units backward already waited for, then
+    /// in the order they finish (last unit first), so that their new parameters can travel
+    /// to the device while the CPU still updates the others; then every unit an earlier
+    /// [`HostOptimizer::finish`] (a checkpoint's) saw done. Returns the first error.
+    pub(crate) fn finish_each(
+        &mut self,
+        units: usize,
+        mut each: impl FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        let mut called = vec![false; units];
+        let mut first = Ok(());
+        let mut call = |u: usize, r: Result<()>, first: &mut Result<()>| {
+            let r = r.and_then(|()| match called.get_mut(u) {
+                Some(c) if !*c => {
+                    *c = true;
+                    each(u)
+                }
+                _ => Ok(()),
+            });
+            if first.is_ok() {
+                *first = r;
+            }
+        };
+        for u in std::mem::take(&mut self.finished) {
+            call(u, Ok(()), &mut first);
+        }
+        if let Some(w) = self.worker.as_mut() {
+            while let Some(&u) = w.pending.front() {
+                let r = w.next().and_then(|t| t.map_or(Ok(()), Transfer::apply));
+                call(u, r, &mut first);
+            }
+        }
+        let joined = self.finish();
+        for u in 0..units {
+            call(u, Ok(()), &mut first);
+        }
+        first.and(joined)
+    }
+
+    /// After the new parameters' copies to the device are queued: the event the next delayed
+    /// update waits for before it overwrites what they read (CUDA; nothing to wait for on CPU,
+    /// where the copies are done when queued).
+    pub(crate) fn refreshed_queued(&mut self) -> Result<()> {
+        if let Device::Cuda(i) = self.device {
+            let e = zrun_torch_ext::CudaEvent::record_current(i)
+                .map_err(|e| Error::Unsupported(format!("record the parameters' refresh: {e}")))?;
+            self.refreshed_ready = Some(e);
         }
         Ok(())
     }

@@ -528,6 +528,22 @@ void zrun_ext_event_free(void* event) {
   }
 }
 
+// *out receives a c10::Event* recorded on CUDA device `device`'s current stream: it completes
+// with the work queued there so far (zrun_ext_event_free deletes it).
+int zrun_ext_event_record_current(int64_t device, void** out, char** err) {
+  return guard(err, [&] {
+    if (!cuda_device_ready(device)) {
+      return refuse(err, "cuda:" + std::to_string(device) + " is not available");
+    }
+    const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+    auto done = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
+    done->record(impl->getStream(c10::Device(c10::DeviceType::CUDA,
+                                             static_cast<c10::DeviceIndex>(device))));
+    *out = done.release();
+    return ZR_OK;
+  });
+}
+
 // One side stream per CUDA device, from libtorch's pool, for copies that overlap compute.
 c10::Stream side_stream(const c10::impl::DeviceGuardImplInterface* impl, c10::Device dev) {
   static std::mutex lock;

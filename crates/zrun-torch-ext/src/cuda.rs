@@ -192,6 +192,20 @@ impl CudaEvent {
         Ok(CudaEvent(out))
     }
 
+    /// An event recorded on CUDA device `device`'s current stream: it completes with the work
+    /// queued there so far. Refused where that device is not available.
+    pub fn record_current(device: usize) -> Result<CudaEvent, Error> {
+        let mut out: *mut std::ffi::c_void = ptr::null_mut();
+        let mut err = ptr::null_mut();
+        let index = i64::try_from(device).unwrap_or(i64::MAX);
+        // SAFETY: valid out-pointers; the shim catches every C++ exception.
+        let status = unsafe { ffi::zrun_ext_event_record_current(index, &mut out, &mut err) };
+        ffi::check(status, err, || {
+            format!("record a CUDA event on cuda:{device}")
+        })?;
+        Ok(CudaEvent(out))
+    }
+
     /// Blocks the calling thread until the work before the event is done.
     pub fn synchronize(&self) -> Result<(), Error> {
         let mut err = ptr::null_mut();
@@ -241,6 +255,8 @@ mod tests {
                 .expect("refused");
             assert!(e.to_string().contains("must be a CUDA tensor"), "{e}");
             assert!(empty_pinned(4, Kind::Float).is_err());
+            let e = CudaEvent::record_current(0).err().expect("refused");
+            assert!(e.to_string().contains("cuda:0 is not available"), "{e}");
         }
     }
 

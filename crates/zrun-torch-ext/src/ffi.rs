@@ -164,6 +164,11 @@ extern "C" {
         err: *mut *mut c_char,
     ) -> c_int;
     fn zrun_ext_set_swiglu_kernel(kernel: Option<SwigluKernel>);
+    pub(crate) fn zrun_ext_event_record_current(
+        device: i64,
+        out: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
     pub(crate) fn zrun_ext_cpu_alloc_install(limit: u64, err: *mut *mut c_char) -> c_int;
     pub(crate) fn zrun_ext_cpu_alloc_stats(out: *mut i64) -> c_int;
     pub(crate) fn zrun_ext_cpu_alloc_reset_peak();
