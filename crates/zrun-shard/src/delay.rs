@@ -27,8 +27,11 @@
 //! the host as the unit completes, once the running update has finished with that unit: the
 //! update runs its units last first, the order backward makes them, so that wait is
 //! normally nil. With 16-bit parameters on a device the update also writes their new values
-//! into the pinned staging buffer, so the refresh at the step's end is one DMA copy per unit
-//! (no cast on the host, no pageable copy).
+//! into the pinned staging buffer, so the refresh is one DMA copy per unit (no cast on the
+//! host, no pageable copy), queued without blocking the host as soon as the CPU has finished
+//! that unit ([`Engine::catch_up`]): the copies overlap the CPU's work on the other units,
+//! and only the last unit's is left when the update ends. The next update's first job waits
+//! for them (an event) before it writes the buffers they read.
 
 use crate::engine::Optimizer;
 use crate::offload::HostOptimizer;
