@@ -190,20 +190,29 @@ pub(crate) type CeRowsKernel = extern "C" fn(
     *mut *mut c_char,
 ) -> c_int;
 
-/// Registers `kernel` behind the shim's `ce_rows` (`None`: ATen's ops); returns the one it
+/// Puts `kernel` in `slot` and hands it to the shim through `register`; returns the one it
 /// replaces.
-pub(crate) fn set_ce_rows_kernel(kernel: Option<CeRowsKernel>) -> Option<CeRowsKernel> {
-    let previous = CE_ROWS_KERNEL
+fn swap_kernel<K: Copy>(
+    slot: &std::sync::Mutex<Option<K>>,
+    kernel: Option<K>,
+    register: impl FnOnce(Option<K>),
+) -> Option<K> {
+    let previous = slot
         .lock()
         .map(|mut k| std::mem::replace(&mut *k, kernel))
         .unwrap_or(None);
-    // SAFETY: the shim stores the pointer atomically; `kernel` is a Rust `extern "C"`
-    // function of the shim's signature, valid for the process.
-    unsafe { zrun_ext_set_ce_rows_kernel(kernel) };
+    register(kernel);
     previous
 }
 
-static CE_ROWS_KERNEL: std::sync::Mutex<Option<CeRowsKernel>> = std::sync::Mutex::new(None);
+/// Registers `kernel` behind the shim's `ce_rows` (`None`: ATen's ops); returns the one it
+/// replaces.
+pub(crate) fn set_ce_rows_kernel(kernel: Option<CeRowsKernel>) -> Option<CeRowsKernel> {
+    static SLOT: std::sync::Mutex<Option<CeRowsKernel>> = std::sync::Mutex::new(None);
+    // SAFETY: the shim stores the pointer atomically; `kernel` is a Rust `extern "C"`
+    // function of the shim's signature, valid for the process.
+    swap_kernel(&SLOT, kernel, |k| unsafe { zrun_ext_set_ce_rows_kernel(k) })
+}
 
 /// The shim's `zrun::SwigluKernel` (csrc/swiglu.h).
 pub(crate) type SwigluKernel = extern "C" fn(
@@ -223,16 +232,10 @@ pub(crate) type SwigluKernel = extern "C" fn(
 /// Registers `kernel` behind the shim's `swiglu` (`None`: ATen's ops); returns the one it
 /// replaces.
 pub(crate) fn set_swiglu_kernel(kernel: Option<SwigluKernel>) -> Option<SwigluKernel> {
-    let previous = SWIGLU_KERNEL
-        .lock()
-        .map(|mut k| std::mem::replace(&mut *k, kernel))
-        .unwrap_or(None);
-    // SAFETY: as in `set_ce_rows_kernel`.
-    unsafe { zrun_ext_set_swiglu_kernel(kernel) };
-    previous
+    static SLOT: std::sync::Mutex<Option<SwigluKernel>> = std::sync::Mutex::new(None);
+    // SAFETY: as for `set_ce_rows_kernel`.
+    swap_kernel(&SLOT, kernel, |k| unsafe { zrun_ext_set_swiglu_kernel(k) })
 }
-
-static SWIGLU_KERNEL: std::sync::Mutex<Option<SwigluKernel>> = std::sync::Mutex::new(None);
 
 /// Turns a shim status and its message into a `Result`, freeing the message.
 ///

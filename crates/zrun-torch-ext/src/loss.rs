@@ -6,6 +6,19 @@ use crate::Error;
 use std::ffi::c_int;
 use tch::Tensor;
 
+/// `name(h .., w .., targets ..` with each input's shape and dtype, for an error.
+fn call(name: &str, h: &Tensor, w: &Tensor, targets: &Tensor) -> String {
+    format!(
+        "{name}(h {:?} {:?}, w {:?} {:?}, targets {:?} {:?}",
+        h.size(),
+        h.kind(),
+        w.size(),
+        w.kind(),
+        targets.size(),
+        targets.kind()
+    )
+}
+
 /// Mean cross-entropy of the logits `h @ w^T` (N, V) against `targets`, computed about `chunk`
 /// logits at a time: the forward keeps each row's logsumexp (N floats), the backward
 /// recomputes the logits chunk by chunk over the vocabulary. Rows whose target is
@@ -25,13 +38,8 @@ pub fn linear_cross_entropy(
 ) -> Result<Tensor, Error> {
     let op = || {
         format!(
-            "linear_cross_entropy(h {:?} {:?}, w {:?} {:?}, targets {:?} {:?}, chunk {chunk})",
-            h.size(),
-            h.kind(),
-            w.size(),
-            w.kind(),
-            targets.size(),
-            targets.kind()
+            "{}, chunk {chunk}",
+            call("linear_cross_entropy", h, w, targets)
         )
     };
     ffi::require_defined(
@@ -74,17 +82,7 @@ pub fn fused_linear_cross_entropy(
     targets: &Tensor,
     ignore_index: i64,
 ) -> Result<Tensor, Error> {
-    let op = || {
-        format!(
-            "fused_linear_cross_entropy(h {:?} {:?}, w {:?} {:?}, targets {:?} {:?})",
-            h.size(),
-            h.kind(),
-            w.size(),
-            w.kind(),
-            targets.size(),
-            targets.kind()
-        )
-    };
+    let op = || format!("{})", call("fused_linear_cross_entropy", h, w, targets));
     ffi::require_defined(
         "fused_linear_cross_entropy",
         &[("h", h), ("w", w), ("targets", targets)],
