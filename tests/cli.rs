@@ -294,9 +294,9 @@ fn a_dry_run_shows_the_shard_groups() {
     assert_eq!(states(&hybrid, 0), states(&hybrid, 2));
 }
 
-/// `zrun bench kernels` on CPU: both cases run, interleaved, and print their rows; zrun's
-/// fused loss equals PyTorch's cross-entropy (fp32) while holding less at its peak, and the
-/// SwiGLU node equals autograd's silu-then-mul bitwise.
+/// `zrun bench kernels` on CPU: every case runs, interleaved, and prints its row; zrun's
+/// fused and chunked losses equal PyTorch's cross-entropy (fp32), the fused one holding less
+/// at its peak, and the SwiGLU node equals autograd's silu-then-mul bitwise.
 #[test]
 fn bench_kernels_compares_the_fused_ops_with_pytorchs() {
     let out = zrun(&[
@@ -308,13 +308,12 @@ fn bench_kernels_compares_the_fused_ops_with_pytorchs() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(rows.len(), 2, "{rows:?}");
-    let (loss, swiglu) = (&rows[0], &rows[1]);
-    assert_eq!(
-        (loss["case"].as_str(), swiglu["case"].as_str()),
-        (Some("loss"), Some("swiglu"))
-    );
+    assert_eq!(rows.len(), 3, "{rows:?}");
+    let (loss, chunked, swiglu) = (&rows[0], &rows[1], &rows[2]);
+    let cases: Vec<_> = rows.iter().map(|r| r["case"].as_str()).collect();
+    assert_eq!(cases, [Some("loss"), Some("loss_chunked"), Some("swiglu")]);
     assert!(loss["apart"].as_f64().unwrap() < 1e-5, "{loss}");
+    assert!(chunked["apart"].as_f64().unwrap() < 1e-5, "{chunked}");
     assert_eq!(swiglu["apart"].as_f64(), Some(0.0), "{swiglu}");
     let peak = |r: &serde_json::Value, k: &str| r[k].as_u64().unwrap();
     assert!(

@@ -9,6 +9,8 @@
 //! - `loss`: the head's matmul and the mean cross-entropy, with the gradients of the hidden
 //!   states and the matrix: `fused_linear_cross_entropy` (zrun's kernel on CUDA) against the
 //!   logits in the compute dtype and PyTorch's cross_entropy on their fp32 copy;
+//! - `loss_chunked`: the same with zrun's chunked loss (`linear_cross_entropy`, chunks of
+//!   2^24 logits, the CPU default) on the zrun side;
 //! - `swiglu`: silu(gate) * up and its two gradients: zrun's node against autograd's
 //!   silu-then-mul.
 //!
@@ -178,7 +180,7 @@ pub fn run_kernels(args: &KernelsArgs) -> anyhow::Result<()> {
     eprintln!("zrun bench kernels on {device:?}, {kind:?}, the zrun side through {kernel}");
     if !args.json {
         println!(
-            "{:>6} {:>7} {:>10} {:>10} {:>10} {:>9} {:>12} {:>12} {:>10}",
+            "{:>12} {:>7} {:>10} {:>10} {:>10} {:>9} {:>12} {:>12} {:>10}",
             "case",
             "shape",
             "zrun_ms",
@@ -191,7 +193,7 @@ pub fn run_kernels(args: &KernelsArgs) -> anyhow::Result<()> {
         );
     }
     for shape in shapes {
-        for case in ["loss", "swiglu"] {
+        for case in ["loss", "loss_chunked", "swiglu"] {
             row(args, device, kind, shape, case)?;
         }
     }
@@ -208,14 +210,19 @@ fn row(
 ) -> anyhow::Result<()> {
     tch::manual_seed(0);
     let opts = (kind, device);
-    let (zrun, torch): (Side, Side) = if case == "loss" {
+    let (zrun, torch): (Side, Side) = if case.starts_with("loss") {
         let h = (Tensor::f_randn([s.n, s.c], opts)? * 0.5).set_requires_grad(true);
         let w = (Tensor::f_randn([s.v, s.c], opts)? * 0.05).set_requires_grad(true);
         let t = Tensor::f_randint(s.v, [s.n], (Kind::Int64, device))?;
         let (h2, w2, t2) = (h.shallow_clone(), w.shallow_clone(), t.shallow_clone());
+        let chunked = case == "loss_chunked";
         (
             Box::new(move || {
-                let loss = zrun_torch_ext::fused_linear_cross_entropy(&h, &w, &t, -100)?;
+                let loss = if chunked {
+                    zrun_torch_ext::linear_cross_entropy(&h, &w, &t, -100, zrun_models::LOSS_CHUNK)?
+                } else {
+                    zrun_torch_ext::fused_linear_cross_entropy(&h, &w, &t, -100)?
+                };
                 let g = zrun_torch_ext::grad(&[&loss], &[&loss.ones_like()], &[&h, &w])?;
                 Ok((loss.double_value(&[]), g))
             }),
@@ -285,7 +292,7 @@ fn row(
         );
     } else {
         println!(
-            "{:>6} {:>7} {:>10.3} {:>10.3} {:>10.3} {:>9.2e} {:>12} {:>12} {:>10}",
+            "{:>12} {:>7} {:>10.3} {:>10.3} {:>10.3} {:>9.2e} {:>12} {:>12} {:>10}",
             case,
             s.name,
             z * 1e3,
