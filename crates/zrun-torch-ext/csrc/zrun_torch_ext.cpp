@@ -29,6 +29,7 @@
 #include "fused_loss.h"
 #include "linear_loss.h"
 #include "rms_norm.h"
+#include "rope.h"
 #include "swiglu.h"
 
 #include <atomic>
@@ -711,6 +712,22 @@ int zrun_ext_swiglu(const at::Tensor* a, const at::Tensor* b, const at::Tensor* 
 
 // Registers the CUDA kernel behind zrun::swiglu (nullptr: none); cannot fail.
 void zrun_ext_set_swiglu_kernel(zrun::SwigluKernel kernel) { zrun::set_swiglu_kernel(kernel); }
+
+// zrun::rope (raw: zrun::rope_raw with `backward`, `force_aten`); rope_raw checks the inputs.
+int zrun_ext_rope(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* sin, int raw,
+                  int backward, int force_aten, at::Tensor** out, char** err) {
+  return guard(err, [&] {
+    if (!x->defined() || !cos->defined() || !sin->defined()) {
+      return refuse(err, "an input is undefined");
+    }
+    *out = new at::Tensor(raw ? zrun::rope_raw(*x, *cos, *sin, backward != 0, force_aten != 0)
+                              : zrun::rope(*x, *cos, *sin));
+    return ZR_OK;
+  });
+}
+
+// Registers the CUDA kernel behind zrun::rope (nullptr: none); cannot fail.
+void zrun_ext_set_rope_kernel(zrun::RopeKernel kernel) { zrun::set_rope_kernel(kernel); }
 
 // zrun::rms_norm after checking its inputs (see rms_norm.h).
 int zrun_ext_rms_norm(const at::Tensor* x, const at::Tensor* w, double eps, at::Tensor** out,

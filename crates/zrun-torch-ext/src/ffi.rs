@@ -164,6 +164,17 @@ extern "C" {
         err: *mut *mut c_char,
     ) -> c_int;
     fn zrun_ext_set_swiglu_kernel(kernel: Option<SwigluKernel>);
+    pub(crate) fn zrun_ext_rope(
+        x: *const c_void,
+        cos: *const c_void,
+        sin: *const c_void,
+        raw: c_int,
+        backward: c_int,
+        force_aten: c_int,
+        out: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    fn zrun_ext_set_rope_kernel(kernel: Option<RopeKernel>);
     pub(crate) fn zrun_ext_event_record_current(
         device: i64,
         out: *mut *mut c_void,
@@ -235,6 +246,31 @@ pub(crate) fn set_swiglu_kernel(kernel: Option<SwigluKernel>) -> Option<SwigluKe
     static SLOT: std::sync::Mutex<Option<SwigluKernel>> = std::sync::Mutex::new(None);
     // SAFETY: as for `set_ce_rows_kernel`.
     swap_kernel(&SLOT, kernel, |k| unsafe { zrun_ext_set_swiglu_kernel(k) })
+}
+
+/// The shim's `zrun::RopeKernel` (csrc/rope.h).
+pub(crate) type RopeKernel = extern "C" fn(
+    c_int,
+    c_int,
+    c_int,
+    *const c_void,
+    *const c_void,
+    *const c_void,
+    *mut c_void,
+    i64,
+    i64,
+    i64,
+    i64,
+    *mut c_void,
+    *mut *mut c_char,
+) -> c_int;
+
+/// Registers `kernel` behind the shim's `rope` (`None`: ATen's ops); returns the one it
+/// replaces.
+pub(crate) fn set_rope_kernel(kernel: Option<RopeKernel>) -> Option<RopeKernel> {
+    static SLOT: std::sync::Mutex<Option<RopeKernel>> = std::sync::Mutex::new(None);
+    // SAFETY: as for `set_ce_rows_kernel`.
+    swap_kernel(&SLOT, kernel, |k| unsafe { zrun_ext_set_rope_kernel(k) })
 }
 
 /// Turns a shim status and its message into a `Result`, freeing the message.

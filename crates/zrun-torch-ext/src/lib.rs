@@ -19,6 +19,8 @@
 //!   them in the forward, through zrun's own CUDA kernel ([`kernels`], compiled with NVRTC);
 //! - [`rms_norm`]: RMSNorm as one autograd node, fused on CUDA, keeping only its input and
 //!   an rstd per row on every device;
+//! - [`rope`]: the rotary position embedding as one autograd node, one kernel pass each way
+//!   on CUDA;
 //! - [`swiglu`]: SwiGLU's product as one autograd node keeping only its two inputs, one
 //!   kernel pass each way on CUDA;
 //! - [`count_allocations`]: libtorch's allocations made by a piece of code (tests that check
@@ -40,6 +42,7 @@ mod norm;
 mod optim;
 mod profile;
 pub mod rng;
+mod rope;
 mod storage;
 mod swiglu;
 
@@ -58,5 +61,6 @@ pub use loss::{ce_rows, fused_linear_cross_entropy, linear_cross_entropy};
 pub use norm::rms_norm;
 pub use optim::{fused_adam, sum_of_squares, AdamStep};
 pub use profile::{profiler_start, profiler_stop};
+pub use rope::{rope, rope_raw};
 pub use storage::{resize_storage, storage_nbytes};
 pub use swiglu::{swiglu, swiglu_raw};

@@ -78,6 +78,7 @@ inline float __shfl_xor_sync(unsigned, float v, int off) {
 #include "../src/kernels/common.cuh"
 #include "../src/kernels/ce_rows.cu"
 #include "../src/kernels/swiglu.cu"
+#include "../src/kernels/rope.cu"
 
 template <typename F>
 void launch(unsigned rows, F body, unsigned block = kThreads) {
@@ -253,6 +254,44 @@ int main() {
     if (!std::isnan(loss[0])) {
       std::printf("target -1: loss %g\n", loss[0]);
       bad = 1;
+    }
+  }
+  // rope over (B, T, H, hd) = (2, 3, 5, 8) on 2 blocks of 256 (a grid-stride), forward and
+  // backward, against the formulas in double.
+  for (int bf = 0; bf < 2; ++bf) {
+    const long long B = 2, T = 3, H = 5, hd = 8, n = B * T * H * hd;
+    std::vector<float> x(n), c(T * hd), s(T * hd);
+    for (auto& v : x) v = bf ? bf16_round(normal(rng)) : normal(rng);
+    for (auto& v : c) v = bf ? bf16_round(normal(rng) * 0.3f) : normal(rng) * 0.3f;
+    for (auto& v : s) v = bf ? bf16_round(normal(rng) * 0.3f) : normal(rng) * 0.3f;
+    for (int backward = 0; backward < 2; ++backward) {
+      std::vector<float> y(n, NAN);
+      if (bf) {
+        std::vector<unsigned short> x16(n), c16(T * hd), s16(T * hd), y16(n);
+        for (long long i = 0; i < n; ++i) zr_store(&x16[i], x[i]);
+        for (long long i = 0; i < T * hd; ++i) {
+          zr_store(&c16[i], c[i]);
+          zr_store(&s16[i], s[i]);
+        }
+        launch(2, [&] { zr_rope_bf16(x16.data(), c16.data(), s16.data(), y16.data(), n, T, H, hd, backward); }, 256);
+        for (long long i = 0; i < n; ++i) y[i] = zr_load(&y16[i]);
+      } else {
+        launch(2, [&] { zr_rope_f32(x.data(), c.data(), s.data(), y.data(), n, T, H, hd, backward); }, 256);
+      }
+      double err = 0, top = 0;
+      for (long long idx = 0; idx < n; ++idx) {
+        const long long i = idx % hd, t = (idx / (hd * H)) % T, r = (i + hd / 2) % hd;
+        const long long pair = idx - i + r;
+        const double want = backward
+            ? double(x[idx]) * c[t * hd + i] + double(x[pair]) * s[t * hd + r]
+            : double(x[idx]) * c[t * hd + i] + double(x[pair]) * s[t * hd + i];
+        err = std::fmax(err, std::fabs(y[idx] - want));
+        top = std::fmax(top, std::fabs(want));
+      }
+      if (!(err <= (bf ? 1.0 / 128 : 1e-6) * top)) {
+        std::printf("rope %s backward %d: off by %g of %g\n", bf ? "bf16" : "fp32", backward, err, top);
+        bad = 1;
+      }
     }
   }
   if (!bad) std::printf("ok\n");

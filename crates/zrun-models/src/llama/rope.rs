@@ -122,18 +122,16 @@ pub(crate) fn cos_sin(
     Ok((cos, sin))
 }
 
-/// `x * cos + rotate_half(x) * sin` for heads `x` (B, h, T, hd) and [`cos_sin`]'s `cos` and
+/// `x * cos + rotate_half(x) * sin` for heads `x` (B, T, h, hd) and [`cos_sin`]'s `cos` and
 /// signed `sin` (T, hd): `rotate_half(x)` is `[-x2, x1]`, the halves swapped (a roll by hd/2)
-/// with the first negated, and the sign is in `sin`. One roll, whose backward is one roll,
-/// where slicing and concatenating the halves made two zero-filled gradients in backward.
+/// with the first negated, and the sign is in `sin`. One autograd node
+/// (`zrun_torch_ext::rope`) keeping cos and sin only: one kernel pass each way on CUDA, the
+/// ATen ops x * cos + roll(x) * sin elsewhere (one roll, whose backward is one roll).
 pub(crate) fn apply(unit: &str, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let hd = x.size().last().copied().unwrap_or(0);
-    let x_cos = x.f_mul(cos).ctx(unit, "rope mul(cos)")?; // (B, h, T, hd)
-    let x_sin = x
-        .f_roll([hd / 2], [-1])
-        .and_then(|r| r.f_mul(sin))
-        .ctx(unit, "rope roll")?; // (B, h, T, hd)
-    x_cos.f_add(&x_sin).ctx(unit, "rope add")
+    zrun_torch_ext::rope(x, cos, sin).map_err(|source| crate::Error::Shim {
+        place: format!("{unit}: rope"),
+        source,
+    })
 }
 
 #[cfg(test)]
@@ -205,11 +203,11 @@ mod tests {
     #[test]
     fn rotation_keeps_norms_and_turns_pairs_by_position_times_frequency() {
         let inv = [1.0f32, 0.1];
-        // cos and sin (2, 4); one head, two positions (3 and 4), head size 4: pairs (0, 2)
+        // cos and sin (2, 4); two positions (3 and 4), one head, head size 4: pairs (0, 2)
         // and (1, 3).
         let (cos, sin) = cos_sin("t", &inv, 3, 2, Device::Cpu, Kind::Double).unwrap();
         let x =
-            Tensor::from_slice(&[1.0f64, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0, 4.0]).reshape([1, 1, 2, 4]);
+            Tensor::from_slice(&[1.0f64, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0, 4.0]).reshape([1, 2, 1, 4]);
         let y = apply("t", &x, &cos, &sin).unwrap();
         let yv = values(&y.reshape([-1]));
         for (row, p) in [(0usize, 3.0f64), (1, 4.0)] {

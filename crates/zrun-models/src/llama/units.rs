@@ -211,12 +211,12 @@ impl Block {
         let heads = |w: &Tensor, n: i64| -> Result<Tensor> {
             h.f_linear(w, None::<Tensor>) // (B, T, n*hd)
                 .and_then(|p| p.f_view([b, t, n, hd])) // (B, T, n, hd)
-                .and_then(|p| p.f_transpose(1, 2)) // (B, n, T, hd)
                 .ctx(u, "linear and split heads")
         };
-        let q = rope::apply(u, &heads(wq, nh)?, &cos, &sin)?; // (B, nh, T, hd)
-        let k = rope::apply(u, &heads(wk, nkv)?, &cos, &sin)?; // (B, nkv, T, hd)
-        let v = heads(wv, nkv)?; // (B, nkv, T, hd)
+        let by_head = |x: Tensor| x.f_transpose(1, 2).ctx(u, "transpose heads"); // (B, n, T, hd)
+        let q = by_head(rope::apply(u, &heads(wq, nh)?, &cos, &sin)?)?; // (B, nh, T, hd)
+        let k = by_head(rope::apply(u, &heads(wk, nkv)?, &cos, &sin)?)?; // (B, nkv, T, hd)
+        let v = by_head(heads(wv, nkv)?)?; // (B, nkv, T, hd)
         let (k, v, causal) = match cache {
             None => (k, v, true),
             Some((pos, cache)) => cache_append(u, cache, k, v, pos)?, // (B, nkv, S, hd)

@@ -94,6 +94,33 @@ pub(super) fn swiglu(device: Device) -> Result<(), Error> {
     Ok(())
 }
 
+/// `rope`: forward and gradient, fp32 and bf16, a few positions and heads; within one rounding
+/// of the dtype of the largest value (ATen rounds each product, the kernel once).
+pub(super) fn rope(device: Device) -> Result<(), Error> {
+    let _guard = tch::no_grad_guard();
+    let (b, t, h, hd) = (2i64, 5i64, 3i64, 8i64);
+    for (kind, tol) in [(Kind::Float, 1e-6), (Kind::BFloat16, 2.0 / 128.0)] {
+        let op = || format!("check rope on {device:?} ({kind:?})");
+        let shape = |t: Tensor, dims: &[i64]| t.f_reshape(dims).map_err(|e| fail(&op(), e));
+        let x = shape(spread(b * t * h * hd, 0.7314, 2.0, device)?, &[b, t, h, hd])?.to_kind(kind);
+        let cos = shape(spread(t * hd, 1.3172, 1.0, device)?, &[t, hd])?.to_kind(kind);
+        let sin = shape(spread(t * hd, 0.5119, 1.0, device)?, &[t, hd])?.to_kind(kind);
+        for backward in [false, true] {
+            let got = crate::rope_raw(&x, &cos, &sin, backward, false)?;
+            let want = crate::rope_raw(&x, &cos, &sin, backward, true)?;
+            let err = max_abs(&(got.to_kind(Kind::Float) - want.to_kind(Kind::Float)));
+            let top = max_abs(&want).max(f64::MIN_POSITIVE);
+            if err.is_nan() || err > tol * top {
+                return Err(fail(
+                    &op(),
+                    format!("the kernel disagrees with ATen (backward {backward}) by {err:e} (of {top:e}); set ZRUN_KERNELS=0 to run without zrun's kernels"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -108,6 +135,7 @@ mod tests {
         tch::manual_seed(9);
         ce_rows(Device::Cpu).unwrap();
         swiglu(Device::Cpu).unwrap();
+        rope(Device::Cpu).unwrap();
         let got = Tensor::randn([4], (Kind::Float, Device::Cpu));
         assert!(got.equal(&want));
     }

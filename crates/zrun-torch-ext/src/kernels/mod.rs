@@ -7,6 +7,8 @@
 //!   arithmetic runs through ATen's ops (fp32 temporaries a block of rows at a time).
 //! - `swiglu` (swiglu.cu): SwiGLU's product and both its gradients in one pass each, behind
 //!   [`crate::swiglu`] (ATen's silu and mul otherwise).
+//! - `rope` (rope.cu): the rotary position embedding and its gradient in one pass each,
+//!   behind [`crate::rope`] (ATen's mul, roll and add otherwise).
 //!
 //! [`install`] compiles the kernels for one device, loads them, registers them with the shim
 //! and checks them against ATen's path on that device before any training step uses them; a
@@ -22,22 +24,26 @@ use tch::Device;
 
 mod check;
 
-/// The source of every kernel, one NVRTC program: the shared helpers, then `ce_rows` and
-/// `swiglu` (an fp32 and a bf16 entry point each).
+/// The source of every kernel, one NVRTC program: the shared helpers, then `ce_rows`,
+/// `swiglu` and `rope` (an fp32 and a bf16 entry point each; rope.cu uses swiglu.cu's block
+/// size).
 pub const SOURCE: &str = concat!(
     include_str!("common.cuh"),
     include_str!("ce_rows.cu"),
-    include_str!("swiglu.cu")
+    include_str!("swiglu.cu"),
+    include_str!("rope.cu")
 );
 
 /// The program's entry points, as `Loaded::functions` holds them.
-pub const ENTRIES: [&str; 6] = [
+pub const ENTRIES: [&str; 8] = [
     "zr_ce_rows_f32",
     "zr_ce_rows_bf16",
     "zr_swiglu_fwd_f32",
     "zr_swiglu_fwd_bf16",
     "zr_swiglu_bwd_f32",
     "zr_swiglu_bwd_bf16",
+    "zr_rope_f32",
+    "zr_rope_bf16",
 ];
 
 /// Threads per block of the elementwise kernels (swiglu.cu's `ZR_EW_THREADS`).
@@ -134,7 +140,7 @@ struct Loaded {
     device: i32,
     ctx: usize,
     /// The functions of [`ENTRIES`], in order.
-    functions: [usize; 6],
+    functions: [usize; ENTRIES.len()],
 }
 
 impl Loaded {
@@ -189,7 +195,7 @@ fn load(device: i32) -> Result<Loaded, Error> {
         cu::ctx::set_current(ctx).map_err(|e| driver("cuCtxSetCurrent", e))?;
         let module = cu::module::load_data(image.as_ptr().cast())
             .map_err(|e| driver("cuModuleLoadData(zrun's kernels)", e))?;
-        let mut functions = [0usize; 6];
+        let mut functions = [0usize; ENTRIES.len()];
         for (f, name) in functions.iter_mut().zip(ENTRIES) {
             let c = CString::new(name).map_err(|e| fail("load zrun's kernels", e))?;
             *f = cu::module::get_function(module, c)
@@ -368,9 +374,62 @@ extern "C" fn launch_swiglu(
     status(run, err)
 }
 
+/// The shim's `RopeKernel`: the rotary embedding (or its gradient) of `n` contiguous values
+/// of heads (B, `t`, `heads`, `hd`) on `stream`.
+extern "C" fn launch_rope(
+    device: c_int,
+    dtype: c_int,
+    backward: c_int,
+    x: *const c_void,
+    cos: *const c_void,
+    sin: *const c_void,
+    y: *mut c_void,
+    n: i64,
+    t: i64,
+    heads: i64,
+    hd: i64,
+    stream: *mut c_void,
+    err: *mut *mut c_char,
+) -> c_int {
+    let run = || -> Result<(), String> {
+        let blocks = u32::try_from(
+            ((n + i64::from(EW_THREADS) - 1) / i64::from(EW_THREADS)).clamp(1, 16_384),
+        )
+        .map_err(|e| e.to_string())?;
+        let name = if dtype == 1 {
+            "zr_rope_bf16"
+        } else {
+            "zr_rope_f32"
+        };
+        let (mut x, mut cos, mut sin, mut y, mut n, mut t, mut heads, mut hd, mut backward) =
+            (x, cos, sin, y, n, t, heads, hd, backward);
+        let mut params: [*mut c_void; 9] = [
+            (&raw mut x).cast(),
+            (&raw mut cos).cast(),
+            (&raw mut sin).cast(),
+            (&raw mut y).cast(),
+            (&raw mut n).cast(),
+            (&raw mut t).cast(),
+            (&raw mut heads).cast(),
+            (&raw mut hd).cast(),
+            (&raw mut backward).cast(),
+        ];
+        launch(
+            device,
+            name,
+            blocks,
+            EW_THREADS,
+            stream,
+            &mut params,
+            || format!("{name}, {n} values"),
+        )
+    };
+    status(run, err)
+}
+
 /// Compiles and loads the kernels for CUDA device `device`, checks each there against ATen's
-/// path ([`check`]) and registers them for every later [`crate::fused_linear_cross_entropy`]
-/// and [`crate::swiglu`]. Idempotent per device. On error nothing new is registered.
+/// path ([`check`]) and registers them for every later [`crate::fused_linear_cross_entropy`],
+/// [`crate::swiglu`] and [`crate::rope`]. Idempotent per device. On error nothing new is registered.
 pub fn install(device: usize) -> Result<(), Error> {
     let index = i32::try_from(device).map_err(|e| fail("install kernels", e))?;
     {
@@ -384,11 +443,15 @@ pub fn install(device: usize) -> Result<(), Error> {
     }
     let ce = crate::ffi::set_ce_rows_kernel(Some(launch_ce_rows));
     let sw = crate::ffi::set_swiglu_kernel(Some(launch_swiglu));
-    let checked =
-        check::ce_rows(Device::Cuda(device)).and_then(|()| check::swiglu(Device::Cuda(device)));
+    let ro = crate::ffi::set_rope_kernel(Some(launch_rope));
+    let dev = Device::Cuda(device);
+    let checked = check::ce_rows(dev)
+        .and_then(|()| check::swiglu(dev))
+        .and_then(|()| check::rope(dev));
     if let Err(e) = checked {
         crate::ffi::set_ce_rows_kernel(ce);
         crate::ffi::set_swiglu_kernel(sw);
+        crate::ffi::set_rope_kernel(ro);
         return Err(e);
     }
     Ok(())
@@ -398,4 +461,5 @@ pub fn install(device: usize) -> Result<(), Error> {
 pub fn uninstall() {
     crate::ffi::set_ce_rows_kernel(None);
     crate::ffi::set_swiglu_kernel(None);
+    crate::ffi::set_rope_kernel(None);
 }
