@@ -12,7 +12,9 @@
 //! - `loss_chunked`: the same with zrun's chunked loss (`linear_cross_entropy`, chunks of
 //!   2^24 logits, the CPU default) on the zrun side;
 //! - `swiglu`: silu(gate) * up and its two gradients: zrun's node against autograd's
-//!   silu-then-mul.
+//!   silu-then-mul;
+//! - `rope`: the rotary embedding of heads of 64 over the shape's rows as one sequence, and its
+//!   gradient: zrun's node against autograd over mul, roll and add.
 //!
 //! Each round runs every side once; the median over rounds is reported, with the side's peak
 //! memory above what was allocated before it (CUDA's caching allocator, or on CPU zrun's
@@ -193,7 +195,7 @@ pub fn run_kernels(args: &KernelsArgs) -> anyhow::Result<()> {
         );
     }
     for shape in shapes {
-        for case in ["loss", "loss_chunked", "swiglu"] {
+        for case in ["loss", "loss_chunked", "swiglu", "rope"] {
             row(args, device, kind, shape, case)?;
         }
     }
@@ -233,6 +235,31 @@ fn row(
                     .f_cross_entropy_loss::<Tensor>(&t2, None, Reduction::Mean, -100, 0.0)?;
                 let g = zrun_torch_ext::grad(&[&loss], &[&loss.ones_like()], &[&h2, &w2])?;
                 Ok((loss.double_value(&[]), g))
+            }),
+        )
+    } else if case == "rope" {
+        // One sequence of the shape's rows, heads of 64.
+        let (t, hd) = (s.n, 64);
+        let x = Tensor::f_randn([1, t, s.c / hd, hd], opts)?.set_requires_grad(true);
+        let cos = Tensor::f_randn([t, hd], opts)?;
+        let sin = Tensor::f_randn([t, hd], opts)?;
+        let up = Tensor::f_randn([1, t, s.c / hd, hd], opts)?;
+        let (x2, cos2, sin2, up2) = (
+            x.shallow_clone(),
+            cos.shallow_clone(),
+            sin.shallow_clone(),
+            up.shallow_clone(),
+        );
+        (
+            Box::new(move || {
+                let y = zrun_torch_ext::rope(&x, &cos, &sin)?;
+                let g = zrun_torch_ext::grad(&[&y], &[&up], &[&x])?;
+                Ok((0.0, std::iter::once(y.detach()).chain(g).collect()))
+            }),
+            Box::new(move || {
+                let y = &x2 * cos2.unsqueeze(1) + x2.f_roll([hd / 2], [-1])? * sin2.unsqueeze(1);
+                let g = zrun_torch_ext::grad(&[&y], &[&up2], &[&x2])?;
+                Ok((0.0, std::iter::once(y.detach()).chain(g).collect()))
             }),
         )
     } else {

@@ -129,8 +129,8 @@ enum BenchCmd {
     Adam(bench_adam::AdamArgs),
     /// Checkpoint save and load bandwidth against plain file I/O, and training blocked per save.
     Ckpt(bench_ckpt::CkptArgs),
-    /// zrun's fused ops (the loss on the full logits, SwiGLU) against PyTorch's, forward and
-    /// backward: time, peak memory, and how far apart the results are.
+    /// zrun's fused ops (the loss on the full logits, SwiGLU, the rotary embedding) against
+    /// PyTorch's, forward and backward: time, peak memory, and how far apart the results are.
     Kernels(bench_kernels::KernelsArgs),
 }
 
