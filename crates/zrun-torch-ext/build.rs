@@ -106,6 +106,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/swiglu.h");
     println!("cargo:rerun-if-changed=csrc/rope.cpp");
     println!("cargo:rerun-if-changed=csrc/rope.h");
+    println!("cargo:rerun-if-changed=csrc/stream.h");
     println!("cargo:rerun-if-changed=csrc/rms_norm.h");
     println!("cargo:rerun-if-changed=csrc/acc_type.h");
     println!("cargo:rerun-if-changed=build.rs");

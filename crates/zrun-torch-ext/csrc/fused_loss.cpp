@@ -8,9 +8,9 @@
 // upstream gradient after them (bf16 and fp32 only: fp16 needs the scale before rounding).
 
 #include "fused_loss.h"
+#include "stream.h"
 
 #include <ATen/ATen.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
@@ -55,13 +55,6 @@ at::Tensor ce_rows_aten(const at::Tensor& logits, const at::Tensor& targets,
     }
   }
   return loss;
-}
-
-// The stream libtorch runs on for `device`: the legacy default stream (null) unless a stream
-// guard set another.
-void* current_stream(const c10::Device& device) {
-  const c10::Stream stream = c10::impl::getDeviceGuardImpl(device.type())->getStream(device);
-  return stream.id() == 0 ? nullptr : stream.native_handle();
 }
 
 struct FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCrossEntropy> {

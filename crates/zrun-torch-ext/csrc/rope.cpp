@@ -4,9 +4,9 @@
 // in the backward); elsewhere those same ATen ops.
 
 #include "rope.h"
+#include "stream.h"
 
 #include <ATen/ATen.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <atomic>
@@ -20,11 +20,6 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 std::atomic<RopeKernel> g_kernel{nullptr};
-
-void* stream_of(const c10::Device& device) {
-  const c10::Stream stream = c10::impl::getDeviceGuardImpl(device.type())->getStream(device);
-  return stream.id() == 0 ? nullptr : stream.native_handle();
-}
 
 struct Rope : public torch::autograd::Function<Rope> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
@@ -62,7 +57,7 @@ at::Tensor rope_raw(const at::Tensor& x, const at::Tensor& cos, const at::Tensor
     const int rc = kernel(x.device().index(), x.scalar_type() == at::kBFloat16 ? 1 : 0,
                           backward ? 1 : 0, xc.data_ptr(), c.data_ptr(), s.data_ptr(),
                           y.data_ptr(), xc.numel(), xc.size(1), xc.size(2), hd,
-                          stream_of(x.device()), &err);
+                          current_stream(x.device()), &err);
     if (rc != 0) {
       std::string msg = err != nullptr ? err : "no message";
       std::free(err);

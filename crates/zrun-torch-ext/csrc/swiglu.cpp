@@ -4,9 +4,9 @@
 // writes both gradients, elsewhere as one more elementwise op.
 
 #include "swiglu.h"
+#include "stream.h"
 
 #include <ATen/ATen.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <atomic>
@@ -21,11 +21,6 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 std::atomic<SwigluKernel> g_kernel{nullptr};
-
-void* stream_of(const c10::Device& device) {
-  const c10::Stream stream = c10::impl::getDeviceGuardImpl(device.type())->getStream(device);
-  return stream.id() == 0 ? nullptr : stream.native_handle();
-}
 
 bool use_kernel(const at::Tensor& a, bool force_aten) {
   return !force_aten && a.is_cuda() && g_kernel.load() != nullptr &&
@@ -43,7 +38,7 @@ void launch(const at::Tensor& a, const at::Tensor& b, const at::Tensor* g, at::T
                                  g != nullptr ? 1 : 0, a.data_ptr(), b.data_ptr(),
                                  g != nullptr ? g->data_ptr() : nullptr, out0.data_ptr(),
                                  out1 != nullptr ? out1->data_ptr() : nullptr, n,
-                                 stream_of(a.device()), &err);
+                                 current_stream(a.device()), &err);
   if (rc != 0) {
     std::string msg = err != nullptr ? err : "no message";
     std::free(err);

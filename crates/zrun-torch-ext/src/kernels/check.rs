@@ -120,23 +120,3 @@ pub(super) fn rope(device: Device) -> Result<(), Error> {
     }
     Ok(())
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The checks' own inputs and comparisons on CPU, where both sides run ATen's ops: what
-    /// a GPU run would meet but for the kernel (shapes, dtypes, the targets and weights), and
-    /// that no generator is drawn from.
-    #[test]
-    fn the_checks_run_and_leave_the_generators_alone() {
-        tch::manual_seed(9);
-        let want = Tensor::randn([4], (Kind::Float, Device::Cpu));
-        tch::manual_seed(9);
-        ce_rows(Device::Cpu).unwrap();
-        swiglu(Device::Cpu).unwrap();
-        rope(Device::Cpu).unwrap();
-        let got = Tensor::randn([4], (Kind::Float, Device::Cpu));
-        assert!(got.equal(&want));
-    }
-}

@@ -46,6 +46,21 @@ pub const ENTRIES: [&str; 8] = [
     "zr_rope_bf16",
 ];
 
+/// The kernel arguments of a launch: pointers to the named locals (which cuLaunchKernel copies
+/// before it returns).
+macro_rules! args {
+    ($($a:ident),* $(,)?) => {
+        [$((&raw mut $a).cast::<c_void>()),*]
+    };
+}
+
+/// Blocks of [`EW_THREADS`] for `n` elements, enough to fill any GPU (the elementwise kernels
+/// stride over the rest).
+fn ew_blocks(n: i64) -> Result<u32, String> {
+    let per = i64::from(EW_THREADS);
+    u32::try_from(((n + per - 1) / per).clamp(1, 16_384)).map_err(|e| e.to_string())
+}
+
 /// Threads per block of the elementwise kernels (swiglu.cu's `ZR_EW_THREADS`).
 const EW_THREADS: u32 = 256;
 
@@ -289,14 +304,7 @@ extern "C" fn launch_ce_rows(
         };
         let (mut logits, mut targets, mut coef, mut loss, mut v, mut grad) =
             (logits, targets, coef, loss, v, grad);
-        let mut params: [*mut c_void; 6] = [
-            (&raw mut logits).cast(),
-            (&raw mut targets).cast(),
-            (&raw mut coef).cast(),
-            (&raw mut loss).cast(),
-            (&raw mut v).cast(),
-            (&raw mut grad).cast(),
-        ];
+        let mut params = args![logits, targets, coef, loss, v, grad];
         launch(
             device,
             name,
@@ -326,40 +334,23 @@ extern "C" fn launch_swiglu(
     err: *mut *mut c_char,
 ) -> c_int {
     let run = || -> Result<(), String> {
-        // Enough blocks to fill any GPU; the kernel strides over the rest.
-        let blocks = u32::try_from(
-            ((n + i64::from(EW_THREADS) - 1) / i64::from(EW_THREADS)).clamp(1, 16_384),
-        )
-        .map_err(|e| e.to_string())?;
+        let blocks = ew_blocks(n)?;
         let (mut a, mut b, mut g, mut out0, mut out1, mut n) = (a, b, g, out0, out1, n);
+        let bf16 = dtype == 1;
         let (name, mut params): (&str, Vec<*mut c_void>) = if backward != 0 {
-            let name = if dtype == 1 {
+            let name = if bf16 {
                 "zr_swiglu_bwd_bf16"
             } else {
                 "zr_swiglu_bwd_f32"
             };
-            let p = vec![
-                (&raw mut a).cast(),
-                (&raw mut b).cast(),
-                (&raw mut g).cast(),
-                (&raw mut out0).cast(),
-                (&raw mut out1).cast(),
-                (&raw mut n).cast(),
-            ];
-            (name, p)
+            (name, args![a, b, g, out0, out1, n].to_vec())
         } else {
-            let name = if dtype == 1 {
+            let name = if bf16 {
                 "zr_swiglu_fwd_bf16"
             } else {
                 "zr_swiglu_fwd_f32"
             };
-            let p = vec![
-                (&raw mut a).cast(),
-                (&raw mut b).cast(),
-                (&raw mut out0).cast(),
-                (&raw mut n).cast(),
-            ];
-            (name, p)
+            (name, args![a, b, out0, n].to_vec())
         };
         launch(
             device,
@@ -392,10 +383,7 @@ extern "C" fn launch_rope(
     err: *mut *mut c_char,
 ) -> c_int {
     let run = || -> Result<(), String> {
-        let blocks = u32::try_from(
-            ((n + i64::from(EW_THREADS) - 1) / i64::from(EW_THREADS)).clamp(1, 16_384),
-        )
-        .map_err(|e| e.to_string())?;
+        let blocks = ew_blocks(n)?;
         let name = if dtype == 1 {
             "zr_rope_bf16"
         } else {
@@ -403,17 +391,7 @@ extern "C" fn launch_rope(
         };
         let (mut x, mut cos, mut sin, mut y, mut n, mut t, mut heads, mut hd, mut backward) =
             (x, cos, sin, y, n, t, heads, hd, backward);
-        let mut params: [*mut c_void; 9] = [
-            (&raw mut x).cast(),
-            (&raw mut cos).cast(),
-            (&raw mut sin).cast(),
-            (&raw mut y).cast(),
-            (&raw mut n).cast(),
-            (&raw mut t).cast(),
-            (&raw mut heads).cast(),
-            (&raw mut hd).cast(),
-            (&raw mut backward).cast(),
-        ];
+        let mut params = args![x, cos, sin, y, n, t, heads, hd, backward];
         launch(
             device,
             name,
@@ -444,10 +422,7 @@ pub fn install(device: usize) -> Result<(), Error> {
     let ce = crate::ffi::set_ce_rows_kernel(Some(launch_ce_rows));
     let sw = crate::ffi::set_swiglu_kernel(Some(launch_swiglu));
     let ro = crate::ffi::set_rope_kernel(Some(launch_rope));
-    let dev = Device::Cuda(device);
-    let checked = check::ce_rows(dev)
-        .and_then(|()| check::swiglu(dev))
-        .and_then(|()| check::rope(dev));
+    let checked = check_all(Device::Cuda(device));
     if let Err(e) = checked {
         crate::ffi::set_ce_rows_kernel(ce);
         crate::ffi::set_swiglu_kernel(sw);
@@ -455,6 +430,14 @@ pub fn install(device: usize) -> Result<(), Error> {
         return Err(e);
     }
     Ok(())
+}
+
+/// Every kernel's check on `device`: what is registered there against ATen's ops, on inputs
+/// drawn from no random generator (on CPU both sides are ATen's).
+pub fn check_all(device: Device) -> Result<(), Error> {
+    check::ce_rows(device)
+        .and_then(|()| check::swiglu(device))
+        .and_then(|()| check::rope(device))
 }
 
 /// Removes the registered kernels (ATen's ops from then on).
