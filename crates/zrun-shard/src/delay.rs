@@ -95,23 +95,22 @@ impl Engine {
             let _guard = tch::no_grad_guard();
             let stage = self.cfg.stage;
             let src = self.host()?.refreshed().shallow_clone();
-            // Every unit's destination and source, before the host optimizer is borrowed.
-            let pairs = (0..self.units_len())
-                .map(|u| {
-                    Ok((
-                        self.mover.owned_params(&self.params, u, stage)?,
-                        self.mover.shard_of(&src, u)?,
-                        self.mover.layout.units[u].unit.clone(),
-                    ))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let units = pairs.len();
-            let h = self.host()?;
+            let units = self.units_len();
+            // The host optimizer, the layout and the parameters borrowed apart: each unit's
+            // copy is made as it comes, with nothing gathered per step.
+            let (mover, params) = (&self.mover, &self.params);
+            let Optimizer::Host(h) = &mut self.optimizer else {
+                return Err(Error::Unsupported(
+                    "zero.offload_delay needs zero.offload_optimizer = \"cpu\"".into(),
+                ));
+            };
             h.finish_each(units, |u| {
-                let (dst, from, name) = &pairs[u];
-                zrun_torch_ext::copy_async(dst, from).map_err(|e| {
+                let dst = mover.owned_params(params, u, stage)?;
+                let from = mover.shard_of(&src, u)?;
+                zrun_torch_ext::copy_async(&dst, &from).map_err(|e| {
                     Error::Unsupported(format!(
-                        "copy parameters of unit `{name}` to the device: {e}"
+                        "copy parameters of unit `{}` to the device: {e}",
+                        mover.layout.units[u].unit
                     ))
                 })
             })?;

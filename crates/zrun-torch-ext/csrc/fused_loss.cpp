@@ -15,8 +15,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
-#include <string>
 
 namespace zrun {
 namespace {
@@ -121,11 +119,7 @@ at::Tensor ce_rows(const at::Tensor& logits, const at::Tensor& targets, const at
   const int rc = kernel(logits.device().index(), logits.scalar_type() == at::kBFloat16 ? 1 : 0,
                         logits.data_ptr(), t.data_ptr(), c.data_ptr(), loss.data_ptr(), n, v,
                         grad ? 1 : 0, current_stream(logits.device()), &err);
-  if (rc != 0) {
-    std::string msg = err != nullptr ? err : "no message";
-    std::free(err);
-    TORCH_CHECK(false, "the fused cross-entropy kernel failed: ", msg);
-  }
+  check_launch(rc, err, "fused cross-entropy");
   return loss;
 }
 

@@ -10,8 +10,6 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <string>
 
 namespace zrun {
 namespace {
@@ -58,11 +56,7 @@ at::Tensor rope_raw(const at::Tensor& x, const at::Tensor& cos, const at::Tensor
                           backward ? 1 : 0, xc.data_ptr(), c.data_ptr(), s.data_ptr(),
                           y.data_ptr(), xc.numel(), xc.size(1), xc.size(2), hd,
                           current_stream(x.device()), &err);
-    if (rc != 0) {
-      std::string msg = err != nullptr ? err : "no message";
-      std::free(err);
-      TORCH_CHECK(false, "the rope kernel failed: ", msg);
-    }
+    check_launch(rc, err, "rope");
     return y;
   }
   // (T, 1, hd): over the heads of each position.

@@ -10,8 +10,6 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <string>
 #include <vector>
 
 namespace zrun {
@@ -39,11 +37,7 @@ void launch(const at::Tensor& a, const at::Tensor& b, const at::Tensor* g, at::T
                                  g != nullptr ? g->data_ptr() : nullptr, out0.data_ptr(),
                                  out1 != nullptr ? out1->data_ptr() : nullptr, n,
                                  current_stream(a.device()), &err);
-  if (rc != 0) {
-    std::string msg = err != nullptr ? err : "no message";
-    std::free(err);
-    TORCH_CHECK(false, "the SwiGLU kernel failed: ", msg);
-  }
+  check_launch(rc, err, "SwiGLU");
 }
 
 struct Swiglu : public torch::autograd::Function<Swiglu> {

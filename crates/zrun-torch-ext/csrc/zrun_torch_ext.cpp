@@ -680,8 +680,10 @@ int zrun_ext_ce_rows(const at::Tensor* logits, const at::Tensor* targets, const 
   });
 }
 
-// Registers the CUDA kernel behind zrun::ce_rows (nullptr: none); cannot fail.
-void zrun_ext_set_ce_rows_kernel(zrun::CeRowsKernel kernel) { zrun::set_ce_rows_kernel(kernel); }
+// Registers the CUDA kernel behind zrun::ce_rows (nullptr: none); returns the one it replaces. Cannot fail.
+zrun::CeRowsKernel zrun_ext_set_ce_rows_kernel(zrun::CeRowsKernel kernel) {
+  return zrun::set_ce_rows_kernel(kernel);
+}
 
 // zrun::swiglu (raw: zrun::swiglu_raw, with `g` null for the forward; *out1 only with `g`)
 // after checking its inputs (see swiglu.h).
@@ -710,8 +712,10 @@ int zrun_ext_swiglu(const at::Tensor* a, const at::Tensor* b, const at::Tensor* 
   });
 }
 
-// Registers the CUDA kernel behind zrun::swiglu (nullptr: none); cannot fail.
-void zrun_ext_set_swiglu_kernel(zrun::SwigluKernel kernel) { zrun::set_swiglu_kernel(kernel); }
+// Registers the CUDA kernel behind zrun::swiglu (nullptr: none); returns the one it replaces. Cannot fail.
+zrun::SwigluKernel zrun_ext_set_swiglu_kernel(zrun::SwigluKernel kernel) {
+  return zrun::set_swiglu_kernel(kernel);
+}
 
 // zrun::rope (raw: zrun::rope_raw with `backward`, `force_aten`); rope_raw checks the inputs.
 int zrun_ext_rope(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* sin, int raw,
@@ -726,8 +730,10 @@ int zrun_ext_rope(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* 
   });
 }
 
-// Registers the CUDA kernel behind zrun::rope (nullptr: none); cannot fail.
-void zrun_ext_set_rope_kernel(zrun::RopeKernel kernel) { zrun::set_rope_kernel(kernel); }
+// Registers the CUDA kernel behind zrun::rope (nullptr: none); returns the one it replaces. Cannot fail.
+zrun::RopeKernel zrun_ext_set_rope_kernel(zrun::RopeKernel kernel) {
+  return zrun::set_rope_kernel(kernel);
+}
 
 // zrun::rms_norm after checking its inputs (see rms_norm.h).
 int zrun_ext_rms_norm(const at::Tensor* x, const at::Tensor* w, double eps, at::Tensor** out,

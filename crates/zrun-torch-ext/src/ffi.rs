@@ -152,7 +152,7 @@ extern "C" {
         out: *mut *mut c_void,
         err: *mut *mut c_char,
     ) -> c_int;
-    fn zrun_ext_set_ce_rows_kernel(kernel: Option<CeRowsKernel>);
+    fn zrun_ext_set_ce_rows_kernel(kernel: Option<CeRowsKernel>) -> Option<CeRowsKernel>;
     pub(crate) fn zrun_ext_swiglu(
         a: *const c_void,
         b: *const c_void,
@@ -163,7 +163,7 @@ extern "C" {
         out1: *mut *mut c_void,
         err: *mut *mut c_char,
     ) -> c_int;
-    fn zrun_ext_set_swiglu_kernel(kernel: Option<SwigluKernel>);
+    fn zrun_ext_set_swiglu_kernel(kernel: Option<SwigluKernel>) -> Option<SwigluKernel>;
     pub(crate) fn zrun_ext_rope(
         x: *const c_void,
         cos: *const c_void,
@@ -174,7 +174,7 @@ extern "C" {
         out: *mut *mut c_void,
         err: *mut *mut c_char,
     ) -> c_int;
-    fn zrun_ext_set_rope_kernel(kernel: Option<RopeKernel>);
+    fn zrun_ext_set_rope_kernel(kernel: Option<RopeKernel>) -> Option<RopeKernel>;
     pub(crate) fn zrun_ext_event_record_current(
         device: i64,
         out: *mut *mut c_void,
@@ -201,28 +201,12 @@ pub(crate) type CeRowsKernel = extern "C" fn(
     *mut *mut c_char,
 ) -> c_int;
 
-/// Puts `kernel` in `slot` and hands it to the shim through `register`; returns the one it
-/// replaces.
-fn swap_kernel<K: Copy>(
-    slot: &std::sync::Mutex<Option<K>>,
-    kernel: Option<K>,
-    register: impl FnOnce(Option<K>),
-) -> Option<K> {
-    let previous = slot
-        .lock()
-        .map(|mut k| std::mem::replace(&mut *k, kernel))
-        .unwrap_or(None);
-    register(kernel);
-    previous
-}
-
 /// Registers `kernel` behind the shim's `ce_rows` (`None`: ATen's ops); returns the one it
 /// replaces.
 pub(crate) fn set_ce_rows_kernel(kernel: Option<CeRowsKernel>) -> Option<CeRowsKernel> {
-    static SLOT: std::sync::Mutex<Option<CeRowsKernel>> = std::sync::Mutex::new(None);
-    // SAFETY: the shim stores the pointer atomically; `kernel` is a Rust `extern "C"`
-    // function of the shim's signature, valid for the process.
-    swap_kernel(&SLOT, kernel, |k| unsafe { zrun_ext_set_ce_rows_kernel(k) })
+    // SAFETY: the shim swaps the pointer atomically; `kernel` is a Rust `extern "C"` function
+    // of the shim's signature, valid for the process.
+    unsafe { zrun_ext_set_ce_rows_kernel(kernel) }
 }
 
 /// The shim's `zrun::SwigluKernel` (csrc/swiglu.h).
@@ -243,9 +227,8 @@ pub(crate) type SwigluKernel = extern "C" fn(
 /// Registers `kernel` behind the shim's `swiglu` (`None`: ATen's ops); returns the one it
 /// replaces.
 pub(crate) fn set_swiglu_kernel(kernel: Option<SwigluKernel>) -> Option<SwigluKernel> {
-    static SLOT: std::sync::Mutex<Option<SwigluKernel>> = std::sync::Mutex::new(None);
     // SAFETY: as for `set_ce_rows_kernel`.
-    swap_kernel(&SLOT, kernel, |k| unsafe { zrun_ext_set_swiglu_kernel(k) })
+    unsafe { zrun_ext_set_swiglu_kernel(kernel) }
 }
 
 /// The shim's `zrun::RopeKernel` (csrc/rope.h).
@@ -268,9 +251,8 @@ pub(crate) type RopeKernel = extern "C" fn(
 /// Registers `kernel` behind the shim's `rope` (`None`: ATen's ops); returns the one it
 /// replaces.
 pub(crate) fn set_rope_kernel(kernel: Option<RopeKernel>) -> Option<RopeKernel> {
-    static SLOT: std::sync::Mutex<Option<RopeKernel>> = std::sync::Mutex::new(None);
     // SAFETY: as for `set_ce_rows_kernel`.
-    swap_kernel(&SLOT, kernel, |k| unsafe { zrun_ext_set_rope_kernel(k) })
+    unsafe { zrun_ext_set_rope_kernel(kernel) }
 }
 
 /// Turns a shim status and its message into a `Result`, freeing the message.

@@ -34,7 +34,8 @@ pub const SOURCE: &str = concat!(
     include_str!("rope.cu")
 );
 
-/// The program's entry points, as `Loaded::functions` holds them.
+/// The program's entry points, as `Loaded::functions` holds them: each kernel's fp32 entry,
+/// then its bf16 one (the launches index them so).
 pub const ENTRIES: [&str; 8] = [
     "zr_ce_rows_f32",
     "zr_ce_rows_bf16",
@@ -158,14 +159,6 @@ struct Loaded {
     functions: [usize; ENTRIES.len()],
 }
 
-impl Loaded {
-    /// The function of entry `name` (one of [`ENTRIES`]).
-    fn function(&self, name: &str) -> cusys::CUfunction {
-        let i = ENTRIES.iter().position(|e| *e == name).unwrap_or(0);
-        self.functions[i] as cusys::CUfunction
-    }
-}
-
 static LOADED: Mutex<Vec<Loaded>> = Mutex::new(Vec::new());
 
 fn driver(op: &str, e: cu::DriverError) -> Error {
@@ -235,11 +228,11 @@ fn report(err: *mut *mut c_char, msg: &str) -> c_int {
     1
 }
 
-/// Launches entry `name` on `device`'s loaded program with `params` (pointers to the
+/// Launches entry `ENTRIES[entry]` on `device`'s loaded program with `params` (pointers to the
 /// kernel's arguments) on `stream`; `what` names the launch in an error.
 fn launch(
     device: c_int,
-    name: &str,
+    entry: usize,
     grid: u32,
     block: u32,
     stream: *mut c_void,
@@ -260,7 +253,7 @@ fn launch(
         cu::ctx::set_current(k.ctx as cusys::CUcontext)
             .map_err(|e| format!("cuCtxSetCurrent: {e:?}"))?;
         cu::launch_kernel(
-            k.function(name),
+            k.functions[entry] as cusys::CUfunction,
             (grid, 1, 1),
             (block, 1, 1),
             0,
@@ -297,17 +290,15 @@ extern "C" fn launch_ce_rows(
     let run = || -> Result<(), String> {
         let rows =
             u32::try_from(n).map_err(|_| format!("{n} rows are more than one launch takes"))?;
-        let name = if dtype == 1 {
-            "zr_ce_rows_bf16"
-        } else {
-            "zr_ce_rows_f32"
-        };
+        // ENTRIES: the fp32 entry, then the bf16 one.
+        let entry = usize::from(dtype == 1);
+        let name = ENTRIES[entry];
         let (mut logits, mut targets, mut coef, mut loss, mut v, mut grad) =
             (logits, targets, coef, loss, v, grad);
         let mut params = args![logits, targets, coef, loss, v, grad];
         launch(
             device,
-            name,
+            entry,
             rows,
             CE_ROWS_THREADS,
             stream,
@@ -336,25 +327,16 @@ extern "C" fn launch_swiglu(
     let run = || -> Result<(), String> {
         let blocks = ew_blocks(n)?;
         let (mut a, mut b, mut g, mut out0, mut out1, mut n) = (a, b, g, out0, out1, n);
-        let bf16 = dtype == 1;
-        let (name, mut params): (&str, Vec<*mut c_void>) = if backward != 0 {
-            let name = if bf16 {
-                "zr_swiglu_bwd_bf16"
-            } else {
-                "zr_swiglu_bwd_f32"
-            };
-            (name, args![a, b, g, out0, out1, n].to_vec())
+        let bf16 = usize::from(dtype == 1);
+        let (entry, mut params): (usize, Vec<*mut c_void>) = if backward != 0 {
+            (4 + bf16, args![a, b, g, out0, out1, n].to_vec())
         } else {
-            let name = if bf16 {
-                "zr_swiglu_fwd_bf16"
-            } else {
-                "zr_swiglu_fwd_f32"
-            };
-            (name, args![a, b, out0, n].to_vec())
+            (2 + bf16, args![a, b, out0, n].to_vec())
         };
+        let name = ENTRIES[entry];
         launch(
             device,
-            name,
+            entry,
             blocks,
             EW_THREADS,
             stream,
@@ -384,17 +366,14 @@ extern "C" fn launch_rope(
 ) -> c_int {
     let run = || -> Result<(), String> {
         let blocks = ew_blocks(n)?;
-        let name = if dtype == 1 {
-            "zr_rope_bf16"
-        } else {
-            "zr_rope_f32"
-        };
+        let entry = 6 + usize::from(dtype == 1);
+        let name = ENTRIES[entry];
         let (mut x, mut cos, mut sin, mut y, mut n, mut t, mut heads, mut hd, mut backward) =
             (x, cos, sin, y, n, t, heads, hd, backward);
         let mut params = args![x, cos, sin, y, n, t, heads, hd, backward];
         launch(
             device,
-            name,
+            entry,
             blocks,
             EW_THREADS,
             stream,
