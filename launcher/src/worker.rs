@@ -33,7 +33,14 @@ pub fn run(config: &Path, overrides: &[String]) -> Result<()> {
     // ranks than GPUs stops here, as bad input.
     rank_device(dist.device, &topo)?;
     let timeout = Duration::from_secs(cfg.dist.timeout_s);
-    let comm: Arc<dyn Communicator> = Arc::from(zrun_comm::init(&topo, dist.backend, timeout)?);
+    // One rank trains alone: its collectives are copies or nothing (an NCCL communicator of
+    // one rank would still run a kernel per reduction: 1.4 ms of gpt2-medium's 54 ms step on
+    // an H100, check p of 2026-11-27). `zrun bench comm` keeps NCCL at one rank.
+    let comm: Arc<dyn Communicator> = if topo.world_size == 1 {
+        Arc::from(zrun_comm::solo(dist.backend))
+    } else {
+        Arc::from(zrun_comm::init(&topo, dist.backend, timeout)?)
+    };
     let mut run = Run::new(&cfg, comm, &topo)?;
     let floor = run.loss_floor();
     let trained = run.train();
