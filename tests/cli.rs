@@ -296,8 +296,8 @@ fn a_dry_run_shows_the_shard_groups() {
 
 /// `zrun bench kernels` on CPU: every case runs, interleaved, and prints its row; zrun's
 /// fused and chunked losses equal PyTorch's cross-entropy (fp32), the fused one holding less
-/// at its peak, and the SwiGLU and rotary nodes equal autograd over the ops they replace
-/// bitwise.
+/// at its peak, and the SwiGLU, rotary, bias-gradient and LayerNorm sides equal the ops
+/// they replace bitwise.
 #[test]
 fn bench_kernels_compares_the_fused_ops_with_pytorchs() {
     let out = zrun(&[
@@ -309,7 +309,7 @@ fn bench_kernels_compares_the_fused_ops_with_pytorchs() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(rows.len(), 4, "{rows:?}");
+    assert_eq!(rows.len(), 6, "{rows:?}");
     let (loss, chunked, swiglu, rope) = (&rows[0], &rows[1], &rows[2], &rows[3]);
     let cases: Vec<_> = rows.iter().map(|r| r["case"].as_str()).collect();
     assert_eq!(
@@ -318,10 +318,14 @@ fn bench_kernels_compares_the_fused_ops_with_pytorchs() {
             Some("loss"),
             Some("loss_chunked"),
             Some("swiglu"),
-            Some("rope")
+            Some("rope"),
+            Some("bias_grad"),
+            Some("layer_norm")
         ]
     );
-    assert_eq!(rope["apart"].as_f64(), Some(0.0), "{rope}");
+    for r in [rope, &rows[4], &rows[5]] {
+        assert_eq!(r["apart"].as_f64(), Some(0.0), "{r}");
+    }
     assert!(loss["apart"].as_f64().unwrap() < 1e-5, "{loss}");
     assert!(chunked["apart"].as_f64().unwrap() < 1e-5, "{chunked}");
     assert_eq!(swiglu["apart"].as_f64(), Some(0.0), "{swiglu}");

@@ -14,7 +14,11 @@
 //! - `swiglu`: silu(gate) * up and its two gradients: zrun's node against autograd's
 //!   silu-then-mul;
 //! - `rope`: the rotary embedding of heads of 64 over the shape's rows as one sequence, and its
-//!   gradient: zrun's node against autograd over mul, roll and add.
+//!   gradient: zrun's node against autograd over mul, roll and add;
+//! - `bias_grad`: a bias's gradient, the sum over rows of the MLP's output gradient (rows x
+//!   MLP width): zrun's column sums against ATen's sum;
+//! - `layer_norm`: LayerNorm over the width and its three gradients: zrun's node (column sums
+//!   for the weight and bias) against autograd's layer_norm.
 //!
 //! Each round runs every side once; the median over rounds is reported, with the side's peak
 //! memory above what was allocated before it (CUDA's caching allocator, or on CPU zrun's
@@ -134,6 +138,16 @@ fn apart(got: &Outcome, want: &Outcome) -> f64 {
     worst
 }
 
+/// The cases, in the order of the rows.
+const CASES: [&str; 6] = [
+    "loss",
+    "loss_chunked",
+    "swiglu",
+    "rope",
+    "bias_grad",
+    "layer_norm",
+];
+
 /// Runs `zrun bench kernels`.
 pub fn run_kernels(args: &KernelsArgs) -> anyhow::Result<()> {
     let device = match args.device.as_deref() {
@@ -195,7 +209,7 @@ pub fn run_kernels(args: &KernelsArgs) -> anyhow::Result<()> {
         );
     }
     for shape in shapes {
-        for case in ["loss", "loss_chunked", "swiglu", "rope"] {
+        for case in CASES {
             row(args, device, kind, shape, case)?;
         }
     }
@@ -259,6 +273,37 @@ fn row(
             Box::new(move || {
                 let y = &x2 * cos2.unsqueeze(1) + x2.f_roll([hd / 2], [-1])? * sin2.unsqueeze(1);
                 let g = zrun_torch_ext::grad(&[&y], &[&up2], &[&x2])?;
+                Ok((0.0, std::iter::once(y.detach()).chain(g).collect()))
+            }),
+        )
+    } else if case == "bias_grad" {
+        let dy = Tensor::f_randn([s.n, s.f], opts)?;
+        let dy2 = dy.shallow_clone();
+        (
+            Box::new(move || Ok((0.0, zrun_torch_ext::colsum_raw(&dy, None, false)?))),
+            Box::new(move || Ok((0.0, vec![dy2.f_sum_dim_intlist(0, false, kind)?]))),
+        )
+    } else if case == "layer_norm" {
+        let c = s.c;
+        let x = (Tensor::f_randn([s.n, c], opts)? * 2.0).set_requires_grad(true);
+        let w = (Tensor::f_randn([c], opts)? + 1.0).set_requires_grad(true);
+        let b = Tensor::f_randn([s.c], opts)?.set_requires_grad(true);
+        let up = Tensor::f_randn([s.n, s.c], opts)?;
+        let (x2, w2, b2, up2) = (
+            x.shallow_clone(),
+            w.shallow_clone(),
+            b.shallow_clone(),
+            up.shallow_clone(),
+        );
+        (
+            Box::new(move || {
+                let y = zrun_torch_ext::layer_norm(&x, &w, &b, 1e-5)?;
+                let g = zrun_torch_ext::grad(&[&y], &[&up], &[&x, &w, &b])?;
+                Ok((0.0, std::iter::once(y.detach()).chain(g).collect()))
+            }),
+            Box::new(move || {
+                let y = x2.f_layer_norm([c].as_slice(), Some(&w2), Some(&b2), 1e-5, true)?;
+                let g = zrun_torch_ext::grad(&[&y], &[&up2], &[&x2, &w2, &b2])?;
                 Ok((0.0, std::iter::once(y.detach()).chain(g).collect()))
             }),
         )

@@ -31,6 +31,7 @@
 #include "rms_norm.h"
 #include "rope.h"
 #include "swiglu.h"
+#include "colsum.h"
 
 #include <atomic>
 #include <cstdint>
@@ -733,6 +734,73 @@ int zrun_ext_rope(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* 
 // Registers the CUDA kernel behind zrun::rope (nullptr: none); returns the one it replaces. Cannot fail.
 zrun::RopeKernel zrun_ext_set_rope_kernel(zrun::RopeKernel kernel) {
   return zrun::set_rope_kernel(kernel);
+}
+
+// zrun::linear after checking its inputs (see colsum.h).
+int zrun_ext_linear(const at::Tensor* x, const at::Tensor* w, const at::Tensor* b,
+                    at::Tensor** out, char** err) {
+  return guard(err, [&] {
+    if (!x->defined() || !w->defined() || !b->defined()) {
+      return refuse(err, "an input is undefined");
+    }
+    if (x->dim() < 1 || w->dim() != 2 || b->dim() != 1 || x->size(-1) != w->size(1) ||
+        b->size(0) != w->size(0) || !x->is_floating_point() ||
+        x->scalar_type() != w->scalar_type() || x->scalar_type() != b->scalar_type() ||
+        x->device() != w->device() || x->device() != b->device()) {
+      return refuse(err, "x (..., in), w (out, in) and b (out) must be floating point of one dtype and device");
+    }
+    *out = new at::Tensor(zrun::linear(*x, *w, *b));
+    return ZR_OK;
+  });
+}
+
+// zrun::layer_norm after checking its inputs (see colsum.h).
+int zrun_ext_layer_norm(const at::Tensor* x, const at::Tensor* w, const at::Tensor* b,
+                        double eps, at::Tensor** out, char** err) {
+  return guard(err, [&] {
+    if (!x->defined() || !w->defined() || !b->defined()) {
+      return refuse(err, "an input is undefined");
+    }
+    if (x->dim() < 1 || w->dim() != 1 || w->sizes() != b->sizes() ||
+        x->size(-1) != w->size(0) || !x->is_floating_point() ||
+        x->scalar_type() != w->scalar_type() || x->scalar_type() != b->scalar_type() ||
+        x->device() != w->device() || x->device() != b->device()) {
+      return refuse(err, "x (..., C), w (C) and b (C) must be floating point of one dtype and device");
+    }
+    if (!(eps >= 0.0)) {
+      return refuse(err, "eps must be a number >= 0");
+    }
+    *out = new at::Tensor(zrun::layer_norm(*x, *w, *b, eps));
+    return ZR_OK;
+  });
+}
+
+// zrun::colsum_raw (x, mean and rstd all null or all given; *out1 only with x).
+int zrun_ext_colsum(const at::Tensor* dy, const at::Tensor* x, const at::Tensor* mean,
+                    const at::Tensor* rstd, int force_aten, at::Tensor** out0,
+                    at::Tensor** out1, char** err) {
+  return guard(err, [&] {
+    if (!dy->defined() || (x != nullptr && (!x->defined() || mean == nullptr ||
+                                            rstd == nullptr || !mean->defined() ||
+                                            !rstd->defined()))) {
+      return refuse(err, "an input is undefined");
+    }
+    if (dy->dim() != 2 || !dy->is_floating_point()) {
+      return refuse(err, "dy must be floating point (rows, cols)");
+    }
+    auto r = zrun::colsum_raw(*dy, x, mean, rstd, force_aten != 0);
+    *out0 = new at::Tensor(r[0]);
+    if (x != nullptr) {
+      *out1 = new at::Tensor(r[1]);
+    }
+    return ZR_OK;
+  });
+}
+
+// Registers the CUDA kernel behind zrun::linear and zrun::layer_norm's sums (nullptr: none);
+// returns the one it replaces. Cannot fail.
+zrun::ColsumKernel zrun_ext_set_colsum_kernel(zrun::ColsumKernel kernel) {
+  return zrun::set_colsum_kernel(kernel);
 }
 
 // zrun::rms_norm after checking its inputs (see rms_norm.h).

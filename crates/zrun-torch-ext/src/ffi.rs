@@ -175,6 +175,32 @@ extern "C" {
         err: *mut *mut c_char,
     ) -> c_int;
     fn zrun_ext_set_rope_kernel(kernel: Option<RopeKernel>) -> Option<RopeKernel>;
+    pub(crate) fn zrun_ext_linear(
+        x: *const c_void,
+        w: *const c_void,
+        b: *const c_void,
+        out: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    pub(crate) fn zrun_ext_layer_norm(
+        x: *const c_void,
+        w: *const c_void,
+        b: *const c_void,
+        eps: f64,
+        out: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    pub(crate) fn zrun_ext_colsum(
+        dy: *const c_void,
+        x: *const c_void,
+        mean: *const c_void,
+        rstd: *const c_void,
+        force_aten: c_int,
+        out0: *mut *mut c_void,
+        out1: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    fn zrun_ext_set_colsum_kernel(kernel: Option<ColsumKernel>) -> Option<ColsumKernel>;
     pub(crate) fn zrun_ext_event_record_current(
         device: i64,
         out: *mut *mut c_void,
@@ -253,6 +279,32 @@ pub(crate) type RopeKernel = extern "C" fn(
 pub(crate) fn set_rope_kernel(kernel: Option<RopeKernel>) -> Option<RopeKernel> {
     // SAFETY: as for `set_ce_rows_kernel`.
     unsafe { zrun_ext_set_rope_kernel(kernel) }
+}
+
+/// The shim's `zrun::ColsumKernel` (csrc/colsum.h).
+pub(crate) type ColsumKernel = extern "C" fn(
+    c_int,
+    c_int,
+    *const c_void,
+    *const c_void,
+    *const c_void,
+    *const c_void,
+    *mut c_void,
+    *mut c_void,
+    *mut c_void,
+    i64,
+    i64,
+    i64,
+    i64,
+    *mut c_void,
+    *mut *mut c_char,
+) -> c_int;
+
+/// Registers `kernel` behind the shim's `linear` and `layer_norm` sums (`None`: ATen's ops);
+/// returns the one it replaces.
+pub(crate) fn set_colsum_kernel(kernel: Option<ColsumKernel>) -> Option<ColsumKernel> {
+    // SAFETY: as for `set_ce_rows_kernel`.
+    unsafe { zrun_ext_set_colsum_kernel(kernel) }
 }
 
 /// Turns a shim status and its message into a `Result`, freeing the message.

@@ -17,6 +17,8 @@
 //!   own backward (the full logits are never held);
 //! - [`fused_linear_cross_entropy`]: the same on the full logits, their gradient written over
 //!   them in the forward, through zrun's own CUDA kernel ([`kernels`], compiled with NVRTC);
+//! - [`linear`] (with a bias) and [`layer_norm`]: autograd nodes whose sums over rows (the
+//!   bias's gradient, LayerNorm's weight and bias gradients) are one kernel pass on CUDA;
 //! - [`rms_norm`]: RMSNorm as one autograd node, fused on CUDA, keeping only its input and
 //!   an rstd per row on every device;
 //! - [`rope`]: the rotary position embedding as one autograd node, one kernel pass each way
@@ -31,6 +33,7 @@
 //! No C++ exception crosses into Rust: the shim turns each into an [`Error`].
 
 mod autograd;
+mod colsum;
 mod count;
 mod cpu_alloc;
 mod cuda;
@@ -47,6 +50,7 @@ mod storage;
 mod swiglu;
 
 pub use autograd::grad;
+pub use colsum::{colsum_raw, layer_norm, linear};
 pub use count::{count_allocations, Allocations};
 pub use cpu_alloc::{
     cpu_caching_allocator_installed, cpu_empty_cache, cpu_memory_stats,

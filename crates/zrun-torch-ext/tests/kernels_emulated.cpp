@@ -1,8 +1,8 @@
 // Runs src/kernels/*.cu as plain C++ on the CPU: each CUDA thread of a block is an OS
 // thread, __syncthreads a barrier, a warp shuffle an exchange through memory between two
 // barriers, __shared__ a static shared by the block's threads (blocks run one at a time).
-// Checks ce_rows' losses and the gradient it writes over the logits, and swiglu's forward
-// and gradients, against double precision references, for fp32 and bf16, and prints "ok" or
+// Checks ce_rows' losses and the gradient it writes over the logits, swiglu's forward and
+// gradients, rope, and colsum's sums, against double precision references, for fp32 and bf16, and prints "ok" or
 // what is off (the test in fused_loss.rs compiles and runs it).
 
 #include <atomic>
@@ -79,6 +79,14 @@ inline float __shfl_xor_sync(unsigned, float v, int off) {
 #include "../src/kernels/ce_rows.cu"
 #include "../src/kernels/swiglu.cu"
 #include "../src/kernels/rope.cu"
+
+struct float4 {
+  float x, y, z, w;
+};
+struct uint4 {
+  unsigned x, y, z, w;
+};
+#include "../src/kernels/colsum.cu"
 
 template <typename F>
 void launch(unsigned rows, F body, unsigned block = kThreads) {
@@ -290,6 +298,57 @@ int main() {
       }
       if (!(err <= (bf ? 1.0 / 128 : 1e-6) * top)) {
         std::printf("rope %s backward %d: off by %g of %g\n", bf ? "bf16" : "fp32", backward, err, top);
+        bad = 1;
+      }
+    }
+  }
+  // colsum: 37 rows of 264 columns (a span cut short), in 3 splits of 13 rows, without and
+  // with LayerNorm's x, mean and rstd, against sums in double.
+  for (int bf = 0; bf < 2; ++bf) {
+    const long long rows = 37, cols = 264, splits = 3, per_split = 13;
+    const long long span = bf ? 256 : 128, spans = (cols + span - 1) / span;
+    std::vector<float> dy(rows * cols), x(rows * cols), mean(rows), rstd(rows);
+    for (auto& v : dy) v = bf ? bf16_round(normal(rng)) : normal(rng);
+    for (auto& v : x) v = bf ? bf16_round(normal(rng)) : normal(rng);
+    for (long long r = 0; r < rows; ++r) {
+      mean[r] = normal(rng) * 0.1f;
+      rstd[r] = 0.5f + 0.01f * float(r);
+    }
+    std::vector<unsigned short> dy16(rows * cols), x16(rows * cols);
+    for (long long i = 0; i < rows * cols; ++i) {
+      zr_store(&dy16[i], dy[i]);
+      zr_store(&x16[i], x[i]);
+    }
+    for (int ln = 0; ln < 2; ++ln) {
+      std::vector<float> part(2 * splits * cols, NAN), ob(cols, NAN), og(cols, NAN);
+      std::vector<unsigned short> ob16(cols), og16(cols);
+      const unsigned grid = unsigned(spans * splits), fin = unsigned((cols + 255) / 256);
+      if (bf) {
+        launch(grid, [&] { zr_colsum_part_bf16(dy16.data(), ln ? x16.data() : nullptr, mean.data(), rstd.data(), part.data(), rows, cols, per_split); }, 256);
+        launch(fin, [&] { zr_colsum_fin_bf16(part.data(), ob16.data(), ln ? og16.data() : nullptr, splits, cols); }, 256);
+        for (long long c = 0; c < cols; ++c) {
+          ob[c] = zr_load(&ob16[c]);
+          og[c] = zr_load(&og16[c]);
+        }
+      } else {
+        launch(grid, [&] { zr_colsum_part_f32(dy.data(), ln ? x.data() : nullptr, mean.data(), rstd.data(), part.data(), rows, cols, per_split); }, 256);
+        launch(fin, [&] { zr_colsum_fin_f32(part.data(), ob.data(), ln ? og.data() : nullptr, splits, cols); }, 256);
+      }
+      double err = 0;
+      for (long long c = 0; c < cols; ++c) {
+        double b = 0, g = 0, mag = 0;
+        for (long long r = 0; r < rows; ++r) {
+          const double d = dy[r * cols + c];
+          b += d;
+          g += d * (double(x[r * cols + c]) - mean[r]) * rstd[r];
+          mag += std::fabs(d) * (1 + std::fabs(x[r * cols + c]));
+        }
+        const double rel = bf ? 1.0 / 256 : 1e-6;
+        err = std::fmax(err, std::fabs(ob[c] - b) / (rel * std::fabs(b) + 1e-6 * mag));
+        if (ln) err = std::fmax(err, std::fabs(og[c] - g) / (rel * std::fabs(g) + 1e-6 * mag));
+      }
+      if (!(err <= 1.0)) {
+        std::printf("colsum %s ln %d: off by %g of its bound\n", bf ? "bf16" : "fp32", ln, err);
         bad = 1;
       }
     }

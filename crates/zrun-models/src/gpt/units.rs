@@ -17,6 +17,25 @@ use crate::unit::{
 /// LayerNorm epsilon (PyTorch's default, as GPT-2 / nanoGPT).
 const LN_EPS: f64 = 1e-5;
 
+/// LayerNorm over the last dimension, as `f_layer_norm`, through one autograd node whose weight
+/// and bias gradients are one kernel pass on CUDA (`zrun_torch_ext::layer_norm`; bitwise
+/// ATen's on CPU).
+fn layer_norm(unit: &str, what: &str, x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    zrun_torch_ext::layer_norm(x, w, b, LN_EPS).map_err(|source| Error::Shim {
+        place: format!("{unit}: layer_norm({what})"),
+        source,
+    })
+}
+
+/// `x w^T + b`, as `f_linear`, through one autograd node whose bias gradient is one kernel
+/// pass on CUDA (`zrun_torch_ext::linear`; bitwise ATen's on CPU).
+fn linear(unit: &str, what: &str, x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    zrun_torch_ext::linear(x, w, b).map_err(|source| Error::Shim {
+        place: format!("{unit}: linear({what})"),
+        source,
+    })
+}
+
 /// GELU variant used by the MLP: the tanh approximation, as the original GPT-2 ("gelu_new"),
 /// so GPT-2 weights reproduce GPT-2's activations.
 const GELU_APPROX: &str = "tanh";
@@ -172,13 +191,11 @@ impl Block {
         let x = to_param_kind(u, x, ln1_w.kind())?; // (B, T, C)
 
         // Attention.
-        let h = x
-            .f_layer_norm([c], Some(ln1_w), Some(ln1_b), LN_EPS, true)
-            .ctx(u, "layer_norm(ln_1)")?;
-        let qkv = h.f_linear(qkv_w, Some(qkv_b)).ctx(u, "linear(qkv)")?; // (B, T, 3C)
-                                                                         // One split, not three narrows: split's backward writes the three gradients into
-                                                                         // one (B, T, 3C) tensor with one cat, where each narrow's would fill a (B, T, 3C)
-                                                                         // tensor of zeros around its third and autograd would add the three together.
+        let h = layer_norm(u, "ln_1", &x, ln1_w, ln1_b)?;
+        let qkv = linear(u, "qkv", &h, qkv_w, qkv_b)?; // (B, T, 3C)
+                                                       // One split, not three narrows: split's backward writes the three gradients into one
+                                                       // (B, T, 3C) tensor with one cat, where each narrow's would fill a (B, T, 3C) tensor of
+                                                       // zeros around its third and autograd would add the three together.
         let parts = qkv.f_split(c, 2).ctx(u, "split(qkv)")?; // 3 x (B, T, C)
         let heads = |p: &Tensor| -> Result<Tensor> {
             p.f_view([b, t, nh, hs]) // (B, T, nh, hs)
@@ -206,16 +223,14 @@ impl Block {
             .f_transpose(1, 2) // (B, T, nh, hs)
             .and_then(|y| y.f_reshape([b, t, c])) // (B, T, C)
             .ctx(u, "merge heads")?;
-        let y = y.f_linear(ap_w, Some(ap_b)).ctx(u, "linear(attn.proj)")?;
+        let y = linear(u, "attn.proj", &y, ap_w, ap_b)?;
         let x = x.f_add(&y).ctx(u, "residual add")?;
 
         // MLP.
-        let h = x
-            .f_layer_norm([c], Some(ln2_w), Some(ln2_b), LN_EPS, true)
-            .ctx(u, "layer_norm(ln_2)")?;
-        let h = h.f_linear(fc_w, Some(fc_b)).ctx(u, "linear(mlp.fc)")?; // (B, T, 4C)
+        let h = layer_norm(u, "ln_2", &x, ln2_w, ln2_b)?;
+        let h = linear(u, "mlp.fc", &h, fc_w, fc_b)?; // (B, T, 4C)
         let h = h.f_gelu(GELU_APPROX).ctx(u, "gelu")?;
-        let h = h.f_linear(mp_w, Some(mp_b)).ctx(u, "linear(mlp.proj)")?; // (B, T, C)
+        let h = linear(u, "mlp.proj", &h, mp_w, mp_b)?; // (B, T, C)
         x.f_add(&h).ctx(u, "residual add")
     }
 }
@@ -317,9 +332,7 @@ impl Head {
         check_activation(u, x, self.c, max_t)?;
         let (w, b, lm) = (&params[0], &params[1], &params[2]);
         let x = to_param_kind(u, x, w.kind())?;
-        let h = x
-            .f_layer_norm([self.c], Some(w), Some(b), LN_EPS, true)
-            .ctx(u, "layer_norm(ln_f)")?;
+        let h = layer_norm(u, "ln_f", &x, w, b)?;
         Ok((h, lm.shallow_clone()))
     }
 

@@ -120,3 +120,55 @@ pub(super) fn rope(device: Device) -> Result<(), Error> {
     }
     Ok(())
 }
+
+/// `colsum`: a bias's gradient and LayerNorm's weight and bias gradients, fp32 and bf16, rows
+/// fewer and more than a split, a last span of columns cut short and columns the kernel does
+/// not take (ATen's); against the sums in f64 from ATen's mean and rstd, within one rounding
+/// of the dtype of the largest sum plus fp32 summation error (1e-5 of the largest column's sum
+/// of magnitudes).
+pub(super) fn colsum(device: Device) -> Result<(), Error> {
+    let _guard = tch::no_grad_guard();
+    let eps = 1e-5;
+    for (kind, rel) in [(Kind::Float, 1e-6), (Kind::BFloat16, 2.0 / 128.0)] {
+        for (rows, cols) in [(5i64, 64i64), (1000, 264), (4096, 1024), (7, 12)] {
+            let op = || format!("check colsum on {device:?} ({kind:?}, {rows} x {cols})");
+            let shape = |t: Tensor| t.f_reshape([rows, cols]).map_err(|e| fail(&op(), e));
+            let dy = shape(spread(rows * cols, 0.7314, 1.0, device)?)?.to_kind(kind);
+            let x = shape(spread(rows * cols, 1.3172, 2.0, device)?)?.to_kind(kind);
+            let (w, b) = (
+                spread(cols, 0.5119, 1.0, device)?.to_kind(kind),
+                spread(cols, 0.2113, 1.0, device)?.to_kind(kind),
+            );
+            let (_, mean, rstd) = x
+                .f_native_layer_norm([cols].as_slice(), Some(&w), Some(&b), eps)
+                .map_err(|e| fail(&op(), e))?;
+            // The sums in f64 from ATen's mean and rstd.
+            let (dyd, xd) = (dy.to_kind(Kind::Double), x.to_kind(Kind::Double));
+            let xhat = (xd - mean.to_kind(Kind::Double)) * rstd.to_kind(Kind::Double);
+            let db = dyd.sum_dim_intlist(0, false, Kind::Double);
+            let dg = (&dyd * xhat).sum_dim_intlist(0, false, Kind::Double);
+            let bias = crate::colsum_raw(&dy, None, false)?;
+            let ln = crate::colsum_raw(&dy, Some((&x, &mean, &rstd)), false)?;
+            let pairs = [(&bias[0], &db), (&ln[0], &dg), (&ln[1], &db)];
+            let spread_of = |t: &Tensor| {
+                max_abs(
+                    &t.to_kind(Kind::Float)
+                        .abs()
+                        .sum_dim_intlist(0, false, Kind::Float),
+                )
+            };
+            let scale = spread_of(&dy).max(spread_of(&(&dy * &x)));
+            for (what, (got, want)) in ["bias", "ln weight", "ln bias"].iter().zip(pairs) {
+                let err = max_abs(&(got.to_kind(Kind::Float) - want.to_kind(Kind::Float)));
+                let bound = rel * max_abs(want) + 1e-5 * scale;
+                if err.is_nan() || err > bound || got.size() != [cols] {
+                    return Err(fail(
+                        &op(),
+                        format!("the {what} sums disagree with ATen by {err:e} (bound {bound:e}, shape {:?}); set ZRUN_KERNELS=0 to run without zrun's kernels", got.size()),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -9,6 +9,9 @@
 //!   [`crate::swiglu`] (ATen's silu and mul otherwise).
 //! - `rope` (rope.cu): the rotary position embedding and its gradient in one pass each,
 //!   behind [`crate::rope`] (ATen's mul, roll and add otherwise).
+//! - `colsum` (colsum.cu): sums over rows of a gradient, in two passes of a fixed order,
+//!   behind the bias gradient of [`crate::linear`] and the weight and bias gradients of
+//!   [`crate::layer_norm`] (ATen's sum and LayerNorm backward otherwise).
 //!
 //! [`install`] compiles the kernels for one device, loads them, registers them with the shim
 //! and checks them against ATen's path on that device before any training step uses them; a
@@ -25,18 +28,19 @@ use tch::Device;
 mod check;
 
 /// The source of every kernel, one NVRTC program: the shared helpers, then `ce_rows`,
-/// `swiglu` and `rope` (an fp32 and a bf16 entry point each; rope.cu uses swiglu.cu's block
-/// size).
+/// `swiglu`, `rope` and `colsum` (an fp32 and a bf16 entry point each; rope.cu uses
+/// swiglu.cu's block size).
 pub const SOURCE: &str = concat!(
     include_str!("common.cuh"),
     include_str!("ce_rows.cu"),
     include_str!("swiglu.cu"),
-    include_str!("rope.cu")
+    include_str!("rope.cu"),
+    include_str!("colsum.cu")
 );
 
 /// The program's entry points, as `Loaded::functions` holds them: each kernel's fp32 entry,
 /// then its bf16 one (the launches index them so).
-pub const ENTRIES: [&str; 8] = [
+pub const ENTRIES: [&str; 12] = [
     "zr_ce_rows_f32",
     "zr_ce_rows_bf16",
     "zr_swiglu_fwd_f32",
@@ -45,6 +49,10 @@ pub const ENTRIES: [&str; 8] = [
     "zr_swiglu_bwd_bf16",
     "zr_rope_f32",
     "zr_rope_bf16",
+    "zr_colsum_part_f32",
+    "zr_colsum_part_bf16",
+    "zr_colsum_fin_f32",
+    "zr_colsum_fin_bf16",
 ];
 
 /// The kernel arguments of a launch: pointers to the named locals (which cuLaunchKernel copies
@@ -64,6 +72,9 @@ fn ew_blocks(n: i64) -> Result<u32, String> {
 
 /// Threads per block of the elementwise kernels (swiglu.cu's `ZR_EW_THREADS`).
 const EW_THREADS: u32 = 256;
+
+/// Threads per block of `colsum`'s passes (its `ZR_CS_THREADS`).
+const COLSUM_THREADS: u32 = 256;
 
 /// Threads per block of `ce_rows` (its `ZR_THREADS`).
 const CE_ROWS_THREADS: u32 = 512;
@@ -384,9 +395,67 @@ extern "C" fn launch_rope(
     status(run, err)
 }
 
+/// The shim's `ColsumKernel`: the sums over `rows` of `dy` (rows, `cols`) into `out_b`, and
+/// with `x` those of dy (x - mean) rstd into `out_g`, through the fp32 scratch `part`: one
+/// launch of `splits` blocks per span of columns, then one over the columns.
+extern "C" fn launch_colsum(
+    device: c_int,
+    dtype: c_int,
+    dy: *const c_void,
+    x: *const c_void,
+    mean: *const c_void,
+    rstd: *const c_void,
+    part: *mut c_void,
+    out_b: *mut c_void,
+    out_g: *mut c_void,
+    rows: i64,
+    cols: i64,
+    splits: i64,
+    per_split: i64,
+    stream: *mut c_void,
+    err: *mut *mut c_char,
+) -> c_int {
+    let run = || -> Result<(), String> {
+        let bf16 = usize::from(dtype == 1);
+        // colsum.cu's span: 32 threads of 16 bytes.
+        let span = if bf16 == 1 { 256 } else { 128 };
+        let spans = (cols + span - 1) / span;
+        let blocks = u32::try_from(spans * splits)
+            .map_err(|_| format!("{spans} x {splits} blocks are more than one launch takes"))?;
+        let (mut dy, mut x, mut mean, mut rstd, mut part) = (dy, x, mean, rstd, part);
+        let (mut out_b, mut out_g, mut rows, mut cols, mut splits, mut per_split) =
+            (out_b, out_g, rows, cols, splits, per_split);
+        let mut params = args![dy, x, mean, rstd, part, rows, cols, per_split];
+        let entry = 8 + bf16;
+        launch(
+            device,
+            entry,
+            blocks,
+            COLSUM_THREADS,
+            stream,
+            &mut params,
+            || format!("{}, {rows} x {cols}", ENTRIES[entry]),
+        )?;
+        let fin = u32::try_from((cols + 255) / 256).map_err(|e| e.to_string())?;
+        let mut params = args![part, out_b, out_g, splits, cols];
+        let entry = 10 + bf16;
+        launch(
+            device,
+            entry,
+            fin,
+            COLSUM_THREADS,
+            stream,
+            &mut params,
+            || format!("{}, {cols} columns", ENTRIES[entry]),
+        )
+    };
+    status(run, err)
+}
+
 /// Compiles and loads the kernels for CUDA device `device`, checks each there against ATen's
 /// path ([`check`]) and registers them for every later [`crate::fused_linear_cross_entropy`],
-/// [`crate::swiglu`] and [`crate::rope`]. Idempotent per device. On error nothing new is registered.
+/// [`crate::swiglu`], [`crate::rope`], [`crate::linear`] and [`crate::layer_norm`].
+/// Idempotent per device. On error nothing new is registered.
 pub fn install(device: usize) -> Result<(), Error> {
     let index = i32::try_from(device).map_err(|e| fail("install kernels", e))?;
     {
@@ -401,11 +470,13 @@ pub fn install(device: usize) -> Result<(), Error> {
     let ce = crate::ffi::set_ce_rows_kernel(Some(launch_ce_rows));
     let sw = crate::ffi::set_swiglu_kernel(Some(launch_swiglu));
     let ro = crate::ffi::set_rope_kernel(Some(launch_rope));
+    let cs = crate::ffi::set_colsum_kernel(Some(launch_colsum));
     let checked = check_all(Device::Cuda(device));
     if let Err(e) = checked {
         crate::ffi::set_ce_rows_kernel(ce);
         crate::ffi::set_swiglu_kernel(sw);
         crate::ffi::set_rope_kernel(ro);
+        crate::ffi::set_colsum_kernel(cs);
         return Err(e);
     }
     Ok(())
@@ -417,6 +488,7 @@ pub fn check_all(device: Device) -> Result<(), Error> {
     check::ce_rows(device)
         .and_then(|()| check::swiglu(device))
         .and_then(|()| check::rope(device))
+        .and_then(|()| check::colsum(device))
 }
 
 /// Removes the registered kernels (ATen's ops from then on).
@@ -424,4 +496,5 @@ pub fn uninstall() {
     crate::ffi::set_ce_rows_kernel(None);
     crate::ffi::set_swiglu_kernel(None);
     crate::ffi::set_rope_kernel(None);
+    crate::ffi::set_colsum_kernel(None);
 }

@@ -1,0 +1,156 @@
+// Column sums of a row-major (rows, cols) gradient dy (csrc/colsum.h): a Linear's bias
+// gradient (the sum of dy over rows), and with x, mean and rstd LayerNorm's weight and bias
+// gradients (the sums of dy (x - mean) rstd and of dy). Compiled at run time with NVRTC after
+// common.cuh. fp32 sums, in a fixed order: the first pass sums each split of rows into fp32
+// partials (one block per split and span of columns), the second sums the partials in split
+// order and rounds once, so a result depends on the shapes only.
+//
+// A thread of the first pass owns ZR_CS_VEC(T) consecutive columns, loaded 16 bytes at a time
+// (the caller checks cols % ZR_CS_VEC(T) == 0 and 16-byte aligned rows); a warp covers a span
+// of 32 ZR_CS_VEC(T) columns of a row and the block's warps take every ZR_CS_WARPS-th row of
+// the split.
+
+#define ZR_CS_THREADS 256
+#define ZR_CS_WARPS 8
+
+template <typename T>
+struct ZrCsVec;
+template <>
+struct ZrCsVec<float> {
+  static const int n = 4;
+};
+template <>
+struct ZrCsVec<zr_bf16> {
+  static const int n = 8;
+};
+
+// 16 bytes at p as floats.
+__device__ __forceinline__ void zr_load16(const float* p, float* out) {
+  const float4 v = *reinterpret_cast<const float4*>(p);
+  out[0] = v.x;
+  out[1] = v.y;
+  out[2] = v.z;
+  out[3] = v.w;
+}
+__device__ __forceinline__ void zr_load16(const zr_bf16* p, float* out) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    out[2 * k] = __uint_as_float(w[k] << 16);
+    out[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+  }
+}
+
+// One row's contribution to a thread's columns.
+template <typename T>
+__device__ __forceinline__ void zr_cs_row(const T* dy, const T* x, const float* mean,
+                                          const float* rstd, long long r, long long cols,
+                                          long long col, float* sb, float* sg) {
+  const int V = ZrCsVec<T>::n;
+  float d[V];
+  zr_load16(dy + r * cols + col, d);
+#pragma unroll
+  for (int k = 0; k < V; ++k) sb[k] += d[k];
+  if (x != nullptr) {
+    float v[V];
+    zr_load16(x + r * cols + col, v);
+    const float m = mean[r], s = rstd[r];
+#pragma unroll
+    for (int k = 0; k < V; ++k) sg[k] += d[k] * ((v[k] - m) * s);
+  }
+}
+
+// The first pass: block b takes the span b % spans of columns and the split b / spans of
+// `per_split` rows; writes the split's sums of dy to part[split][col] and (with x) those of
+// dy (x - mean) rstd to part[splits + split][col].
+template <typename T>
+__device__ void zr_colsum_part(const T* dy, const T* x, const float* mean, const float* rstd,
+                               float* part, long long rows, long long cols,
+                               long long per_split) {
+  const int V = ZrCsVec<T>::n;
+  const long long span = 32LL * V;
+  const long long spans = (cols + span - 1) / span;
+  const long long splits = gridDim.x / spans;
+  const long long sp = blockIdx.x % spans, split = blockIdx.x / spans;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const long long col = sp * span + lane * V;
+  const long long r0 = split * per_split;
+  const long long r1 = r0 + per_split < rows ? r0 + per_split : rows;
+  float sb[V], sg[V];
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    sb[k] = 0.0f;
+    sg[k] = 0.0f;
+  }
+  if (col < cols) {
+#pragma unroll 4
+    for (long long r = r0 + warp; r < r1; r += ZR_CS_WARPS) {
+      zr_cs_row(dy, x, mean, rstd, r, cols, col, sb, sg);
+    }
+  }
+  // The warps' sums of each column, added in warp order.
+  __shared__ float shb[ZR_CS_WARPS][32 * 8];
+  __shared__ float shg[ZR_CS_WARPS][32 * 8];
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    shb[warp][lane * V + k] = sb[k];
+    shg[warp][lane * V + k] = sg[k];
+  }
+  __syncthreads();
+  for (long long c = threadIdx.x; c < span; c += ZR_CS_THREADS) {
+    const long long gc = sp * span + c;
+    if (gc < cols) {
+      float b = 0.0f, g = 0.0f;
+      for (int w = 0; w < ZR_CS_WARPS; ++w) {
+        b += shb[w][c];
+        g += shg[w][c];
+      }
+      part[split * cols + gc] = b;
+      if (x != nullptr) part[(splits + split) * cols + gc] = g;
+    }
+  }
+}
+
+// The second pass: column c's partials summed in split order, rounded once into out_b[c]
+// (and with out_g the second half's into out_g[c]).
+template <typename T>
+__device__ void zr_colsum_fin(const float* part, T* out_b, T* out_g, long long splits,
+                              long long cols) {
+  const long long step = (long long)gridDim.x * ZR_CS_THREADS;
+  for (long long c = (long long)blockIdx.x * ZR_CS_THREADS + threadIdx.x; c < cols; c += step) {
+    float b = 0.0f;
+    for (long long s = 0; s < splits; ++s) b += part[s * cols + c];
+    zr_store(out_b + c, b);
+    if (out_g != nullptr) {
+      float g = 0.0f;
+      for (long long s = 0; s < splits; ++s) g += part[(splits + s) * cols + c];
+      zr_store(out_g + c, g);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(ZR_CS_THREADS)
+    zr_colsum_part_f32(const float* dy, const float* x, const float* mean, const float* rstd,
+                       float* part, long long rows, long long cols, long long per_split) {
+  zr_colsum_part<float>(dy, x, mean, rstd, part, rows, cols, per_split);
+}
+
+extern "C" __global__ void __launch_bounds__(ZR_CS_THREADS)
+    zr_colsum_part_bf16(const zr_bf16* dy, const zr_bf16* x, const float* mean,
+                        const float* rstd, float* part, long long rows, long long cols,
+                        long long per_split) {
+  zr_colsum_part<zr_bf16>(dy, x, mean, rstd, part, rows, cols, per_split);
+}
+
+extern "C" __global__ void __launch_bounds__(ZR_CS_THREADS)
+    zr_colsum_fin_f32(const float* part, float* out_b, float* out_g, long long splits,
+                      long long cols) {
+  zr_colsum_fin<float>(part, out_b, out_g, splits, cols);
+}
+
+extern "C" __global__ void __launch_bounds__(ZR_CS_THREADS)
+    zr_colsum_fin_bf16(const float* part, zr_bf16* out_b, zr_bf16* out_g, long long splits,
+                       long long cols) {
+  zr_colsum_fin<zr_bf16>(part, out_b, out_g, splits, cols);
+}
