@@ -75,17 +75,20 @@ inline float __shfl_xor_sync(unsigned, float v, int off) {
   return r;
 }
 
-#include "../src/kernels/common.cuh"
-#include "../src/kernels/ce_rows.cu"
-#include "../src/kernels/swiglu.cu"
-#include "../src/kernels/rope.cu"
-
 struct float4 {
   float x, y, z, w;
 };
 struct uint4 {
   unsigned x, y, z, w;
 };
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+
+#include "../src/kernels/common.cuh"
+#include "../src/kernels/ce_rows.cu"
+#include "../src/kernels/swiglu.cu"
+#include "../src/kernels/rope.cu"
+
 #include "../src/kernels/colsum.cu"
 
 template <typename F>

@@ -1,7 +1,8 @@
 // Softmax cross-entropy per row of the logits, and its gradient written over them
 // (csrc/fused_loss.h, ce_rows). Compiled at run time with NVRTC after common.cuh.
 //
-// One block per row. Pass 1 reads the row once, each thread keeping a running maximum and
+// One block per row, read 16 bytes per thread and load between the row's first and last
+// 16-byte boundaries, one value at a time outside them. Pass 1 reads the row once, each thread keeping a running maximum and
 // the sum of exponentials below it (online softmax), merged across the block; the row's
 // logsumexp follows. Pass 2 (with grad) reads the row again and writes
 // coef x (exp(x - lse) - one-hot(target)), rounded once to the logits' dtype. The target's
@@ -64,21 +65,36 @@ __device__ void zr_ce_rows(T* logits, const long long* targets, const float* coe
   float m = -ZR_INF;
   float s = 0.0f;
   int nan = 0;
-  // Four loads in flight per thread (enough bytes in flight per SM to keep memory busy with
-  // 2-byte loads), then the rest one at a time.
-  long long j = threadIdx.x;
-  for (; j + 3 * ZR_THREADS < v; j += 4 * ZR_THREADS) {
-    float a[4];
+  // The values before the row's first 16-byte boundary, the whole 16-byte vectors (two in
+  // flight per thread), and the values after them.
+  const int V = ZrVec<T>::n;
+  const long long mis = (long long)(((unsigned long long)x / sizeof(T)) % V);
+  const long long head = mis == 0 ? 0 : (V - mis < v ? V - mis : v);
+  const long long nvec = (v - head) / V;
+  const long long tail = head + nvec * V;
+  T* xv = x + head;
+  for (long long j = threadIdx.x; j < head; j += ZR_THREADS) {
+    zr_online(m, s, nan, zr_load(x + j));
+  }
+  long long i = threadIdx.x;
+  for (; i + ZR_THREADS < nvec; i += 2 * ZR_THREADS) {
+    float a[2 * ZrVec<T>::n];
+    zr_load16(xv + i * V, a);
+    zr_load16(xv + (i + ZR_THREADS) * V, a + V);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      a[k] = zr_load(x + j + k * ZR_THREADS);
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < 2 * V; ++k) {
       zr_online(m, s, nan, a[k]);
     }
   }
-  for (; j < v; j += ZR_THREADS) {
+  for (; i < nvec; i += ZR_THREADS) {
+    float a[ZrVec<T>::n];
+    zr_load16(xv + i * V, a);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      zr_online(m, s, nan, a[k]);
+    }
+  }
+  for (long long j = tail + threadIdx.x; j < v; j += ZR_THREADS) {
     zr_online(m, s, nan, zr_load(x + j));
   }
   for (int off = 16; off > 0; off >>= 1) {
@@ -112,19 +128,20 @@ __device__ void zr_ce_rows(T* logits, const long long* targets, const float* coe
     return;
   }
   const float lse = sh_lse;
-  j = threadIdx.x;
-  for (; j + 3 * ZR_THREADS < v; j += 4 * ZR_THREADS) {
-    float a[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      a[k] = zr_load(x + j + k * ZR_THREADS);
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      zr_store(x + j + k * ZR_THREADS, zr_grad(a[k], lse, j + k * ZR_THREADS == t, c));
-    }
+  for (long long j = threadIdx.x; j < head; j += ZR_THREADS) {
+    zr_store(x + j, zr_grad(zr_load(x + j), lse, j == t, c));
   }
-  for (; j < v; j += ZR_THREADS) {
+  for (i = threadIdx.x; i < nvec; i += ZR_THREADS) {
+    float a[ZrVec<T>::n];
+    zr_load16(xv + i * V, a);
+    const long long at = head + i * V;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      a[k] = zr_grad(a[k], lse, at + k == t, c);
+    }
+    zr_store16(xv + i * V, a);
+  }
+  for (long long j = tail + threadIdx.x; j < v; j += ZR_THREADS) {
     zr_store(x + j, zr_grad(zr_load(x + j), lse, j == t, c));
   }
 }

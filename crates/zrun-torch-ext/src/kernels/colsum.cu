@@ -5,49 +5,20 @@
 // partials (one block per split and span of columns), the second sums the partials in split
 // order and rounds once, so a result depends on the shapes only.
 //
-// A thread of the first pass owns ZR_CS_VEC(T) consecutive columns, loaded 16 bytes at a time
-// (the caller checks cols % ZR_CS_VEC(T) == 0 and 16-byte aligned rows); a warp covers a span
-// of 32 ZR_CS_VEC(T) columns of a row and the block's warps take every ZR_CS_WARPS-th row of
+// A thread of the first pass owns ZrVec<T>::n consecutive columns, loaded 16 bytes at a time
+// (the caller checks cols % ZrVec<T>::n == 0 and 16-byte aligned rows); a warp covers a span
+// of 32 ZrVec<T>::n columns of a row and the block's warps take every ZR_CS_WARPS-th row of
 // the split.
 
 #define ZR_CS_THREADS 256
 #define ZR_CS_WARPS 8
-
-template <typename T>
-struct ZrCsVec;
-template <>
-struct ZrCsVec<float> {
-  static const int n = 4;
-};
-template <>
-struct ZrCsVec<zr_bf16> {
-  static const int n = 8;
-};
-
-// 16 bytes at p as floats.
-__device__ __forceinline__ void zr_load16(const float* p, float* out) {
-  const float4 v = *reinterpret_cast<const float4*>(p);
-  out[0] = v.x;
-  out[1] = v.y;
-  out[2] = v.z;
-  out[3] = v.w;
-}
-__device__ __forceinline__ void zr_load16(const zr_bf16* p, float* out) {
-  const uint4 v = *reinterpret_cast<const uint4*>(p);
-  const unsigned int w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    out[2 * k] = __uint_as_float(w[k] << 16);
-    out[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-  }
-}
 
 // One row's contribution to a thread's columns.
 template <typename T>
 __device__ __forceinline__ void zr_cs_row(const T* dy, const T* x, const float* mean,
                                           const float* rstd, long long r, long long cols,
                                           long long col, float* sb, float* sg) {
-  const int V = ZrCsVec<T>::n;
+  const int V = ZrVec<T>::n;
   float d[V];
   zr_load16(dy + r * cols + col, d);
 #pragma unroll
@@ -68,7 +39,7 @@ template <typename T>
 __device__ void zr_colsum_part(const T* dy, const T* x, const float* mean, const float* rstd,
                                float* part, long long rows, long long cols,
                                long long per_split) {
-  const int V = ZrCsVec<T>::n;
+  const int V = ZrVec<T>::n;
   const long long span = 32LL * V;
   const long long spans = (cols + span - 1) / span;
   const long long splits = gridDim.x / spans;
