@@ -50,8 +50,9 @@ std::vector<at::Tensor> launch(const at::Tensor& dy, const at::Tensor* x, const 
                                const at::Tensor* rstd) {
   const int64_t rows = dy.size(0), cols = dy.size(1);
   const int64_t span = 32 * vec(dy), spans = (cols + span - 1) / span;
-  // About 1024 blocks, each warp taking at least 4 rows of its split.
-  int64_t splits = std::clamp<int64_t>(1024 / spans, 1, std::max<int64_t>(1, rows / 32));
+  // About 512 blocks (a few per SM), each warp taking at least 8 rows of its split: fewer
+  // splits leave less for the second pass to add.
+  int64_t splits = std::clamp<int64_t>(512 / spans, 1, std::max<int64_t>(1, rows / 64));
   const int64_t per_split = (rows + splits - 1) / splits;
   splits = (rows + per_split - 1) / per_split;
   const int64_t halves = x != nullptr ? 2 : 1;

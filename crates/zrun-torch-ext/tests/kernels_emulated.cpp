@@ -305,10 +305,13 @@ int main() {
       }
     }
   }
-  // colsum: 37 rows of 264 columns (a span cut short), in 3 splits of 13 rows, without and
+  // colsum: 37 rows of 264 columns (a span and a block of the second pass cut short), in 3
+  // splits of 13 rows (fewer than the second pass's warps) or 10 of 4 (more), without and
   // with LayerNorm's x, mean and rstd, against sums in double.
-  for (int bf = 0; bf < 2; ++bf) {
-    const long long rows = 37, cols = 264, splits = 3, per_split = 13;
+  for (int cfg = 0; cfg < 4; ++cfg) {
+    const int bf = cfg % 2;
+    const long long rows = 37, cols = 264;
+    const long long per_split = cfg < 2 ? 13 : 4, splits = (rows + per_split - 1) / per_split;
     const long long span = bf ? 256 : 128, spans = (cols + span - 1) / span;
     std::vector<float> dy(rows * cols), x(rows * cols), mean(rows), rstd(rows);
     for (auto& v : dy) v = bf ? bf16_round(normal(rng)) : normal(rng);
@@ -325,7 +328,7 @@ int main() {
     for (int ln = 0; ln < 2; ++ln) {
       std::vector<float> part(2 * splits * cols, NAN), ob(cols, NAN), og(cols, NAN);
       std::vector<unsigned short> ob16(cols), og16(cols);
-      const unsigned grid = unsigned(spans * splits), fin = unsigned((cols + 255) / 256);
+      const unsigned grid = unsigned(spans * splits), fin = unsigned((cols + 31) / 32);
       if (bf) {
         launch(grid, [&] { zr_colsum_part_bf16(dy16.data(), ln ? x16.data() : nullptr, mean.data(), rstd.data(), part.data(), rows, cols, per_split); }, 256);
         launch(fin, [&] { zr_colsum_fin_bf16(part.data(), ob16.data(), ln ? og16.data() : nullptr, splits, cols); }, 256);
@@ -351,7 +354,7 @@ int main() {
         if (ln) err = std::fmax(err, std::fabs(og[c] - g) / (rel * std::fabs(g) + 1e-6 * mag));
       }
       if (!(err <= 1.0)) {
-        std::printf("colsum %s ln %d: off by %g of its bound\n", bf ? "bf16" : "fp32", ln, err);
+        std::printf("colsum %s ln %d, %lld splits: off by %g of its bound\n", bf ? "bf16" : "fp32", ln, splits, err);
         bad = 1;
       }
     }

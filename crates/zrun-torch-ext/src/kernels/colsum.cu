@@ -83,21 +83,36 @@ __device__ void zr_colsum_part(const T* dy, const T* x, const float* mean, const
   }
 }
 
-// The second pass: column c's partials summed in split order, rounded once into out_b[c]
-// (and with out_g the second half's into out_g[c]).
+// The second pass: block b takes the 32 columns from 32 b; its warp w adds the partials of
+// splits w, w + ZR_CS_WARPS, ... in order, then the warps' sums are added in warp order and
+// rounded once into out_b (and with out_g the second half's into out_g). Many loads in
+// flight: one thread per column summing every split in turn waited for each load in a row.
 template <typename T>
 __device__ void zr_colsum_fin(const float* part, T* out_b, T* out_g, long long splits,
                               long long cols) {
-  const long long step = (long long)gridDim.x * ZR_CS_THREADS;
-  for (long long c = (long long)blockIdx.x * ZR_CS_THREADS + threadIdx.x; c < cols; c += step) {
-    float b = 0.0f;
-    for (long long s = 0; s < splits; ++s) b += part[s * cols + c];
-    zr_store(out_b + c, b);
-    if (out_g != nullptr) {
-      float g = 0.0f;
-      for (long long s = 0; s < splits; ++s) g += part[(splits + s) * cols + c];
-      zr_store(out_g + c, g);
+  __shared__ float fb[ZR_CS_WARPS][32];
+  __shared__ float fg[ZR_CS_WARPS][32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const long long c = (long long)blockIdx.x * 32 + lane;
+  float b = 0.0f, g = 0.0f;
+  if (c < cols) {
+#pragma unroll 4
+    for (long long s = warp; s < splits; s += ZR_CS_WARPS) {
+      b += part[s * cols + c];
+      if (out_g != nullptr) g += part[(splits + s) * cols + c];
     }
+  }
+  fb[warp][lane] = b;
+  fg[warp][lane] = g;
+  __syncthreads();
+  if (warp == 0 && c < cols) {
+    float tb = 0.0f, tg = 0.0f;
+    for (int w = 0; w < ZR_CS_WARPS; ++w) {
+      tb += fb[w][lane];
+      tg += fg[w][lane];
+    }
+    zr_store(out_b + c, tb);
+    if (out_g != nullptr) zr_store(out_g + c, tg);
   }
 }
 

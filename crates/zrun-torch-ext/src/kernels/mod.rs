@@ -397,7 +397,7 @@ extern "C" fn launch_rope(
 
 /// The shim's `ColsumKernel`: the sums over `rows` of `dy` (rows, `cols`) into `out_b`, and
 /// with `x` those of dy (x - mean) rstd into `out_g`, through the fp32 scratch `part`: one
-/// launch of `splits` blocks per span of columns, then one over the columns.
+/// launch of `splits` blocks per span of columns, then one of a block per 32 columns.
 extern "C" fn launch_colsum(
     device: c_int,
     dtype: c_int,
@@ -436,7 +436,8 @@ extern "C" fn launch_colsum(
             &mut params,
             || format!("{}, {rows} x {cols}", ENTRIES[entry]),
         )?;
-        let fin = u32::try_from((cols + 255) / 256).map_err(|e| e.to_string())?;
+        // colsum.cu's second pass: 32 columns a block.
+        let fin = u32::try_from((cols + 31) / 32).map_err(|e| e.to_string())?;
         let mut params = args![part, out_b, out_g, splits, cols];
         let entry = 10 + bf16;
         launch(
