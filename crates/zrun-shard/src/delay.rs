@@ -30,10 +30,8 @@
 //! into the pinned staging buffer, so the refresh is one DMA copy per unit (no cast on the
 //! host, no pageable copy), queued without blocking the host as soon as the CPU has finished
 //! that unit ([`Engine::catch_up`]): the copies overlap the CPU's work on the other units,
-//! and only the last unit's is left when the update ends. The next update's job of each unit
-//! waits for that unit's copies alone (an event each: its gradients to the host, its new
-//! parameters to the device), so the next update starts on the units whose copies are done
-//! while the last unit's still travel.
+//! and only the last unit's is left when the update ends. The next update's first job waits
+//! for them (an event) before it writes the buffers they read.
 
 use crate::engine::Optimizer;
 use crate::offload::HostOptimizer;
@@ -116,6 +114,7 @@ impl Engine {
                     ))
                 })
             })?;
+            h.refreshed_queued()?;
             if matches!(stage, Stage::Zero1 | Stage::Zero2) {
                 self.mover.all_gather_units(&self.params)?;
             }

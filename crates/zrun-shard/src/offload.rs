@@ -49,9 +49,8 @@ pub(crate) struct HostOptimizer {
     owns_grads: bool,
     /// 16-bit copy of the new parameters when they must travel to a device.
     staging: Option<Tensor>,
-    /// The gradient copies staged during backward for the step (CUDA): each unit's, with
-    /// the event it completes with.
-    staged: Vec<(usize, zrun_torch_ext::CudaEvent)>,
+    /// The event after the last gradient copy staged during backward for the step (CUDA).
+    staged: Option<zrun_torch_ext::CudaEvent>,
     /// The compute device (host buffers are pinned when it is CUDA).
     device: Device,
     /// Compute precision: the dtype the new parameters are written in.
@@ -63,10 +62,9 @@ pub(crate) struct HostOptimizer {
     /// ([`HostOptimizer::stage_unit`]) and whose new parameters have not been taken yet
     /// ([`HostOptimizer::finish_each`]).
     finished: Vec<usize>,
-    /// Each unit's copy of the last delayed update's new parameters to the device, with the
-    /// event it completes with (CUDA): the next delayed update writes the unit's buffers they
-    /// read only once it has.
-    refreshed: Vec<(usize, zrun_torch_ext::CudaEvent)>,
+    /// The event after the copies of the last delayed update's new parameters to the device
+    /// (CUDA): the next delayed update writes the buffers they read only once it completes.
+    refreshed_ready: Option<zrun_torch_ext::CudaEvent>,
 }
 
 /// One unit's update: where its elements are and where the new parameters go.
@@ -80,9 +78,8 @@ struct Job {
     dst: Option<Tensor>,
     /// How the new parameters reach `dst`.
     route: Route,
-    /// Complete once the unit's gradients have reached the host and the device has read what
-    /// the last update left in its buffers (CUDA).
-    ready: Vec<zrun_torch_ext::CudaEvent>,
+    /// Completes once the unit's gradients have reached the host (CUDA).
+    ready: Option<zrun_torch_ext::CudaEvent>,
 }
 
 /// How a job's new parameters reach the compute parameters.
@@ -166,11 +163,8 @@ pub(crate) fn host_bytes(cuda: bool, bytes: i64) -> i64 {
 
 /// Waits, on the calling thread, for the device copies `ready` stands for (gradients to the
 /// host, or the last update's parameters to the device).
-fn wait_ready(
-    ready: impl IntoIterator<Item = zrun_torch_ext::CudaEvent>,
-    unit: &str,
-) -> Result<()> {
-    ready.into_iter().try_for_each(|e| {
+fn wait_ready(ready: Option<zrun_torch_ext::CudaEvent>, unit: &str) -> Result<()> {
+    ready.map_or(Ok(()), |e| {
         e.synchronize().map_err(|e| {
             Error::Unsupported(format!(
                 "copies of unit `{unit}` to or from the device: {e}"
@@ -318,12 +312,12 @@ impl HostOptimizer {
             grads,
             owns_grads,
             staging,
-            staged: Vec::new(),
+            staged: None,
             device,
             precision,
             worker: None,
             finished: Vec::new(),
-            refreshed: Vec::new(),
+            refreshed_ready: None,
         })
     }
 
@@ -453,7 +447,7 @@ impl HostOptimizer {
             grad_scale: grad_scale as f32,
             dst,
             route,
-            ready: Vec::new(),
+            ready: None,
         })
     }
 
@@ -467,7 +461,10 @@ impl HostOptimizer {
     ) -> Result<()> {
         self.wait_unit(u)?;
         let ready = self.stage(layout.shard_offsets[u], grad, &layout.units[u].unit)?;
-        self.staged.extend(ready.map(|e| (u, e)));
+        // Read at the step: the last unit's event covers every copy queued before it.
+        if ready.is_some() {
+            self.staged = ready;
+        }
         Ok(())
     }
 
@@ -485,9 +482,9 @@ impl HostOptimizer {
         params_of: impl Fn(usize) -> Result<Tensor>,
     ) -> Result<()> {
         let mut at = 0;
-        let mut ready: Vec<_> = self.staged.drain(..).map(|(_, e)| e).collect();
+        let mut ready = self.staged.take();
         for g in segments.unwrap_or_default() {
-            ready.extend(self.stage(at, g, "-")?);
+            ready = self.stage(at, g, "-")?.or(ready);
             at += g.numel() as i64;
         }
         wait_ready(ready, "-")?;
@@ -516,7 +513,7 @@ impl HostOptimizer {
     ) -> Result<()> {
         let ready = self.stage(layout.shard_offsets[u], grad, &layout.units[u].unit)?;
         let mut job = self.job(layout, u, lr, 1.0, Some(dst))?;
-        job.ready.extend(ready);
+        job.ready = ready;
         self.send(u, job)?;
         let w = self.worker.as_mut().expect("sent above");
         // Device copies of the units already updated go out while backward continues.
@@ -547,14 +544,12 @@ impl HostOptimizer {
     }
 
     /// A delayed update (`delay.rs`): stages the owned gradient `segments` (end to end in
-    /// shard order; `None`: staged unit by unit during backward) on the host, then begins a
-    /// step and hands every unit's update with `lr` and `grad_scale` to the worker thread,
-    /// last unit first (the order the next backward needs them back in), which writes the
-    /// master (and the 16-bit staging buffer where parameters live on a device) only; returns
-    /// at once. Each unit's job first waits for that unit's copies alone (its gradients to
-    /// the host, the last update's parameters to the device), so the update starts on the
-    /// units whose copies are done while the last ones still travel. [`HostOptimizer::finish`]
-    /// waits for it; the compute parameters are then refreshed from
+    /// shard order; `None`: staged unit by unit during backward) on the host and waits for
+    /// the copies, then begins a step and hands every unit's update with `lr` and
+    /// `grad_scale` to the worker thread, last unit first (the order the next backward
+    /// needs them back in), which writes the master (and the 16-bit staging buffer where
+    /// parameters live on a device) only; returns at once. [`HostOptimizer::finish`] waits
+    /// for it; the compute parameters are then refreshed from
     /// [`HostOptimizer::refreshed`] by the caller.
     pub(crate) fn submit_deferred(
         &mut self,
@@ -570,39 +565,20 @@ impl HostOptimizer {
             ));
         }
         let mut at = 0;
-        let mut ready = Vec::new();
+        let mut ready = self.staged.take();
         for g in segments.unwrap_or_default() {
-            ready.extend(self.stage(at, g, "-")?);
+            ready = self.stage(at, g, "-")?.or(ready);
             at += g.numel() as i64;
         }
-        // Copies of whole segments: waited for here.
+        // The engine overwrites (then accumulates into) its gradients as soon as this returns.
         wait_ready(ready, "-")?;
-        let units = layout.units.len();
-        let mut waits: Vec<Vec<zrun_torch_ext::CudaEvent>> =
-            (0..units).map(|_| Vec::new()).collect();
-        for (u, e) in self.staged.drain(..) {
-            // The engine writes the unit's device gradients again in the next step: its
-            // stream first waits (on the device) for this copy to have read them.
-            if let Device::Cuda(i) = self.device {
-                e.block_current(i).map_err(|e| {
-                    Error::Unsupported(format!(
-                        "order the next step after the gradient copies: {e}"
-                    ))
-                })?;
-            }
-            if let Some(w) = waits.get_mut(u) {
-                w.push(e);
-            }
-        }
-        for (u, e) in self.refreshed.drain(..) {
-            if let Some(w) = waits.get_mut(u) {
-                w.push(e);
-            }
-        }
         self.begin_step()?;
-        for u in (0..units).rev() {
+        // The first job (the worker runs them in order) waits until the device has read the
+        // last update's new parameters, which these jobs overwrite.
+        let mut refreshed = self.refreshed_ready.take();
+        for u in (0..layout.units.len()).rev() {
             let mut job = self.job(layout, u, lr, grad_scale, None)?;
-            job.ready = std::mem::take(&mut waits[u]);
+            job.ready = refreshed.take();
             self.send(u, job)?;
         }
         Ok(())
@@ -620,22 +596,11 @@ impl HostOptimizer {
     ) -> Result<()> {
         let mut called = vec![false; units];
         let mut first = Ok(());
-        let device = self.device;
-        let mut refreshed = Vec::new();
         let mut call = |u: usize, r: Result<()>, first: &mut Result<()>| {
             let r = r.and_then(|()| match called.get_mut(u) {
                 Some(c) if !*c => {
                     *c = true;
-                    each(u)?;
-                    // On CUDA the copy `each` queued reads the unit's host buffers until this
-                    // event completes: the next update of the unit waits for it.
-                    if let Device::Cuda(i) = device {
-                        let e = zrun_torch_ext::CudaEvent::record_current(i).map_err(|e| {
-                            Error::Unsupported(format!("record the parameters' refresh: {e}"))
-                        })?;
-                        refreshed.push((u, e));
-                    }
-                    Ok(())
+                    each(u)
                 }
                 _ => Ok(()),
             });
@@ -656,8 +621,19 @@ impl HostOptimizer {
         for u in 0..units {
             call(u, Ok(()), &mut first);
         }
-        self.refreshed = refreshed;
         first.and(joined)
+    }
+
+    /// After the new parameters' copies to the device are queued: the event the next delayed
+    /// update waits for before it overwrites what they read (CUDA; nothing to wait for on CPU,
+    /// where the copies are done when queued).
+    pub(crate) fn refreshed_queued(&mut self) -> Result<()> {
+        if let Device::Cuda(i) = self.device {
+            let e = zrun_torch_ext::CudaEvent::record_current(i)
+                .map_err(|e| Error::Unsupported(format!("record the parameters' refresh: {e}")))?;
+            self.refreshed_ready = Some(e);
+        }
+        Ok(())
     }
 
     /// What a finished delayed update left for the compute parameters, in shard layout:

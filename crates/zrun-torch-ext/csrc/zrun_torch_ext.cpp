@@ -546,20 +546,6 @@ int zrun_ext_event_record_current(int64_t device, void** out, char** err) {
   });
 }
 
-// Makes CUDA device `device`'s current stream wait (on the device, not the host) for `event`:
-// work queued there later starts once the work before the event is done.
-int zrun_ext_event_block_current(void* event, int64_t device, char** err) {
-  return guard(err, [&] {
-    if (!cuda_device_ready(device)) {
-      return refuse(err, "cuda:" + std::to_string(device) + " is not available");
-    }
-    const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-    static_cast<c10::Event*>(event)->block(
-        impl->getStream(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device))));
-    return ZR_OK;
-  });
-}
-
 // One side stream per CUDA device, from libtorch's pool, for copies that overlap compute.
 c10::Stream side_stream(const c10::impl::DeviceGuardImplInterface* impl, c10::Device dev) {
   static std::mutex lock;

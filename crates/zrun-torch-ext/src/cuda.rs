@@ -206,18 +206,6 @@ impl CudaEvent {
         Ok(CudaEvent(out))
     }
 
-    /// Makes CUDA device `device`'s current stream wait for the event on the device (the host
-    /// goes on): what is queued there afterwards starts once the work before the event is done.
-    pub fn block_current(&self, device: usize) -> Result<(), Error> {
-        let mut err = ptr::null_mut();
-        let index = i64::try_from(device).unwrap_or(i64::MAX);
-        // SAFETY: a live event made by `record`; the shim catches every C++ exception.
-        let status = unsafe { ffi::zrun_ext_event_block_current(self.0, index, &mut err) };
-        ffi::check(status, err, || {
-            format!("make cuda:{device}'s current stream wait for an event")
-        })
-    }
-
     /// Blocks the calling thread until the work before the event is done.
     pub fn synchronize(&self) -> Result<(), Error> {
         let mut err = ptr::null_mut();

@@ -107,11 +107,6 @@ extern "C" {
     pub(crate) fn zrun_ext_profiler_start(cuda: c_int, err: *mut *mut c_char) -> c_int;
     pub(crate) fn zrun_ext_profiler_stop(path: *const c_char, err: *mut *mut c_char) -> c_int;
     pub(crate) fn zrun_ext_event_free(event: *mut c_void);
-    pub(crate) fn zrun_ext_event_block_current(
-        event: *mut c_void,
-        device: i64,
-        err: *mut *mut c_char,
-    ) -> c_int;
     pub(crate) fn zrun_ext_copy_to_host_on_side_stream(
         dst: *const c_void,
         src: *const c_void,
