@@ -1,5 +1,6 @@
 //! zrun's own CUDA kernels (`zrun_torch_ext::kernels`: the fused loss's rows, SwiGLU, the
-//! rotary embedding) made ready when a rank starts on a GPU.
+//! rotary embedding, the sums over rows of bias and LayerNorm gradients) made ready when a
+//! rank starts on a GPU.
 
 use crate::config::Config;
 
@@ -37,7 +38,7 @@ pub fn install(cfg: &Config, device: tch::Device, rank: usize) {
     let t0 = std::time::Instant::now();
     match zrun_torch_ext::kernels::install(index) {
         Ok(()) if rank == 0 => tracing::info!(
-            "zrun's CUDA kernels (the fused loss's rows, SwiGLU, rotary embedding): compiled with NVRTC and checked against ATen in {:.2} s (ZRUN_KERNELS=0 turns them off)",
+            "zrun's CUDA kernels (the fused loss's rows, SwiGLU, rotary embedding, sums over rows): compiled with NVRTC and checked against ATen in {:.2} s (ZRUN_KERNELS=0 turns them off)",
             t0.elapsed().as_secs_f64()
         ),
         Ok(()) => {}
