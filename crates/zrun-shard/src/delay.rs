@@ -29,8 +29,10 @@
 //! normally nil. With 16-bit parameters on a device the update also writes their new values
 //! into the pinned staging buffer, so the refresh is one DMA copy per unit (no cast on the
 //! host, no pageable copy), queued without blocking the host as soon as the CPU has finished
-//! that unit ([`Engine::catch_up`]): the copies overlap the CPU's work on the other units,
-//! and only the last unit's is left when the update ends. The next update's first job waits
+//! that unit: by the next backward for the units it waited for (behind that unit's backward,
+//! which is the last reader of its parameters in the step), by [`Engine::catch_up`] for the
+//! rest. The copies overlap the CPU's work on the other units, and only the last unit's is
+//! left when the update ends. The next update's first job waits
 //! for them (an event) before it writes the buffers they read.
 
 use crate::engine::Optimizer;

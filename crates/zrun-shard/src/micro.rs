@@ -430,8 +430,32 @@ impl Engine {
     /// optimizer's early step.
     fn unit_final(&mut self, u: usize, acc: &Tensor) -> Result<()> {
         if self.early == EarlyStep::Staged {
+            let refresh = self.delay.behind && self.delay.submitted;
             if let Optimizer::Host(h) = &mut self.optimizer {
                 h.stage_unit(&self.mover.layout, u, acc)?;
+                if refresh {
+                    // The running delayed update finished these units while this backward
+                    // waited for it: their new parameters go to the device now, queued behind
+                    // the backward of each (nothing later in this step reads them), instead of
+                    // all at the step's end, where the next update waits for them. Written
+                    // through an alias with its own version counter: autograd still holds
+                    // views of the earlier units, which share the parameters' counter.
+                    let src = h.refreshed().shallow_clone();
+                    for done in h.take_finished() {
+                        let dst = self
+                            .mover
+                            .owned_params(&self.params, done, self.cfg.stage)?
+                            .data();
+                        let from = self.mover.shard_of(&src, done)?;
+                        zrun_torch_ext::copy_async(&dst, &from).map_err(|e| {
+                            Error::Unsupported(format!(
+                                "copy parameters of unit `{}` to the device: {e}",
+                                self.mover.layout.units[done].unit
+                            ))
+                        })?;
+                        h.mark_refreshed(done);
+                    }
+                }
             }
         }
         if let EarlyStep::Submitted { lr, .. } = self.early {

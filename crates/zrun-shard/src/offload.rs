@@ -62,6 +62,10 @@ pub(crate) struct HostOptimizer {
     /// ([`HostOptimizer::stage_unit`]) and whose new parameters have not been taken yet
     /// ([`HostOptimizer::finish_each`]).
     finished: Vec<usize>,
+    /// Units of the running delayed update whose new parameters the engine already copied to
+    /// the device during backward ([`HostOptimizer::mark_refreshed`]): [`HostOptimizer::finish_each`]
+    /// leaves them out.
+    refreshed_early: Vec<usize>,
     /// The event after the copies of the last delayed update's new parameters to the device
     /// (CUDA): the next delayed update writes the buffers they read only once it completes.
     refreshed_ready: Option<zrun_torch_ext::CudaEvent>,
@@ -317,6 +321,7 @@ impl HostOptimizer {
             precision,
             worker: None,
             finished: Vec::new(),
+            refreshed_early: Vec::new(),
             refreshed_ready: None,
         })
     }
@@ -543,6 +548,19 @@ impl HostOptimizer {
         Ok(())
     }
 
+    /// The units of the running delayed update that finished while backward waited for
+    /// them ([`HostOptimizer::stage_unit`]) and whose new parameters have not been taken yet.
+    pub(crate) fn take_finished(&mut self) -> Vec<usize> {
+        std::mem::take(&mut self.finished)
+    }
+
+    /// Unit `u`'s new parameters from the running delayed update are on their way to the
+    /// device (the engine copied them during backward): [`HostOptimizer::finish_each`] does
+    /// not hand it out again.
+    pub(crate) fn mark_refreshed(&mut self, u: usize) {
+        self.refreshed_early.push(u);
+    }
+
     /// A delayed update (`delay.rs`): stages the owned gradient `segments` (end to end in
     /// shard order; `None`: staged unit by unit during backward) on the host and waits for
     /// the copies, then begins a step and hands every unit's update with `lr` and
@@ -585,7 +603,8 @@ impl HostOptimizer {
     }
 
     /// Waits for a delayed update of `units` units unit by unit and calls `each(u)` once for
-    /// every unit, as soon as it is done: first the units backward already waited for, then
+    /// every unit not refreshed during backward ([`HostOptimizer::mark_refreshed`]), as soon
+    /// as it is done: first the units backward already waited for, then
     /// in the order they finish (last unit first), so that their new parameters can travel
     /// to the device while the CPU still updates the others; then every unit an earlier
     /// [`HostOptimizer::finish`] (a checkpoint's) saw done. Returns the first error.
@@ -595,6 +614,11 @@ impl HostOptimizer {
         mut each: impl FnMut(usize) -> Result<()>,
     ) -> Result<()> {
         let mut called = vec![false; units];
+        for u in std::mem::take(&mut self.refreshed_early) {
+            if let Some(c) = called.get_mut(u) {
+                *c = true;
+            }
+        }
         let mut first = Ok(());
         let mut call = |u: usize, r: Result<()>, first: &mut Result<()>| {
             let r = r.and_then(|()| match called.get_mut(u) {
