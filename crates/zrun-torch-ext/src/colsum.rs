@@ -62,28 +62,20 @@ pub fn colsum_raw(
     let op = || format!("colsum_raw(dy {:?} {:?})", dy.size(), dy.kind());
     ffi::require_defined("colsum_raw", &[("dy", dy)])?;
     let ptr = |t: Option<&Tensor>| t.map_or(std::ptr::null(), |t| t.as_ptr().cast());
-    let mut out0: *mut std::ffi::c_void = std::ptr::null_mut();
-    let mut out1: *mut std::ffi::c_void = std::ptr::null_mut();
-    let mut err = std::ptr::null_mut();
     // SAFETY: the tensor pointers are live for the call (null when absent); the shim writes
-    // fresh tensors into `out0` (and `out1` with `ln`) on success only.
-    let status = unsafe {
-        ffi::zrun_ext_colsum(
-            dy.as_ptr().cast(),
-            ptr(ln.map(|l| l.0)),
-            ptr(ln.map(|l| l.1)),
-            ptr(ln.map(|l| l.2)),
-            c_int::from(force_aten),
-            &mut out0,
-            &mut out1,
-            &mut err,
-        )
-    };
-    ffi::check(status, err, op)?;
-    // SAFETY: on success the out-pointers that were written hold fresh `new torch::Tensor`s.
-    let mut out = vec![unsafe { Tensor::from_ptr(out0.cast()) }];
-    if ln.is_some() {
-        out.push(unsafe { Tensor::from_ptr(out1.cast()) });
+    // fresh tensors into the first out-pointer (and the second with `ln`) on success only.
+    unsafe {
+        ffi::tensors_out(op, ln.is_some(), |out0, out1, err| {
+            ffi::zrun_ext_colsum(
+                dy.as_ptr().cast(),
+                ptr(ln.map(|l| l.0)),
+                ptr(ln.map(|l| l.1)),
+                ptr(ln.map(|l| l.2)),
+                c_int::from(force_aten),
+                out0,
+                out1,
+                err,
+            )
+        })
     }
-    Ok(out)
 }

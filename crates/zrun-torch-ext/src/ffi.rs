@@ -346,6 +346,31 @@ pub(crate) fn require_defined(op: &str, inputs: &[(&str, &tch::Tensor)]) -> Resu
     }
 }
 
+/// Runs a shim call with two tensor out-pointers and an error out-pointer: the first tensor,
+/// and with `second` the second too, or the call's error with `op` naming it.
+///
+/// # Safety
+/// `call` must pass the pointers to a shim function that, on success, writes a fresh
+/// `new torch::Tensor` into the first, and into the second when `second` (else nothing).
+pub(crate) unsafe fn tensors_out(
+    op: impl FnOnce() -> String,
+    second: bool,
+    call: impl FnOnce(*mut *mut c_void, *mut *mut c_void, *mut *mut c_char) -> c_int,
+) -> Result<Vec<tch::Tensor>, Error> {
+    let (mut out0, mut out1): (*mut c_void, *mut c_void) =
+        (std::ptr::null_mut(), std::ptr::null_mut());
+    let mut err = std::ptr::null_mut();
+    let status = call(&mut out0, &mut out1, &mut err);
+    check(status, err, op)?;
+    // SAFETY: on success the written out-pointers hold fresh `new torch::Tensor`s (the
+    // caller's promise), each owned by the returned Tensor.
+    let mut out = vec![unsafe { tch::Tensor::from_ptr(out0.cast()) }];
+    if second {
+        out.push(unsafe { tch::Tensor::from_ptr(out1.cast()) });
+    }
+    Ok(out)
+}
+
 /// The tensor a shim call returns through its out-pointer: `call` gets the out-pointer and the
 /// error pointer and returns the status; `op` names the call for an error.
 ///

@@ -50,28 +50,20 @@ pub fn swiglu_raw(
 ) -> Result<Vec<Tensor>, Error> {
     let op = || format!("swiglu_raw(a {:?} {:?})", a.size(), a.kind());
     ffi::require_defined("swiglu_raw", &[("a", a), ("b", b)])?;
-    let mut out0: *mut std::ffi::c_void = std::ptr::null_mut();
-    let mut out1: *mut std::ffi::c_void = std::ptr::null_mut();
-    let mut err = std::ptr::null_mut();
     // SAFETY: the tensor pointers are live for the call (`g` null when absent); the shim
-    // writes fresh tensors into `out0` (and `out1` with `g`) on success only.
-    let status = unsafe {
-        ffi::zrun_ext_swiglu(
-            a.as_ptr().cast(),
-            b.as_ptr().cast(),
-            g.map_or(std::ptr::null(), |g| g.as_ptr().cast()),
-            1,
-            c_int::from(force_aten),
-            &mut out0,
-            &mut out1,
-            &mut err,
-        )
-    };
-    ffi::check(status, err, op)?;
-    // SAFETY: on success the out-pointers that were written hold fresh `new torch::Tensor`s.
-    let mut out = vec![unsafe { Tensor::from_ptr(out0.cast()) }];
-    if g.is_some() {
-        out.push(unsafe { Tensor::from_ptr(out1.cast()) });
+    // writes fresh tensors into the first out-pointer (and the second with `g`) on success.
+    unsafe {
+        ffi::tensors_out(op, g.is_some(), |out0, out1, err| {
+            ffi::zrun_ext_swiglu(
+                a.as_ptr().cast(),
+                b.as_ptr().cast(),
+                g.map_or(std::ptr::null(), |g| g.as_ptr().cast()),
+                1,
+                c_int::from(force_aten),
+                out0,
+                out1,
+                err,
+            )
+        })
     }
-    Ok(out)
 }
