@@ -37,6 +37,7 @@
 
 use crate::engine::Optimizer;
 use crate::offload::HostOptimizer;
+use crate::state::Mover;
 use crate::{Context, Engine, Error, Result, Stage};
 use tch::{Device, Kind, Tensor};
 
@@ -55,6 +56,28 @@ pub(crate) struct Delay {
     /// Stale parameters read from a checkpoint (fp32, this rank's shard), until the load
     /// completes.
     pub loaded: Option<Tensor>,
+}
+
+/// Queues the copy of unit `u`'s slice of `src` (the shard-layout buffer a finished delayed
+/// update left, [`HostOptimizer::refreshed`]) into this rank's slice of the compute
+/// parameters `params`: from pinned memory it does not block the host. Written through an
+/// alias with its own version counter, so that it may run during backward, while autograd
+/// still holds views of the earlier units (which share the parameters' counter).
+pub(crate) fn refresh_unit(
+    mover: &Mover,
+    params: &Tensor,
+    stage: Stage,
+    src: &Tensor,
+    u: usize,
+) -> Result<()> {
+    let dst = mover.owned_params(params, u, stage)?.data();
+    let from = mover.shard_of(src, u)?;
+    zrun_torch_ext::copy_async(&dst, &from).map_err(|e| {
+        Error::Unsupported(format!(
+            "copy parameters of unit `{}` to the device: {e}",
+            mover.layout.units[u].unit
+        ))
+    })
 }
 
 impl Engine {
@@ -106,16 +129,7 @@ impl Engine {
                     "zero.offload_delay needs zero.offload_optimizer = \"cpu\"".into(),
                 ));
             };
-            h.finish_each(units, |u| {
-                let dst = mover.owned_params(params, u, stage)?;
-                let from = mover.shard_of(&src, u)?;
-                zrun_torch_ext::copy_async(&dst, &from).map_err(|e| {
-                    Error::Unsupported(format!(
-                        "copy parameters of unit `{}` to the device: {e}",
-                        mover.layout.units[u].unit
-                    ))
-                })
-            })?;
+            h.finish_each(units, |u| refresh_unit(mover, params, stage, &src, u))?;
             h.refreshed_queued()?;
             if matches!(stage, Stage::Zero1 | Stage::Zero2) {
                 self.mover.all_gather_units(&self.params)?;

@@ -10,6 +10,7 @@
 //! all-reduce in flight. Activation checkpointing keeps only unit inputs and recomputes each
 //! unit's forward in its backward.
 
+use crate::delay::refresh_unit;
 use crate::engine::{views, EarlyStep, Engine, Optimizer, Phase};
 use crate::grads::pick;
 use crate::state::{Mover, Pending};
@@ -437,22 +438,11 @@ impl Engine {
                     // The running delayed update finished these units while this backward
                     // waited for it: their new parameters go to the device now, queued behind
                     // the backward of each (nothing later in this step reads them), instead of
-                    // all at the step's end, where the next update waits for them. Written
-                    // through an alias with its own version counter: autograd still holds
-                    // views of the earlier units, which share the parameters' counter.
+                    // all at the step's end, where the next update waits for them.
                     let src = h.refreshed().shallow_clone();
                     for done in h.take_finished() {
-                        let dst = self
-                            .mover
-                            .owned_params(&self.params, done, self.cfg.stage)?
-                            .data();
-                        let from = self.mover.shard_of(&src, done)?;
-                        zrun_torch_ext::copy_async(&dst, &from).map_err(|e| {
-                            Error::Unsupported(format!(
-                                "copy parameters of unit `{}` to the device: {e}",
-                                self.mover.layout.units[done].unit
-                            ))
-                        })?;
+                        let stage = self.cfg.stage;
+                        refresh_unit(&self.mover, &self.params, stage, &src, done)?;
                         h.mark_refreshed(done);
                     }
                 }

@@ -1,0 +1,129 @@
+//! The delayed update's side of [`HostOptimizer`] (`zero.offload_delay`, `delay.rs`): the
+//! update of a step handed to the worker thread without waiting for it, and its results
+//! taken unit by unit.
+
+use super::{wait_ready, HostOptimizer, Transfer};
+use crate::layout::ShardLayout;
+use crate::{Error, Result};
+use tch::{Device, Tensor};
+
+impl HostOptimizer {
+    /// The units of the running delayed update that finished while backward waited for
+    /// them ([`HostOptimizer::stage_unit`]) and whose new parameters have not been taken yet.
+    pub(crate) fn take_finished(&mut self) -> Vec<usize> {
+        std::mem::take(&mut self.finished)
+    }
+
+    /// Unit `u`'s new parameters from the running delayed update are on their way to the
+    /// device (the engine copied them during backward): [`HostOptimizer::finish_each`] does
+    /// not hand it out again.
+    pub(crate) fn mark_refreshed(&mut self, u: usize) {
+        self.refreshed_early.push(u);
+    }
+
+    /// A delayed update (`delay.rs`): stages the owned gradient `segments` (end to end in
+    /// shard order; `None`: staged unit by unit during backward) on the host and waits for
+    /// the copies, then begins a step and hands every unit's update with `lr` and
+    /// `grad_scale` to the worker thread, last unit first (the order the next backward
+    /// needs them back in), which writes the master (and the 16-bit staging buffer where
+    /// parameters live on a device) only; returns at once. [`HostOptimizer::finish`] waits
+    /// for it; the compute parameters are then refreshed from
+    /// [`HostOptimizer::refreshed`] by the caller.
+    pub(crate) fn submit_deferred(
+        &mut self,
+        layout: &ShardLayout,
+        segments: Option<&[Tensor]>,
+        lr: f64,
+        grad_scale: f64,
+    ) -> Result<()> {
+        if !self.owns_grads {
+            return Err(Error::Unsupported(
+                "a delayed update needs host gradients of its own (the engine's are read in place)"
+                    .into(),
+            ));
+        }
+        let mut at = 0;
+        let mut ready = self.staged.take();
+        for g in segments.unwrap_or_default() {
+            ready = self.stage(at, g, "-")?.or(ready);
+            at += g.numel() as i64;
+        }
+        // The engine overwrites (then accumulates into) its gradients as soon as this returns.
+        wait_ready(ready, "-")?;
+        self.begin_step()?;
+        // The first job (the worker runs them in order) waits until the device has read the
+        // last update's new parameters, which these jobs overwrite.
+        let mut refreshed = self.refreshed_ready.take();
+        for u in (0..layout.units.len()).rev() {
+            let mut job = self.job(layout, u, lr, grad_scale, None)?;
+            job.ready = refreshed.take();
+            self.send(u, job)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for a delayed update of `units` units unit by unit and calls `each(u)` once for
+    /// every unit not refreshed during backward ([`HostOptimizer::mark_refreshed`]), as soon
+    /// as it is done: first the units backward already waited for, then
+    /// in the order they finish (last unit first), so that their new parameters can travel
+    /// to the device while the CPU still updates the others; then every unit an earlier
+    /// [`HostOptimizer::finish`] (a checkpoint's) saw done. Returns the first error.
+    pub(crate) fn finish_each(
+        &mut self,
+        units: usize,
+        mut each: impl FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        let mut called = vec![false; units];
+        for u in std::mem::take(&mut self.refreshed_early) {
+            if let Some(c) = called.get_mut(u) {
+                *c = true;
+            }
+        }
+        let mut first = Ok(());
+        let mut call = |u: usize, r: Result<()>, first: &mut Result<()>| {
+            let r = r.and_then(|()| match called.get_mut(u) {
+                Some(c) if !*c => {
+                    *c = true;
+                    each(u)
+                }
+                _ => Ok(()),
+            });
+            if first.is_ok() {
+                *first = r;
+            }
+        };
+        for u in std::mem::take(&mut self.finished) {
+            call(u, Ok(()), &mut first);
+        }
+        if let Some(w) = self.worker.as_mut() {
+            while let Some(&u) = w.pending.front() {
+                let r = w.next().and_then(|t| t.map_or(Ok(()), Transfer::apply));
+                call(u, r, &mut first);
+            }
+        }
+        let joined = self.finish();
+        for u in 0..units {
+            call(u, Ok(()), &mut first);
+        }
+        first.and(joined)
+    }
+
+    /// After the new parameters' copies to the device are queued: the event the next delayed
+    /// update waits for before it overwrites what they read (CUDA; nothing to wait for on CPU,
+    /// where the copies are done when queued).
+    pub(crate) fn refreshed_queued(&mut self) -> Result<()> {
+        if let Device::Cuda(i) = self.device {
+            let e = zrun_torch_ext::CudaEvent::record_current(i)
+                .map_err(|e| Error::Unsupported(format!("record the parameters' refresh: {e}")))?;
+            self.refreshed_ready = Some(e);
+        }
+        Ok(())
+    }
+
+    /// What a finished delayed update left for the compute parameters, in shard layout:
+    /// the pinned 16-bit staging buffer (16-bit parameters on a device: copied as they are,
+    /// by DMA) or else the fp32 master.
+    pub(crate) fn refreshed(&self) -> &Tensor {
+        self.staging.as_ref().unwrap_or(&self.master)
+    }
+}
