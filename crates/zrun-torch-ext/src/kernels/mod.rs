@@ -55,6 +55,14 @@ pub const ENTRIES: [&str; 12] = [
     "zr_colsum_fin_bf16",
 ];
 
+/// Each kernel's fp32 entry in [`ENTRIES`] (its bf16 entry is the next).
+const CE_ROWS: usize = 0;
+const SWIGLU_FWD: usize = 2;
+const SWIGLU_BWD: usize = 4;
+const ROPE: usize = 6;
+const COLSUM_PART: usize = 8;
+const COLSUM_FIN: usize = 10;
+
 /// The kernel arguments of a launch: pointers to the named locals (which cuLaunchKernel copies
 /// before it returns).
 macro_rules! args {
@@ -301,8 +309,7 @@ extern "C" fn launch_ce_rows(
     let run = || -> Result<(), String> {
         let rows =
             u32::try_from(n).map_err(|_| format!("{n} rows are more than one launch takes"))?;
-        // ENTRIES: the fp32 entry, then the bf16 one.
-        let entry = usize::from(dtype == 1);
+        let entry = CE_ROWS + usize::from(dtype == 1);
         let name = ENTRIES[entry];
         let (mut logits, mut targets, mut coef, mut loss, mut v, mut grad) =
             (logits, targets, coef, loss, v, grad);
@@ -339,21 +346,33 @@ extern "C" fn launch_swiglu(
         let blocks = ew_blocks(n)?;
         let (mut a, mut b, mut g, mut out0, mut out1, mut n) = (a, b, g, out0, out1, n);
         let bf16 = usize::from(dtype == 1);
-        let (entry, mut params): (usize, Vec<*mut c_void>) = if backward != 0 {
-            (4 + bf16, args![a, b, g, out0, out1, n].to_vec())
+        let values = n;
+        let what = move |entry: usize| move || format!("{}, {values} values", ENTRIES[entry]);
+        if backward != 0 {
+            let entry = SWIGLU_BWD + bf16;
+            let mut params = args![a, b, g, out0, out1, n];
+            launch(
+                device,
+                entry,
+                blocks,
+                EW_THREADS,
+                stream,
+                &mut params,
+                what(entry),
+            )
         } else {
-            (2 + bf16, args![a, b, out0, n].to_vec())
-        };
-        let name = ENTRIES[entry];
-        launch(
-            device,
-            entry,
-            blocks,
-            EW_THREADS,
-            stream,
-            &mut params,
-            || format!("{name}, {n} values"),
-        )
+            let entry = SWIGLU_FWD + bf16;
+            let mut params = args![a, b, out0, n];
+            launch(
+                device,
+                entry,
+                blocks,
+                EW_THREADS,
+                stream,
+                &mut params,
+                what(entry),
+            )
+        }
     };
     status(run, err)
 }
@@ -377,7 +396,7 @@ extern "C" fn launch_rope(
 ) -> c_int {
     let run = || -> Result<(), String> {
         let blocks = ew_blocks(n)?;
-        let entry = 6 + usize::from(dtype == 1);
+        let entry = ROPE + usize::from(dtype == 1);
         let name = ENTRIES[entry];
         let (mut x, mut cos, mut sin, mut y, mut n, mut t, mut heads, mut hd, mut backward) =
             (x, cos, sin, y, n, t, heads, hd, backward);
@@ -426,7 +445,7 @@ extern "C" fn launch_colsum(
         let (mut out_b, mut out_g, mut rows, mut cols, mut splits, mut per_split) =
             (out_b, out_g, rows, cols, splits, per_split);
         let mut params = args![dy, x, mean, rstd, part, rows, cols, per_split];
-        let entry = 8 + bf16;
+        let entry = COLSUM_PART + bf16;
         launch(
             device,
             entry,
@@ -439,7 +458,7 @@ extern "C" fn launch_colsum(
         // colsum.cu's second pass: 32 columns a block.
         let fin = u32::try_from((cols + 31) / 32).map_err(|e| e.to_string())?;
         let mut params = args![part, out_b, out_g, splits, cols];
-        let entry = 10 + bf16;
+        let entry = COLSUM_FIN + bf16;
         launch(
             device,
             entry,
