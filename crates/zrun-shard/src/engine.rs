@@ -685,7 +685,8 @@ impl Engine {
         let mut out = Vec::new();
         for u in 0..self.units_len() {
             let l = self.mover.layout.units[u].clone();
-            let flat = if is_shard {
+            // A shard group of one holds each unit whole in its shard: copied as it is.
+            let flat = if is_shard && self.mover.layout.world_size > 1 {
                 let p = self.mover.start_gather(&source, u)?;
                 let full = self.mover.finish_gather(p)?;
                 self.mover.untrack(&full);

@@ -269,7 +269,8 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
     let acts = unit_activations(model, b, t, cfg);
     let loss = loss_bytes(model, b * t, cfg);
     let ckpt = cfg.activation_checkpointing;
-    let stage3 = cfg.stage == Stage::Zero3;
+    // A shard group of one gathers nothing and reduce-scatters in place (`Mover::gathers`).
+    let gathers = cfg.stage == Stage::Zero3 && layout.world_size > 1;
     let sharded_grads = matches!(cfg.stage, Stage::Zero2 | Stage::Zero3);
 
     // Held for the whole run: the model states on the device, and on CPU the host's too.
@@ -287,7 +288,7 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
     let batch = 2 * 8 * b * t; // token ids and targets, int64
 
     let gathered = |first: usize, rev: bool| -> i64 {
-        if !stage3 {
+        if !gathers {
             return 0;
         }
         (0..=cfg.prefetch)
@@ -306,7 +307,7 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
     // again at stage 3, and makes that parameter's gradient too.
     let tied_gathered = |u: usize| -> i64 {
         match units[u].tied() {
-            Some(t) if stage3 => layout.units[t.unit].padded * elt,
+            Some(t) if gathers => layout.units[t.unit].padded * elt,
             _ => 0,
         }
     };
@@ -317,7 +318,8 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
     };
     let reduce = |u: usize| -> i64 {
         let l = &layout.units[u];
-        (l.padded + l.shard_len()) * rb
+        let shard = if layout.world_size > 1 { l.shard_len() } else { 0 };
+        (l.padded + shard) * rb
     };
     // What a unit's forward keeps until its backward.
     let kept = |u: usize| -> i64 {
@@ -417,9 +419,11 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
         }
     }
     // The optimizer step: stage 1 reduces every unit at once, stages 1-2 gather the new
-    // parameters through private copies of the owned slices.
+    // parameters through private copies of the owned slices (a shard group of one does
+    // neither: its owned slices are the full buffers).
     let shard = layout.shard_numel();
     let step_buffers = match cfg.stage {
+        _ if layout.world_size == 1 => 0,
         Stage::Zero0 | Stage::Zero3 => 0,
         Stage::Zero1 => shard * rb + shard * elt,
         Stage::Zero2 => shard * elt,

@@ -77,7 +77,7 @@ impl Gathers {
     fn take(&mut self, mover: &mut Mover, params: &Tensor, stage: Stage) -> Result<(Tensor, bool)> {
         let u = self.order[self.next];
         self.next += 1;
-        if stage != Stage::Zero3 {
+        if !mover.gathers(stage) {
             return Ok((mover.unit_full(params, u)?, false));
         }
         let issued = self.next - 1 + self.pending.len();
@@ -253,7 +253,7 @@ impl Engine {
 
         // Backward order: the forward's reversed (a tied owner right after its reader).
         let order: Vec<usize> = order.into_iter().rev().collect();
-        let refill = stage == Stage::Zero3 && !ckpt;
+        let refill = self.mover.gathers(stage) && !ckpt;
         let mut gathers = if refill {
             let buffers = saved.iter().rev().flat_map(|s| {
                 let g = s.graph.as_ref().map(|g| g.2.as_slice()).unwrap_or(&[]);

@@ -20,7 +20,8 @@ use crate::{Context, Precision, ReduceDtype, Result, Stage};
 use tch::{Kind, Tensor};
 
 /// Bytes of the stand-in reserve at `stage`: the largest padded unit in the wider of the
-/// reduce dtype and, at stage 3 (which gathers), the compute dtype; none at stages 0-1, and
+/// reduce dtype and, at stage 3 over a shard group of more than one rank (which gathers),
+/// the compute dtype; none at stages 0-1, and
 /// none when the run does not recover from an out-of-memory (`recovery` false: a failed
 /// micro-step then ends the run, and no stand-in collective is issued).
 pub(crate) fn reserve_bytes(
@@ -36,8 +37,9 @@ pub(crate) fn reserve_bytes(
     let rb = reduce.kind().elt_size_in_bytes() as i64;
     let widest = match stage {
         Stage::Zero0 | Stage::Zero1 => return 0,
-        Stage::Zero2 => rb,
-        Stage::Zero3 => rb.max(precision.bytes()),
+        // A shard group of one gathers nothing (`Mover::gathers`).
+        Stage::Zero3 if layout.world_size > 1 => rb.max(precision.bytes()),
+        Stage::Zero2 | Stage::Zero3 => rb,
     };
     layout.units.iter().map(|l| l.padded).max().unwrap_or(0) * widest
 }
@@ -139,12 +141,7 @@ impl Engine {
     /// of the reserve made with the engine, and the reduced stand-ins land in this rank's
     /// gradient shard, which is left for [`Engine::abandon_step`] to clear.
     pub fn finish_failed_micro_step(&mut self) -> Result<()> {
-        let all = schedule(
-            self.cfg.stage,
-            &ties(self.model.as_ref()),
-            self.cfg.prefetch,
-            self.mover.replicates,
-        );
+        let all = self.micro_step_schedule();
         let done = std::mem::take(&mut self.mover.issued);
         if !all.starts_with(&done) {
             return Err(crate::Error::Unsupported(format!(
@@ -188,6 +185,21 @@ impl Engine {
         }
         self.mover.issued.clear();
         Ok(())
+    }
+
+    /// The collectives of this engine's micro-step ([`schedule`]); over a shard group of one
+    /// rank, which gathers nothing ([`crate::state::Mover::gathers`]), without the gathers.
+    pub(crate) fn micro_step_schedule(&self) -> Vec<(Collective, usize)> {
+        let mut all = schedule(
+            self.cfg.stage,
+            &ties(self.model.as_ref()),
+            self.cfg.prefetch,
+            self.mover.replicates,
+        );
+        if !self.mover.gathers(self.cfg.stage) {
+            all.retain(|&(op, _)| op != Collective::Gather);
+        }
+        all
     }
 
     /// Drops the step in progress on every rank after a failed micro-step: the gradients are
@@ -286,7 +298,12 @@ mod tests {
                     }
                     e.forward_backward(&x, &x, 1.0).unwrap();
                     let replicate = replicated && last;
-                    let want = schedule(stage, &ties(model.as_ref()), prefetch, replicate);
+                    let mut want = schedule(stage, &ties(model.as_ref()), prefetch, replicate);
+                    // A shard group of one (one rank, or groups of 1) gathers nothing.
+                    if shard_group.unwrap_or(1) == 1 {
+                        want.retain(|&(op, _)| op != G);
+                    }
+                    assert_eq!(e.micro_step_schedule(), want);
                     assert_eq!(
                         e.mover.issued, want,
                         "stage {stage} prefetch {prefetch} ckpt {ckpt} shard group {shard_group:?} last {last}"

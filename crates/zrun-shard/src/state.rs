@@ -121,6 +121,21 @@ impl Mover {
         }
     }
 
+    /// Whether units' parameters are gathered at `stage`: at stage 3 over a shard group of
+    /// more than one rank. A group of one (one rank, or hybrid sharding with
+    /// `zero.shard_group = 1`) holds every unit whole in its shard, which the units then
+    /// read in place, as at stages 0-2.
+    pub(crate) fn gathers(&self, stage: Stage) -> bool {
+        stage == Stage::Zero3 && self.layout.world_size > 1
+    }
+
+    /// Whether the shard group's collectives are identities (a group of one): a
+    /// reduce-scatter's shard is the full gradient itself, and a gather of the owned slices
+    /// leaves a full buffer as it is; no buffer, no copy.
+    fn scatters_in_place(&self) -> bool {
+        self.layout.world_size == 1
+    }
+
     fn alloc(
         &mut self,
         numel: i64,
@@ -225,8 +240,14 @@ impl Mover {
     }
 
     /// Starts averaging unit `u`'s full gradient `grad` over the shard group into a new
-    /// shard buffer.
+    /// shard buffer. Over a group of one the shard is `grad` itself: nothing is allocated,
+    /// copied or sent (the collective is still recorded in [`Mover::issued`]).
     pub(crate) fn start_reduce_scatter(&mut self, grad: Tensor, u: usize) -> Result<Pending> {
+        if self.scatters_in_place() {
+            self.issued.push((Collective::ReduceScatter, u));
+            let shard = grad.shallow_clone();
+            return Ok(Pending::new(Work::ready(), u, grad, shard));
+        }
         let len = self.layout.units[u].shard_len();
         let shard = self.alloc(len, grad.kind(), grad.device(), u)?;
         self.count(len * grad.kind().elt_size_in_bytes() as i64);
@@ -323,7 +344,9 @@ impl Mover {
     /// followed it); returns the unit and its reduced shard (count released).
     pub(crate) fn finish_reduce_scatter(&mut self, p: Pending) -> Result<(usize, Tensor)> {
         let (u, _grad, shard) = self.timed(|| p.wait())?;
-        self.release(&shard);
+        if !self.scatters_in_place() {
+            self.release(&shard);
+        }
         Ok((u, shard))
     }
 
@@ -379,6 +402,10 @@ impl Mover {
     /// Refreshes every unit of the full buffer `params` from the ranks' owned slices
     /// (stages 1-2, after the optimizer step).
     pub(crate) fn all_gather_units(&mut self, params: &Tensor) -> Result<()> {
+        if self.scatters_in_place() {
+            // A group of one owns every unit whole: the full buffer is already its own.
+            return Ok(());
+        }
         let mut pending = Vec::new();
         for u in 0..self.layout.units.len() {
             // A private copy of the owned slice: the output overlaps it.

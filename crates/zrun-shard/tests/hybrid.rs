@@ -285,6 +285,11 @@ fn training_worker() {
             ..case(Stage::Zero3, 2)
         },
         case(Stage::Zero2, 1),
+        // Groups of one gather nothing: every unit (and the tied one) read in place.
+        Case {
+            tied: true,
+            ..case(Stage::Zero3, 1)
+        },
         Case {
             announce: false,
             ..case(Stage::Zero2, 2)
@@ -347,10 +352,11 @@ fn training_worker() {
             got.norms,
             want.norms
         );
-        if c.stage == Stage::Zero2 && c.group == 1 && !c.offload {
+        if c.stage == Stage::Zero2 && !c.offload {
             // Two reduce-scatters in flight (the all-reduce across the replicas is in place
             // on the gradient shards): two consecutive units' shards at most (fp32), besides
-            // AdamW's scratch and the out-of-memory reserve.
+            // AdamW's scratch and the out-of-memory reserve. A shard group of one
+            // reduce-scatters in place: no shard buffer at all.
             let s: Vec<i64> = e
                 .layout()
                 .units
@@ -362,9 +368,25 @@ fn training_worker() {
             let scratch = zrun_optim::AdamW::scratch_bytes_for(e.layout().shard_numel());
             assert_eq!(
                 e.memory().buffers - scratch - e.oom_reserve_bytes(),
-                window,
+                if c.group == 1 { 0 } else { window },
                 "{c:?}: bytes in flight"
             );
+        }
+        if c.stage == Stage::Zero3 {
+            // Stage 3 holds gathered only the unit in use, those prefetched and a tied owner;
+            // a shard group of one gathers nothing (its shard holds every unit whole).
+            let prefetch = c.config(Some(c.group), SEED).prefetch as i64;
+            let biggest = e.layout().units.iter().map(|l| l.padded).max().unwrap();
+            let bound = (prefetch + 2) * biggest * c.precision.bytes();
+            let peak = e.gathered_peak();
+            if c.group == 1 {
+                assert_eq!(peak, 0, "{c:?}: bytes gathered");
+            } else {
+                assert!(
+                    peak > 0 && peak <= bound,
+                    "{c:?}: {peak} bytes gathered, bound {bound}"
+                );
+            }
         }
         // (A delayed update's checkpoint also holds the stale parameters: not copied here.)
         if c.precision == Precision::Fp32 && !c.delay {
