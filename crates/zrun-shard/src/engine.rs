@@ -293,6 +293,11 @@ impl Engine {
             cfg.loss_scale_window,
         );
         let n_units = layout.units.len();
+        // The fp32 init buffers above were host temporaries of the rank's whole extent (on
+        // CUDA both the parameters' and the master's: 30 GiB each for an 8B model at W=1).
+        // The caching CPU allocator would keep their pages for reuse, which on a GPU no host
+        // tensor of that size ever comes for: return them.
+        zrun_torch_ext::cpu_empty_cache();
         Ok(Engine {
             model,
             cfg,

@@ -277,6 +277,31 @@ fn the_static_plan_matches_what_the_engine_allocates() {
 }
 
 #[test]
+fn the_init_buffers_go_back_to_the_system_once_the_engine_is_built() {
+    // The parameters are initialised in an fp32 host buffer and the offloaded master from
+    // another, both copied and dropped: the caching CPU allocator must not keep them.
+    zrun_torch_ext::install_cpu_caching_allocator(None).unwrap();
+    let cfg = EngineConfig {
+        precision: Precision::Bf16,
+        offload: Offload::Cpu,
+        ..EngineConfig::fp32(Stage::Zero3, Device::Cpu, 1, adamw())
+    };
+    let before = zrun_torch_ext::cpu_memory_stats().unwrap();
+    let e = Engine::new(tiny(), Arc::new(Placement::at(0, 1)), cfg).unwrap();
+    let after = zrun_torch_ext::cpu_memory_stats().unwrap();
+    let init = 4 * e.layout().shard_numel() as u64;
+    assert!(
+        after.peak_reserved - before.reserved >= init,
+        "an fp32 init buffer ({init} bytes) came from the caching allocator"
+    );
+    let cached = after.reserved - after.allocated;
+    assert!(
+        cached < init / 4,
+        "{cached} bytes cached after Engine::new, an init buffer is {init}"
+    );
+}
+
+#[test]
 fn offloaded_optimizer_bytes_are_on_the_host_and_none_on_the_device() {
     let model = tiny();
     let adamw = adamw();
