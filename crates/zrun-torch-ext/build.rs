@@ -1,4 +1,4 @@
-//! Compiles csrc/zrun_torch_ext.cpp, csrc/cpu_allocator.cpp, csrc/linear_loss.cpp, csrc/rms_norm.cpp, csrc/fused_loss.cpp, csrc/swiglu.cpp, csrc/colsum.cpp and csrc/rope.cpp against the same libtorch headers torch-sys (tch) uses.
+//! Compiles csrc/zrun_torch_ext.cpp, csrc/cpu_allocator.cpp, csrc/linear_loss.cpp, csrc/rms_norm.cpp, csrc/fused_loss.cpp, csrc/swiglu.cpp, csrc/colsum.cpp, csrc/rope.cpp and csrc/pinned.cpp against the same libtorch headers torch-sys (tch) uses.
 //!
 //! The libtorch install is located the way torch-sys 0.24 does it: with
 //! `LIBTORCH_USE_PYTORCH` set, ask the active python (`python` inside a virtualenv, else
@@ -108,6 +108,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/swiglu.h");
     println!("cargo:rerun-if-changed=csrc/rope.cpp");
     println!("cargo:rerun-if-changed=csrc/rope.h");
+    println!("cargo:rerun-if-changed=csrc/pinned.cpp");
     println!("cargo:rerun-if-changed=csrc/stream.h");
     println!("cargo:rerun-if-changed=csrc/rms_norm.h");
     println!("cargo:rerun-if-changed=csrc/acc_type.h");
@@ -147,6 +148,7 @@ fn main() {
         .file("csrc/swiglu.cpp")
         .file("csrc/colsum.cpp")
         .file("csrc/rope.cpp")
+        .file("csrc/pinned.cpp")
         .compile("zrun_torch_ext");
     // tch links these too; naming them after our static library keeps the link order right
     // whatever order the linker sees the crates in.

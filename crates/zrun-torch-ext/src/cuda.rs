@@ -135,8 +135,10 @@ pub fn current_cuda_device() -> Option<usize> {
 
 /// A 1-D tensor of `numel` elements of `kind` in pinned host memory, allocated pinned by
 /// libtorch's caching host allocator (`torch.empty(n, pin_memory=True)`), for copies to and
-/// from CUDA that need not block the host. That allocator rounds each block up to a power of
-/// two bytes ([`pinned_bytes`]). Refused where CUDA is absent.
+/// from CUDA that need not block the host. That allocator keeps the block from being reused
+/// until the copies queued with it have run, which suits short-lived staging; it rounds each
+/// block up to a power of two bytes ([`pinned_bytes`]), so long-lived buffers take
+/// [`crate::empty_pinned_exact`] instead. Refused where CUDA is absent.
 pub fn empty_pinned(numel: i64, kind: tch::Kind) -> Result<tch::Tensor, Error> {
     let op = || format!("empty_pinned({numel} elements)");
     let like = tch::Tensor::f_empty([0], (kind, tch::Device::Cpu)).map_err(|e| Error::Torch {
@@ -153,8 +155,9 @@ pub fn empty_pinned(numel: i64, kind: tch::Kind) -> Result<tch::Tensor, Error> {
     }
 }
 
-/// Bytes libtorch's caching host allocator holds for a pinned block of `bytes`: the next
-/// power of two.
+/// Bytes libtorch's caching host allocator holds for a pinned block of `bytes` from
+/// [`empty_pinned`]: the next power of two (`c10::llvm::PowerOf2Ceil`; no setting turns it
+/// off). [`crate::empty_pinned_exact`] holds `bytes`.
 pub fn pinned_bytes(bytes: i64) -> i64 {
     if bytes <= 0 {
         return 0;

@@ -98,6 +98,15 @@ extern "C" {
         out: *mut *mut c_void,
         err: *mut *mut c_char,
     ) -> c_int;
+    pub(crate) fn zrun_ext_pinned_from_blob(
+        like: *const c_void,
+        data: *mut c_void,
+        numel: i64,
+        free_fn: HostFree,
+        ctx: *mut c_void,
+        out: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
     pub(crate) fn zrun_ext_copy_async(
         dst: *const c_void,
         src: *const c_void,
@@ -234,6 +243,10 @@ pub(crate) fn set_ce_rows_kernel(kernel: Option<CeRowsKernel>) -> Option<CeRowsK
     // of the shim's signature, valid for the process.
     unsafe { zrun_ext_set_ce_rows_kernel(kernel) }
 }
+
+/// The function csrc/pinned.cpp calls to free the memory under a tensor it made (the memory
+/// and the context handed in with it).
+pub(crate) type HostFree = extern "C" fn(*mut c_void, *mut c_void);
 
 /// The shim's `zrun::SwigluKernel` (csrc/swiglu.h).
 pub(crate) type SwigluKernel = extern "C" fn(

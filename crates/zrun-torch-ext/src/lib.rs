@@ -25,6 +25,9 @@
 //!   on CUDA;
 //! - [`swiglu`]: SwiGLU's product as one autograd node keeping only its two inputs, one
 //!   kernel pass each way on CUDA;
+//! - [`empty_pinned_exact`]: pinned host memory of exactly the size asked, from the CUDA
+//!   driver, for long-lived buffers (libtorch's caching host allocator, [`empty_pinned`],
+//!   rounds each block up to a power of two bytes);
 //! - [`count_allocations`]: libtorch's allocations made by a piece of code (tests that check
 //!   a path allocates nothing);
 //! - [`profiler_start`] / [`profiler_stop`]: libtorch's profiler around part of a run, written
@@ -43,6 +46,7 @@ pub mod kernels;
 mod loss;
 mod norm;
 mod optim;
+mod pinned;
 mod profile;
 pub mod rng;
 mod rope;
@@ -64,6 +68,7 @@ pub use error::Error;
 pub use loss::{ce_rows, fused_linear_cross_entropy, linear_cross_entropy};
 pub use norm::rms_norm;
 pub use optim::{fused_adam, sum_of_squares, AdamStep};
+pub use pinned::empty_pinned_exact;
 pub use profile::{profiler_start, profiler_stop};
 pub use rope::{rope, rope_raw};
 pub use storage::{resize_storage, storage_nbytes};

@@ -10,11 +10,11 @@
 //! from it one step later.
 //!
 //! With CUDA every copy between device and host is asynchronous, from or to pinned memory
-//! allocated pinned: a gradient's copy to the host runs on a side stream once the kernels
-//! that made it are done, overlapping the backward of the units before it, and the event
-//! recorded after it is what the CPU AdamW waits for (the worker thread, not the thread
-//! driving the model); new parameters go back to the device on the compute stream, without
-//! blocking the host, ahead of the next forward.
+//! allocated pinned, of exactly the buffers' size (`buffers.rs`): a gradient's copy to the
+//! host runs on a side stream once the kernels that made it are done, overlapping the
+//! backward of the units before it, and the event recorded after it is what the CPU AdamW
+//! waits for (the worker thread, not the thread driving the model); new parameters go back to
+//! the device on the compute stream, without blocking the host, ahead of the next forward.
 
 use crate::layout::ShardLayout;
 use crate::{Context, Error, Precision, Result, Stage};
@@ -23,7 +23,11 @@ use std::thread::JoinHandle;
 use tch::{Device, Kind, Tensor};
 use zrun_optim::{AdamWConfig, CpuAdamW, HalfKind, StateDtype};
 
+mod buffers;
 mod deferred;
+
+pub(crate) use buffers::host_bytes;
+use buffers::HostBuffers;
 
 /// What the host optimizer is made of, from the engine's configuration.
 pub(crate) struct HostSetup {
@@ -59,6 +63,8 @@ pub(crate) struct HostOptimizer {
     precision: Precision,
     /// Host bytes of master and moments (fixed at construction; the AdamW may be lent out).
     state_bytes: i64,
+    /// Host bytes of the gradient and parameter staging buffers this owns.
+    buffer_bytes: i64,
     worker: Option<Worker>,
     /// Units whose delayed update finished while backward waited for them
     /// ([`HostOptimizer::stage_unit`]) and whose new parameters have not been taken yet
@@ -141,29 +147,6 @@ impl Worker {
                 "the CPU AdamW thread stopped mid-step".into(),
             ))
         })
-    }
-}
-
-/// A zeroed host tensor, allocated pinned when CUDA is present so device copies are
-/// asynchronous DMA (never pageable first and pinned after: that would hold it twice).
-fn host_tensor(numel: i64, kind: Kind, device: Device) -> Result<Tensor> {
-    if device.is_cuda() {
-        let mut t = zrun_torch_ext::empty_pinned(numel, kind).map_err(|e| {
-            Error::Unsupported(format!(
-                "allocate {numel} elements of pinned host memory: {e}"
-            ))
-        })?;
-        return t.f_zero_().ctx("zero pinned host buffer", "-");
-    }
-    Tensor::f_zeros([numel], (kind, Device::Cpu)).ctx("allocate host buffer", "-")
-}
-
-/// Bytes a host buffer of `bytes` holds: pinned blocks (with CUDA) are powers of two.
-pub(crate) fn host_bytes(cuda: bool, bytes: i64) -> i64 {
-    if cuda {
-        zrun_torch_ext::pinned_bytes(bytes)
-    } else {
-        bytes
     }
 }
 
@@ -284,7 +267,8 @@ impl HostOptimizer {
             device,
         } = setup;
         let n = layout.shard_numel();
-        let master = host_tensor(n, Kind::Float, device)?;
+        let mut alloc = HostBuffers::default();
+        let (master, master_bytes) = alloc.zeros(n, Kind::Float, device)?;
         master
             .shallow_clone()
             .f_copy_(&master_init)
@@ -294,10 +278,13 @@ impl HostOptimizer {
             .into_iter()
             .map(|(o, l)| (o as usize, l as usize))
             .collect();
-        let staging = match precision {
-            Precision::Fp32 => None,
-            _ if device.is_cuda() => Some(host_tensor(n, precision.kind(), device)?),
-            _ => None,
+        let (staging, staging_bytes) = match precision {
+            Precision::Fp32 => (None, 0),
+            _ if device.is_cuda() => {
+                let (t, bytes) = alloc.zeros(n, precision.kind(), device)?;
+                (Some(t), bytes)
+            }
+            _ => (None, 0),
         };
         let adam = CpuAdamW::new(n as usize, cfg, decay, state, threads.max(1));
         let in_place = grads_in_place.filter(|g| {
@@ -307,12 +294,14 @@ impl HostOptimizer {
                 && g.numel() as i64 == n
         });
         let owns_grads = in_place.is_none();
-        let grads = match in_place {
-            Some(g) => g,
-            None => host_tensor(n, Kind::Float, device)?,
+        let (grads, grads_bytes) = match in_place {
+            Some(g) => (g, 0),
+            None => alloc.zeros(n, Kind::Float, device)?,
         };
+        alloc.warn_if_rounded();
         Ok(HostOptimizer {
-            state_bytes: host_bytes(device.is_cuda(), 4 * n) + adam.state_bytes() as i64,
+            state_bytes: master_bytes + adam.state_bytes() as i64,
+            buffer_bytes: grads_bytes + staging_bytes,
             adam: Some(adam),
             master,
             grads,
@@ -355,18 +344,7 @@ impl HostOptimizer {
 
     /// Host bytes of staging buffers.
     pub(crate) fn buffer_bytes(&self) -> i64 {
-        let bytes = |t: &Tensor| {
-            host_bytes(
-                self.device.is_cuda(),
-                t.numel() as i64 * t.kind().elt_size_in_bytes() as i64,
-            )
-        };
-        let grads = if self.owns_grads {
-            bytes(&self.grads)
-        } else {
-            0
-        };
-        grads + self.staging.as_ref().map_or(0, bytes)
+        self.buffer_bytes
     }
 
     fn adam(&mut self) -> Result<&mut CpuAdamW> {
