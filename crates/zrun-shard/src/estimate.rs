@@ -158,8 +158,8 @@ impl MemoryLedger {
                 StateDtype::Fp32 => 8,
                 StateDtype::Bf16 => 4,
             };
-            let pinned = |b| crate::offload::host_bytes(cfg.cuda, b);
-            m.host = pinned(4 * shard) + moments * shard;
+            // Pinned with CUDA, of exactly their size (`offload::buffers`).
+            m.host = 4 * shard + moments * shard;
             (m.master, m.optimizer) = (0, 0);
             // The host reads the gradient shard in place only when it already is fp32 host
             // memory in shard order (stages 2-3 on CPU) and no delayed update reads it while
@@ -168,9 +168,9 @@ impl MemoryLedger {
                 && !cfg.cuda
                 && !cfg.offload_delay
                 && cfg.reduce_dtype == ReduceDtype::Fp32;
-            let grads = if in_place { 0 } else { pinned(4 * shard) };
+            let grads = if in_place { 0 } else { 4 * shard };
             let staging = if cfg.cuda && cfg.precision != Precision::Fp32 {
-                pinned(cfg.precision.bytes() * shard)
+                cfg.precision.bytes() * shard
             } else {
                 0
             };
@@ -318,7 +318,11 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
     };
     let reduce = |u: usize| -> i64 {
         let l = &layout.units[u];
-        let shard = if layout.world_size > 1 { l.shard_len() } else { 0 };
+        let shard = if layout.world_size > 1 {
+            l.shard_len()
+        } else {
+            0
+        };
         (l.padded + shard) * rb
     };
     // What a unit's forward keeps until its backward.

@@ -2,8 +2,8 @@
 //! CUDA driver (`cuMemHostAlloc`, portable: page-locked for every context, libtorch's primary
 //! contexts included) and wrapped as a CPU tensor whose storage frees it (`cuMemFreeHost`)
 //! when its last reference goes. libtorch's caching host allocator ([`crate::empty_pinned`])
-//! rounds each block up to a power of two bytes ([`crate::pinned_bytes`]): 16 GiB for a
-//! buffer of 9.
+//! rounds each block up to a power of two bytes ([`crate::pinned_bytes`]): a 9 GiB buffer
+//! takes 16 GiB.
 //!
 //! Copies between such a tensor and CUDA with `non_blocking` ([`crate::copy_async`]) are
 //! real asynchronous DMA. libtorch's caching host allocator, which copies report to, finds no

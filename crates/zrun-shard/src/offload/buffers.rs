@@ -12,13 +12,6 @@ use crate::{Context, Error, Result};
 use std::sync::Once;
 use tch::{Device, Kind, Tensor};
 
-/// Bytes a host buffer of `bytes` holds as the estimate plans it: exactly `bytes`, pinned
-/// (with CUDA) or not. `_cuda` is the estimator's argument; the size is the same either way.
-/// A fallback to the caching allocator holds more; [`HostBuffers`] counts that.
-pub(crate) fn host_bytes(_cuda: bool, bytes: i64) -> i64 {
-    bytes
-}
-
 /// Allocates the host optimizer's long-lived buffers and counts what they hold.
 #[derive(Default)]
 pub(super) struct HostBuffers {

@@ -26,7 +26,6 @@ use zrun_optim::{AdamWConfig, CpuAdamW, HalfKind, StateDtype};
 mod buffers;
 mod deferred;
 
-pub(crate) use buffers::host_bytes;
 use buffers::HostBuffers;
 
 /// What the host optimizer is made of, from the engine's configuration.
