@@ -49,7 +49,7 @@ Checks (one GPU; several ranks share it over the tcp backend, which stages CUDA 
                zero.offload_delay = 1 (ZeRO-Offload's delayed update), interleaved; target:
                the delayed step <= 1.1 x max(the step without offload, the CPU AdamW alone),
                and the loss after 200 steps within 1% of the undelayed offload run (K:
-               a 50-step learning-rate warm-up, the delay's default warm-up of 10 updates)
+               a 50-step learning-rate warm-up, and the delay on once it ends, its default)
   h  limit     dist.memory_limit on CUDA (the caching allocator's per-process fraction) with
                train.on_oom = "shrink": a micro-batch that does not fit under the limit is
                halved until it does, and the allocator never passes the limit
@@ -596,7 +596,7 @@ DELAY_SIDES = {"no offload": ['zero.offload_optimizer="none"'],
                                    "zero.offload_delay_warmup=3"]}
 
 
-# The 200-step runs take a learning-rate warm-up and the delay's default warm-up (10 updates),
+# The 200-step runs take a learning-rate warm-up and the delay's default warm-up (as long as it),
 # as a real run would: a stale update lowers the largest stable learning rate, and at 3e-4
 # from step 1 with the delay on after 3 updates gpt2-medium's loss stalled (2026-11-26: 9.92
 # against 6.96; on CPU the f64 reference of the one-step-late update does the same).

@@ -119,7 +119,7 @@ impl StepInputs {
         let offload = cfg.zero.offload_optimizer == Offload::Cpu && stage != Stage::Zero0;
         let host_overlap = if !offload {
             HostOverlap::None
-        } else if cfg.zero.delay().is_some() {
+        } else if cfg.delay().is_some() {
             HostOverlap::NextStep
         } else if matches!(stage, Stage::Zero2 | Stage::Zero3)
             && cfg.train.grad_clip <= 0.0

@@ -209,7 +209,7 @@ impl Run {
                     weight_decay: t.weight_decay,
                 },
                 oom_recovery: t.on_oom == crate::config::OnOom::Shrink,
-                offload_delay: cfg.zero.delay(),
+                offload_delay: cfg.delay(),
                 shard_group: (group < rank.world_size).then_some(group),
                 loss_chunk: t.loss_chunk(),
             },
@@ -470,7 +470,7 @@ impl Run {
             tokens_per_step
         );
         if r.rank == 0 && self.cfg.zero.offload_optimizer == Offload::Cpu {
-            if let Some(w) = self.cfg.zero.delay() {
+            if let Some(w) = self.cfg.delay() {
                 tracing::info!(
                     "CPU AdamW: delayed one step after {w} update(s) (zero.offload_delay = 1): \
                      each update overlaps the next step's forward and backward, which run on \

@@ -377,3 +377,27 @@ fn model_key_errors_name_the_key_and_the_fix() {
         ("llama", 32, 64)
     );
 }
+
+#[test]
+fn the_delay_switches_on_after_the_learning_rate_warm_up_unless_told() {
+    let (_p_dir, p) = write(
+        "delay.toml",
+        "[train]\nsteps = 200\nwarmup_steps = 50\n[zero]\nstage = 2\noffload_optimizer = \"cpu\"\n",
+    );
+    let delay = |sets: &[&str]| {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        Config::load(&p, &sets).unwrap().delay()
+    };
+    assert_eq!(delay(&[]), None, "off unless zero.offload_delay = 1");
+    assert_eq!(delay(&["zero.offload_delay=1"]), Some(50));
+    // At least 10 updates, however short the learning-rate warm-up.
+    assert_eq!(
+        delay(&["zero.offload_delay=1", "train.warmup_steps=3"]),
+        Some(10)
+    );
+    // A warm-up of its own wins, 0 included.
+    for w in [0, 7, 80] {
+        let set = format!("zero.offload_delay_warmup={w}");
+        assert_eq!(delay(&["zero.offload_delay=1", &set]), Some(w));
+    }
+}

@@ -265,8 +265,10 @@ pub struct ZeroConfig {
     /// ZeRO-Offload's delayed parameter update: 1 applies each CPU AdamW update one step
     /// late, overlapping the next step's forward and backward; 0 (default) off.
     pub offload_delay: u64,
-    /// Updates applied without the delay before it switches on.
-    pub offload_delay_warmup: u64,
+    /// Updates applied without the delay before it switches on; unset: the larger of 10
+    /// and `train.warmup_steps` ([`Config::delay`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub offload_delay_warmup: Option<u64>,
     /// Ranks one copy of the model states is sharded over (hybrid sharding): `"all"`
     /// (default), `"node"` or a divisor of the world size; replicated across the groups.
     pub shard_group: ShardGroup,
@@ -291,17 +293,23 @@ impl Config {
         Ok(g)
     }
 
+    /// The engine's delay setting: `Some(warm-up updates)` when `zero.offload_delay = 1`.
+    /// Without `zero.offload_delay_warmup` the delay switches on once the learning rate has
+    /// warmed up (`train.warmup_steps`), after 10 updates at least: a stale update hurts most
+    /// while the learning rate still climbs (configs/tiny-cpu.toml, 200 steps with a 50-step
+    /// warm-up: eval loss 1.4% above the undelayed run after 10 updates, 0.9% after 50).
+    pub fn delay(&self) -> Option<u64> {
+        let z = &self.zero;
+        let warmup = z
+            .offload_delay_warmup
+            .unwrap_or(self.train.warmup_steps.max(10));
+        (z.offload_delay > 0).then_some(warmup)
+    }
+
     /// The shard group size for `world` ranks of this config once resolved (`"node"` not
     /// yet resolved counts as one node of `world` ranks).
     pub fn shard_group_size(&self, world: usize) -> Result<usize, ConfigError> {
         self.zero.shard_group.resolve(world, world)
-    }
-}
-
-impl ZeroConfig {
-    /// The engine's delay setting: `Some(warm-up updates)` when `offload_delay = 1`.
-    pub fn delay(&self) -> Option<u64> {
-        (self.offload_delay > 0).then_some(self.offload_delay_warmup)
     }
 }
 
@@ -318,7 +326,7 @@ impl Default for ZeroConfig {
             offload_optimizer: Offload::None,
             optimizer_state_dtype: StateDtype::Fp32,
             offload_delay: 0,
-            offload_delay_warmup: 10,
+            offload_delay_warmup: None,
             shard_group: ShardGroup::All,
         }
     }
