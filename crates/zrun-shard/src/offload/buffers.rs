@@ -44,7 +44,17 @@ impl HostBuffers {
                 Tensor::f_zeros([numel], (kind, Device::Cpu)).ctx("allocate host buffer", "-")?;
             return Ok((t, bytes));
         }
-        let (mut t, held) = match zrun_torch_ext::empty_pinned_exact(numel, kind) {
+        // libtorch must see the memory as pinned, or its non-blocking copies would block.
+        let exact = zrun_torch_ext::empty_pinned_exact(numel, kind).and_then(|t| {
+            match t.f_is_pinned(device) {
+                Ok(true) => Ok(t),
+                seen => Err(zrun_torch_ext::Error::Refused {
+                    op: "empty_pinned_exact".into(),
+                    reason: format!("libtorch does not see its memory as pinned ({seen:?})"),
+                }),
+            }
+        });
+        let (mut t, held) = match exact {
             Ok(t) => (t, bytes),
             Err(exact) => {
                 let t = zrun_torch_ext::empty_pinned(numel, kind).map_err(|e| {
