@@ -691,7 +691,7 @@ impl Engine {
         for u in 0..self.units_len() {
             let l = self.mover.layout.units[u].clone();
             // A shard group of one holds each unit whole in its shard: copied as it is.
-            let flat = if is_shard && self.mover.layout.world_size > 1 {
+            let flat = if is_shard && !self.mover.group_of_one() {
                 let p = self.mover.start_gather(&source, u)?;
                 let full = self.mover.finish_gather(p)?;
                 self.mover.untrack(&full);

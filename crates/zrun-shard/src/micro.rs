@@ -439,11 +439,9 @@ impl Engine {
                     // waited for it: their new parameters go to the device now, queued behind
                     // the backward of each (nothing later in this step reads them), instead of
                     // all at the step's end, where the next update waits for them.
-                    let src = h.refreshed().shallow_clone();
                     for done in h.take_finished() {
-                        let stage = self.cfg.stage;
-                        refresh_unit(&self.mover, &self.params, stage, &src, done)?;
-                        h.mark_refreshed(done);
+                        let src = h.refreshed();
+                        refresh_unit(&self.mover, &self.params, self.cfg.stage, src, done)?;
                     }
                 }
             }

@@ -126,13 +126,13 @@ impl Mover {
     /// `zero.shard_group = 1`) holds every unit whole in its shard, which the units then
     /// read in place, as at stages 0-2.
     pub(crate) fn gathers(&self, stage: Stage) -> bool {
-        stage == Stage::Zero3 && self.layout.world_size > 1
+        stage == Stage::Zero3 && !self.group_of_one()
     }
 
-    /// Whether the shard group's collectives are identities (a group of one): a
+    /// Whether the shard group is this rank alone, so that its collectives are identities: a
     /// reduce-scatter's shard is the full gradient itself, and a gather of the owned slices
     /// leaves a full buffer as it is; no buffer, no copy.
-    fn scatters_in_place(&self) -> bool {
+    pub(crate) fn group_of_one(&self) -> bool {
         self.layout.world_size == 1
     }
 
@@ -243,7 +243,7 @@ impl Mover {
     /// shard buffer. Over a group of one the shard is `grad` itself: nothing is allocated,
     /// copied or sent (the collective is still recorded in [`Mover::issued`]).
     pub(crate) fn start_reduce_scatter(&mut self, grad: Tensor, u: usize) -> Result<Pending> {
-        if self.scatters_in_place() {
+        if self.group_of_one() {
             self.issued.push((Collective::ReduceScatter, u));
             let shard = grad.shallow_clone();
             return Ok(Pending::new(Work::ready(), u, grad, shard));
@@ -344,7 +344,7 @@ impl Mover {
     /// followed it); returns the unit and its reduced shard (count released).
     pub(crate) fn finish_reduce_scatter(&mut self, p: Pending) -> Result<(usize, Tensor)> {
         let (u, _grad, shard) = self.timed(|| p.wait())?;
-        if !self.scatters_in_place() {
+        if !self.group_of_one() {
             self.release(&shard);
         }
         Ok((u, shard))
@@ -402,7 +402,7 @@ impl Mover {
     /// Refreshes every unit of the full buffer `params` from the ranks' owned slices
     /// (stages 1-2, after the optimizer step).
     pub(crate) fn all_gather_units(&mut self, params: &Tensor) -> Result<()> {
-        if self.scatters_in_place() {
+        if self.group_of_one() {
             // A group of one owns every unit whole: the full buffer is already its own.
             return Ok(());
         }

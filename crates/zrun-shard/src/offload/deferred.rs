@@ -2,7 +2,7 @@
 //! update of a step handed to the worker thread without waiting for it, and its results
 //! taken unit by unit.
 
-use super::{wait_ready, HostOptimizer, Transfer};
+use super::{HostOptimizer, Transfer};
 use crate::layout::ShardLayout;
 use crate::{Error, Result};
 use tch::{Device, Tensor};
@@ -10,15 +10,12 @@ use tch::{Device, Tensor};
 impl HostOptimizer {
     /// The units of the running delayed update that finished while backward waited for
     /// them ([`HostOptimizer::stage_unit`]) and whose new parameters have not been taken yet.
+    /// The caller copies them to the device now: [`HostOptimizer::finish_each`] does not
+    /// hand them out again.
     pub(crate) fn take_finished(&mut self) -> Vec<usize> {
-        std::mem::take(&mut self.finished)
-    }
-
-    /// Unit `u`'s new parameters from the running delayed update are on their way to the
-    /// device (the engine copied them during backward): [`HostOptimizer::finish_each`] does
-    /// not hand it out again.
-    pub(crate) fn mark_refreshed(&mut self, u: usize) {
-        self.refreshed_early.push(u);
+        let done = std::mem::take(&mut self.finished);
+        self.refreshed_early.extend(&done);
+        done
     }
 
     /// A delayed update (`delay.rs`): stages the owned gradient `segments` (end to end in
@@ -42,14 +39,8 @@ impl HostOptimizer {
                     .into(),
             ));
         }
-        let mut at = 0;
-        let mut ready = self.staged.take();
-        for g in segments.unwrap_or_default() {
-            ready = self.stage(at, g, "-")?.or(ready);
-            at += g.numel() as i64;
-        }
         // The engine overwrites (then accumulates into) its gradients as soon as this returns.
-        wait_ready(ready, "-")?;
+        self.stage_segments(segments)?;
         self.begin_step()?;
         // The first job (the worker runs them in order) waits until the device has read the
         // last update's new parameters, which these jobs overwrite.

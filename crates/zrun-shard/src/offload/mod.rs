@@ -361,6 +361,19 @@ impl HostOptimizer {
     /// Copies `grad` (any dtype and device) into the host gradients at shard offset `at`;
     /// nothing to do when `grad` is that very memory (gradients read in place). From CUDA
     /// the copy is queued without blocking; the returned event completes once it is done.
+    /// Stages the owned gradient `segments` (end to end in shard order; `None`: staged unit
+    /// by unit during backward already) on the host and waits until every staged copy is
+    /// there.
+    fn stage_segments(&mut self, segments: Option<&[Tensor]>) -> Result<()> {
+        let mut at = 0;
+        let mut ready = self.staged.take();
+        for g in segments.unwrap_or_default() {
+            ready = self.stage(at, g, "-")?.or(ready);
+            at += g.numel() as i64;
+        }
+        wait_ready(ready, "-")
+    }
+
     fn stage(
         &mut self,
         at: i64,
@@ -465,13 +478,7 @@ impl HostOptimizer {
         grad_scale: f64,
         params_of: impl Fn(usize) -> Result<Tensor>,
     ) -> Result<()> {
-        let mut at = 0;
-        let mut ready = self.staged.take();
-        for g in segments.unwrap_or_default() {
-            ready = self.stage(at, g, "-")?.or(ready);
-            at += g.numel() as i64;
-        }
-        wait_ready(ready, "-")?;
+        self.stage_segments(segments)?;
         self.begin_step()?;
         let half = self.half();
         for u in 0..layout.units.len() {

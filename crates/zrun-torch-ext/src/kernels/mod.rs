@@ -347,32 +347,15 @@ extern "C" fn launch_swiglu(
         let (mut a, mut b, mut g, mut out0, mut out1, mut n) = (a, b, g, out0, out1, n);
         let bf16 = usize::from(dtype == 1);
         let values = n;
-        let what = move |entry: usize| move || format!("{}, {values} values", ENTRIES[entry]);
-        if backward != 0 {
-            let entry = SWIGLU_BWD + bf16;
-            let mut params = args![a, b, g, out0, out1, n];
-            launch(
-                device,
-                entry,
-                blocks,
-                EW_THREADS,
-                stream,
-                &mut params,
-                what(entry),
-            )
+        let (mut bwd, mut fwd) = (args![a, b, g, out0, out1, n], args![a, b, out0, n]);
+        let (entry, params): (usize, &mut [*mut c_void]) = if backward != 0 {
+            (SWIGLU_BWD + bf16, &mut bwd)
         } else {
-            let entry = SWIGLU_FWD + bf16;
-            let mut params = args![a, b, out0, n];
-            launch(
-                device,
-                entry,
-                blocks,
-                EW_THREADS,
-                stream,
-                &mut params,
-                what(entry),
-            )
-        }
+            (SWIGLU_FWD + bf16, &mut fwd)
+        };
+        launch(device, entry, blocks, EW_THREADS, stream, params, || {
+            format!("{}, {values} values", ENTRIES[entry])
+        })
     };
     status(run, err)
 }
