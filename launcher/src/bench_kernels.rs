@@ -18,7 +18,12 @@
 //! - `bias_grad`: a bias's gradient, the sum over rows of the MLP's output gradient (rows x
 //!   MLP width): zrun's column sums against ATen's sum;
 //! - `layer_norm`: LayerNorm over the width and its three gradients: zrun's node (column sums
-//!   for the weight and bias) against autograd's layer_norm.
+//!   for the weight and bias) against autograd's layer_norm;
+//! - `adamw`: one AdamW step over a model's parameters of the shape (GPT-2's blocks at its
+//!   width, weight decay on the matrices) from an fp32 master, with the bf16 parameters
+//!   written: zrun's kernel (`adamw_pieces`) against ATen's fused AdamW and a cast;
+//! - `grad_layout`: the same parameters' bf16 gradients laid into an fp32 buffer: zrun's
+//!   kernel (`cast_into`, one launch per 48 tensors) against ATen's copy, one per tensor.
 //!
 //! Each round runs every side once; the median over rounds is reported, with the side's peak
 //! memory above what was allocated before it (CUDA's caching allocator, or on CPU zrun's
@@ -49,13 +54,14 @@ pub struct KernelsArgs {
     pub json: bool,
 }
 
-/// One shape: rows, width, vocabulary, MLP width.
+/// One shape: rows, width, vocabulary, MLP width, and blocks of the optimizer's cases.
 struct Shape {
     name: &'static str,
     n: i64,
     c: i64,
     v: i64,
     f: i64,
+    layers: i64,
 }
 
 const SHAPES: [Shape; 3] = [
@@ -65,6 +71,7 @@ const SHAPES: [Shape; 3] = [
         c: 1024,
         v: 50257,
         f: 4096,
+        layers: 24,
     },
     Shape {
         name: "llama",
@@ -72,6 +79,7 @@ const SHAPES: [Shape; 3] = [
         c: 2048,
         v: 128_256,
         f: 8192,
+        layers: 16,
     },
     Shape {
         name: "small",
@@ -79,14 +87,15 @@ const SHAPES: [Shape; 3] = [
         c: 256,
         v: 8192,
         f: 1024,
+        layers: 2,
     },
 ];
 
 /// What one side of a case gives back: the loss (0 for SwiGLU) and its results.
-type Outcome = (f64, Vec<Tensor>);
+pub(crate) type Outcome = (f64, Vec<Tensor>);
 
 /// One side of a case: a forward and backward over inputs it holds.
-type Side = Box<dyn Fn() -> anyhow::Result<Outcome>>;
+pub(crate) type Side = Box<dyn Fn() -> anyhow::Result<Outcome>>;
 
 fn sync(device: Device) {
     if let Device::Cuda(i) = device {
@@ -139,14 +148,38 @@ fn apart(got: &Outcome, want: &Outcome) -> f64 {
 }
 
 /// The cases, in the order of the rows.
-const CASES: [&str; 6] = [
+const CASES: [&str; 8] = [
     "loss",
     "loss_chunked",
     "swiglu",
     "rope",
     "bias_grad",
     "layer_norm",
+    "adamw",
+    "grad_layout",
 ];
+
+/// A model's parameters at `s`'s width as `(numel, decayed)` in order: a decayed embedding
+/// of the vocabulary, then `s.layers` of GPT-2's blocks (LayerNorms and biases not decayed).
+fn param_pieces(s: &Shape) -> Vec<(i64, bool)> {
+    let (c, f) = (s.c, s.f);
+    let mut out = vec![(s.v * c, true)];
+    for _ in 0..s.layers {
+        out.extend([
+            (2 * c, false),
+            (3 * c * c, true),
+            (3 * c, false),
+            (c * c, true),
+            (c, false),
+            (2 * c, false),
+            (f * c, true),
+            (f, false),
+            (f * c, true),
+            (c, false),
+        ]);
+    }
+    out
+}
 
 /// Runs `zrun bench kernels`.
 pub fn run_kernels(args: &KernelsArgs) -> anyhow::Result<()> {
@@ -184,7 +217,10 @@ pub fn run_kernels(args: &KernelsArgs) -> anyhow::Result<()> {
         .collect::<anyhow::Result<_>>()?;
     let kernel = match device {
         Device::Cuda(i) => match zrun_torch_ext::kernels::install(i) {
-            Ok(()) => "zrun's CUDA kernels".to_string(),
+            Ok(i) => match i.optimizer_left_out {
+                None => "zrun's CUDA kernels".to_string(),
+                Some(e) => format!("zrun's CUDA kernels but the optimizer's ({e})"),
+            },
             Err(e) => format!("ATen's ops (zrun's kernels not installed: {e})"),
         },
         _ => "ATen's ops (CPU)".to_string(),
@@ -226,7 +262,11 @@ fn row(
 ) -> anyhow::Result<()> {
     tch::manual_seed(0);
     let opts = (kind, device);
-    let (zrun, torch): (Side, Side) = if case.starts_with("loss") {
+    let (zrun, torch): (Side, Side) = if case == "adamw" {
+        crate::bench_optim::adamw_sides(&param_pieces(s), device)?
+    } else if case == "grad_layout" {
+        crate::bench_optim::layout_sides(&param_pieces(s), device)?
+    } else if case.starts_with("loss") {
         let h = (Tensor::f_randn([s.n, s.c], opts)? * 0.5).set_requires_grad(true);
         let w = (Tensor::f_randn([s.v, s.c], opts)? * 0.05).set_requires_grad(true);
         let t = Tensor::f_randint(s.v, [s.n], (Kind::Int64, device))?;

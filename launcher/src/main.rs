@@ -38,6 +38,7 @@ mod bench;
 mod bench_adam;
 mod bench_ckpt;
 mod bench_kernels;
+mod bench_optim;
 mod cluster;
 mod consolidate;
 mod export;

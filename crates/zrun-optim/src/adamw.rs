@@ -158,25 +158,48 @@ impl AdamW {
         lr: f64,
         grad_factor: f64,
     ) -> Result<()> {
+        self.step_segments_into(params, grads, lr, grad_factor, None)
+            .map(drop)
+    }
+
+    /// [`AdamW::step_segments`], which on CUDA with zrun's AdamW kernel installed
+    /// (`zrun_torch_ext::kernels::install`) also writes the new parameters into `half`: the
+    /// compute parameters in bf16, as 1-D views laid end to end like `params`. Returns whether
+    /// it wrote them (false: `half` is untouched and the caller casts the master itself).
+    pub fn step_segments_into(
+        &mut self,
+        params: &[Tensor],
+        grads: &[Tensor],
+        lr: f64,
+        grad_factor: f64,
+        half: Option<&[Tensor]>,
+    ) -> Result<bool> {
         let (p, g) = (Segments::new(params), Segments::new(grads));
-        if p.len() != self.numel {
-            return Err(Error::Size {
-                what: "parameter shard",
-                got: p.len(),
-                expected: self.numel,
-            });
-        }
-        if g.len() != self.numel {
-            return Err(Error::Size {
-                what: "gradient shard",
-                got: g.len(),
-                expected: self.numel,
-            });
+        let h = half.map(Segments::new);
+        for (what, got) in [
+            ("parameter shard", p.len()),
+            ("gradient shard", g.len()),
+            (
+                "half-precision parameters",
+                h.as_ref().map_or(self.numel, |h| h.len()),
+            ),
+        ] {
+            if got != self.numel {
+                return Err(Error::Size {
+                    what,
+                    got,
+                    expected: self.numel,
+                });
+            }
         }
         let _guard = tch::no_grad_guard();
         self.step += 1;
         if self.fused.is_some() {
-            return self.fused_update(&p, &g, lr, grad_factor);
+            if self.kernel_update(&p, &g, h.as_ref(), lr, grad_factor)? {
+                return Ok(h.is_some());
+            }
+            self.fused_update(&p, &g, lr, grad_factor)?;
+            return Ok(false);
         }
         if grad_factor != 1.0 {
             for t in grads {
@@ -220,11 +243,87 @@ impl AdamW {
             })?;
             off += len;
         }
-        Ok(())
+        Ok(false)
     }
 }
 
 impl AdamW {
+    /// The shard in order as `(offset, len, decayed)` spans: the decay ranges (when weight
+    /// decay is on) and what lies between them, each element in one span (ranges do not
+    /// overlap; were they to, the overlap would be decayed once).
+    fn spans(&self) -> Vec<(i64, i64, bool)> {
+        let ranges: &[(i64, i64)] = if self.cfg.weight_decay != 0.0 {
+            &self.decay_ranges
+        } else {
+            &[]
+        };
+        let mut out = Vec::with_capacity(2 * ranges.len() + 1);
+        let mut at = 0;
+        for &(off, len) in ranges.iter().chain(&[(self.numel, 0)]) {
+            if off > at {
+                out.push((at, off - at, false));
+            }
+            let start = off.max(at);
+            if off + len > start {
+                out.push((start, off + len - start, true));
+            }
+            at = at.max(off + len);
+        }
+        out
+    }
+
+    /// The whole step by zrun's AdamW kernel (`zrun_torch_ext::adamw_pieces`), writing the
+    /// bf16 parameters `h` too; false (nothing done) where it is not installed or does not
+    /// take these tensors.
+    fn kernel_update(
+        &mut self,
+        p: &Segments,
+        g: &Segments,
+        h: Option<&Segments>,
+        lr: f64,
+        grad_factor: f64,
+    ) -> Result<bool> {
+        let mut views = Vec::new();
+        for (off, len, decay) in self.spans() {
+            let lists: Vec<&Segments> = [p, g].into_iter().chain(h).collect();
+            Segments::pieces(&lists, off, len, |o, l| {
+                views.push((
+                    p.view(o, l)?,
+                    g.view(o, l)?,
+                    torch("AdamW m", self.m.f_narrow(0, o, l))?,
+                    torch("AdamW v", self.v.f_narrow(0, o, l))?,
+                    h.map(|h| h.view(o, l)).transpose()?,
+                    decay,
+                ));
+                Ok(())
+            })?;
+        }
+        let pieces: Vec<zrun_torch_ext::AdamPiece> = views
+            .iter()
+            .map(|(p, g, m, v, h, decay)| zrun_torch_ext::AdamPiece {
+                param: p,
+                grad: g,
+                exp_avg: m,
+                exp_avg_sq: v,
+                half: h.as_ref(),
+                decay: *decay,
+            })
+            .collect();
+        let c = self.cfg;
+        let coeffs = zrun_torch_ext::AdamCoeffs {
+            lr,
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            weight_decay: c.weight_decay,
+            step: self.step,
+            grad_factor,
+        };
+        zrun_torch_ext::adamw_pieces(&pieces, &coeffs).map_err(|e| Error::Fused {
+            detail: e.to_string(),
+        })
+    }
+
     /// The whole step by libtorch's fused kernel, over the pieces of the shard that are
     /// contiguous in parameters, gradients and moments alike: one call for the decay ranges
     /// with the decoupled weight decay folded in, one for the rest without, and the gradient
@@ -240,23 +339,9 @@ impl AdamW {
         let c = self.cfg;
         let mut decayed = Pieces::default();
         let mut plain = Pieces::default();
-        let mut at = 0;
-        let ranges: &[(i64, i64)] = if c.weight_decay != 0.0 {
-            &self.decay_ranges
-        } else {
-            &[]
-        };
-        // The ranges in order (sorted in `new`), each element in one call only (ranges do not
-        // overlap; were they to, the overlap would be decayed once).
-        for &(off, len) in ranges.iter().chain(&[(self.numel, 0)]) {
-            if off > at {
-                plain.add(self, p, g, at, off - at)?;
-            }
-            let start = off.max(at);
-            if off + len > start {
-                decayed.add(self, p, g, start, off + len - start)?;
-            }
-            at = at.max(off + len);
+        for (off, len, decay) in self.spans() {
+            let pieces = if decay { &mut decayed } else { &mut plain };
+            pieces.add(self, p, g, off, len)?;
         }
         let Some([step, scale]) = self.fused.as_mut() else {
             unreachable!("fused_update without fused state")
@@ -435,6 +520,39 @@ mod tests {
             .max()
             .double_value(&[]);
         assert!(dv < 1e-6, "second moments differ by {dv}");
+    }
+
+    #[test]
+    fn the_bf16_parameters_are_left_to_the_caller_where_no_kernel_writes_them() {
+        // On CPU (no zrun kernel) the update is the plain one and the bf16 list is untouched;
+        // a list of another size is refused before anything is updated.
+        let cfg = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let n = 40;
+        let p = Tensor::randn([n], (Kind::Float, Device::Cpu));
+        let (want, g) = (p.copy(), Tensor::randn([n], (Kind::Float, Device::Cpu)));
+        let half = Tensor::zeros([n], (Kind::BFloat16, Device::Cpu));
+        let halves = vec![half.narrow(0, 0, 15), half.narrow(0, 15, n - 15)];
+        let mut a = AdamW::new(n, Device::Cpu, cfg, vec![(0, 15)]).unwrap();
+        let mut b = AdamW::new(n, Device::Cpu, cfg, vec![(0, 15)]).unwrap();
+        let short = [half.narrow(0, 0, n - 1)];
+        let err = a
+            .step_segments_into(&[p.shallow_clone()], &[g.copy()], 1e-2, 1.0, Some(&short))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("half-precision parameters"), "{err}");
+        assert!(p.equal(&want), "a refused step updated the master");
+        let wrote = a
+            .step_segments_into(&[p.shallow_clone()], &[g.copy()], 1e-2, 1.0, Some(&halves))
+            .unwrap();
+        b.step(&want, &g, 1e-2).unwrap();
+        assert!(!wrote);
+        assert!(p.equal(&want), "the update differs from step_segments'");
+        assert_eq!(half.abs().max().double_value(&[]), 0.0);
     }
 
     #[test]

@@ -443,6 +443,12 @@ impl Engine {
         if let Some(m) = &self.master {
             return Ok(vec![m.shallow_clone()]);
         }
+        self.owned_params()
+    }
+
+    /// The compute parameters this rank updates, in the master's order: the whole flat
+    /// buffer at stages 0 and 3, the owned slice of each unit at stages 1-2.
+    fn owned_params(&self) -> Result<Vec<Tensor>> {
         match self.cfg.stage {
             Stage::Zero0 | Stage::Zero3 => Ok(vec![self.params.shallow_clone()]),
             Stage::Zero1 | Stage::Zero2 => (0..self.units_len())
@@ -454,6 +460,21 @@ impl Engine {
     /// Writes the updated master into the compute parameters (cast to the compute dtype) and
     /// gathers them where every rank holds full parameters (stages 1-2).
     pub(crate) fn refresh_params(&mut self) -> Result<()> {
+        self.cast_master()?;
+        self.gather_params()
+    }
+
+    /// Gathers the compute parameters where every rank holds them whole (stages 1-2).
+    fn gather_params(&mut self) -> Result<()> {
+        if matches!(self.cfg.stage, Stage::Zero1 | Stage::Zero2) {
+            self.mover.all_gather_units(&self.params)?;
+        }
+        Ok(())
+    }
+
+    /// Writes the updated master into the compute parameters this rank owns (cast to the
+    /// compute dtype).
+    fn cast_master(&mut self) -> Result<()> {
         if let Some(master) = &self.master {
             match self.cfg.stage {
                 Stage::Zero0 | Stage::Zero3 => self
@@ -471,9 +492,6 @@ impl Engine {
                     }
                 }
             }
-        }
-        if matches!(self.cfg.stage, Stage::Zero1 | Stage::Zero2) {
-            self.mover.all_gather_units(&self.params)?;
         }
         Ok(())
     }
@@ -644,12 +662,27 @@ impl Engine {
                     self.mover.all_gather_units(&self.params)?;
                 }
             } else {
-                // Clipping and unscaling ride on the update (on CUDA inside the fused kernel).
+                // Clipping and unscaling ride on the update (on CUDA inside the fused kernel,
+                // zrun's of which writes the bf16 parameters as well: no cast after it).
                 let master = self.owned_master()?;
-                if let Optimizer::Device(a) = &mut self.optimizer {
-                    a.step_segments(&master, &grads, lr, clip_coef / loss_scale)?;
+                let half = match &self.master {
+                    Some(_) => Some(self.owned_params()?),
+                    None => None,
+                };
+                let wrote = match &mut self.optimizer {
+                    Optimizer::Device(a) => a.step_segments_into(
+                        &master,
+                        &grads,
+                        lr,
+                        clip_coef / loss_scale,
+                        half.as_deref(),
+                    )?,
+                    Optimizer::Host(_) => false,
+                };
+                if !wrote {
+                    self.cast_master()?;
                 }
-                self.refresh_params()?;
+                self.gather_params()?;
             }
         } else {
             // Skipped: a pending delayed update is still applied at this step's end.

@@ -5,7 +5,7 @@
 //! whole buffer and a read of it per step.
 
 use crate::engine::{views, Engine};
-use crate::{Context, Result, Stage};
+use crate::{Context, Error, Result, Stage};
 use tch::Tensor;
 
 impl Engine {
@@ -60,13 +60,7 @@ impl Engine {
             acc.f_zero_().done("zero unit gradient", name)?;
         }
         let overwrite = stale && only.is_none();
-        for (mut dst, g) in pick(only, views(layout, &acc)?).into_iter().zip(grads) {
-            if overwrite {
-                dst.f_copy_(g).done("lay out gradient", name)?;
-            } else {
-                dst.f_add_(g).done("accumulate gradient", name)?;
-            }
-        }
+        lay_out(&pick(only, views(layout, &acc)?), grads, !overwrite, name)?;
         if overwrite && layout.padded > layout.numel {
             acc.f_narrow(0, layout.numel, layout.padded - layout.numel)
                 .and_then(|mut pad| pad.f_zero_())
@@ -88,6 +82,29 @@ impl Engine {
         }
         Ok(acc)
     }
+}
+
+/// Lays each gradient `srcs[i]` into `dsts[i]`, copied over it or (`add`) added to it, cast to
+/// its dtype: on CUDA by zrun's layout kernel, one launch for them all, where it takes them
+/// (bf16 into fp32; `zrun_torch_ext::cast_into`), else by ATen's copy or add, one each.
+pub(crate) fn lay_out(dsts: &[Tensor], srcs: &[Tensor], add: bool, unit: &str) -> Result<()> {
+    let pieces: Vec<zrun_torch_ext::CastPiece> = dsts
+        .iter()
+        .zip(srcs)
+        .map(|(dst, src)| zrun_torch_ext::CastPiece { dst, src, add })
+        .collect();
+    if zrun_torch_ext::cast_into(&pieces).map_err(|e| Error::Kernel("lay out gradients", e))? {
+        return Ok(());
+    }
+    for (dst, g) in dsts.iter().zip(srcs) {
+        let mut dst = dst.shallow_clone();
+        if add {
+            dst.f_add_(g).done("accumulate gradient", unit)?;
+        } else {
+            dst.f_copy_(g).done("lay out gradient", unit)?;
+        }
+    }
+    Ok(())
 }
 
 /// The views of `all` (a unit's parameters in order) that a gradient of parameter `only`

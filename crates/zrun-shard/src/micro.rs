@@ -12,7 +12,7 @@
 
 use crate::delay::refresh_unit;
 use crate::engine::{views, EarlyStep, Engine, Optimizer, Phase};
-use crate::grads::pick;
+use crate::grads::{lay_out, pick};
 use crate::state::{Mover, Pending};
 use crate::{Context, Error, Result, Stage};
 use std::collections::VecDeque;
@@ -374,9 +374,7 @@ impl Engine {
                     flat.f_zero_().done("zero unit gradient", &name)?;
                 }
                 // Each parameter's gradient straight into its place (cast on the way).
-                for (mut dst, g) in pick(only, views(layout, &flat)?).into_iter().zip(&grads) {
-                    dst.f_copy_(g).ctx("lay out gradient", &name)?;
-                }
+                lay_out(&pick(only, views(layout, &flat)?), &grads, false, &name)?;
                 if layout.padded > layout.numel && only.is_none() {
                     flat.f_narrow(0, layout.numel, layout.padded - layout.numel)
                         .and_then(|mut pad| pad.f_zero_())

@@ -32,6 +32,7 @@
 #include "rope.h"
 #include "swiglu.h"
 #include "colsum.h"
+#include "stream.h"
 
 #include <atomic>
 #include <cstdint>
@@ -801,6 +802,15 @@ int zrun_ext_colsum(const at::Tensor* dy, const at::Tensor* x, const at::Tensor*
 // returns the one it replaces. Cannot fail.
 zrun::ColsumKernel zrun_ext_set_colsum_kernel(zrun::ColsumKernel kernel) {
   return zrun::set_colsum_kernel(kernel);
+}
+
+// The current stream of CUDA device `device` on this thread as a raw handle, for a kernel
+// launched from Rust (kernels/optim.rs); null is the legacy default stream.
+int zrun_ext_current_cuda_stream(int64_t device, void** out, char** err) {
+  return guard(err, [&] {
+    *out = zrun::current_stream(c10::Device(c10::DeviceType::CUDA, device));
+    return ZR_OK;
+  });
 }
 
 // zrun::rms_norm after checking its inputs (see rms_norm.h).

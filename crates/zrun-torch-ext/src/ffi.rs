@@ -219,6 +219,11 @@ extern "C" {
     pub(crate) fn zrun_ext_cpu_alloc_stats(out: *mut i64) -> c_int;
     pub(crate) fn zrun_ext_cpu_alloc_reset_peak();
     pub(crate) fn zrun_ext_cpu_alloc_empty_cache();
+    pub(crate) fn zrun_ext_current_cuda_stream(
+        device: i64,
+        out: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
 }
 
 /// The shim's `zrun::CeRowsKernel` (csrc/fused_loss.h).

@@ -178,7 +178,10 @@ fn the_cuda_kernels_compile_with_nvrtc() {
 /// C++ with each CUDA thread an OS thread (barriers for __syncthreads and the warp shuffles)
 /// and checks them against a double precision reference, fp32 and bf16: ce_rows' losses and
 /// written gradients (rows shorter and longer than the block, a -inf logit, a NaN row, a zero
-/// weight), swiglu's forward and gradients over several blocks and a grid-stride.
+/// weight), swiglu's forward and gradients over several blocks and a grid-stride, rope,
+/// colsum's sums, the optimizer's AdamW (each value against the update in double, the bf16
+/// parameters the master rounded, bitwise the same however the shard is cut and aligned) and
+/// the gradient layout (exact, copied over and added).
 #[test]
 fn the_cuda_kernels_compute_their_results_when_emulated_on_the_cpu() {
     let dir = tempfile::tempdir().unwrap();

@@ -2,8 +2,9 @@
 // thread, __syncthreads a barrier, a warp shuffle an exchange through memory between two
 // barriers, __shared__ a static shared by the block's threads (blocks run one at a time).
 // Checks ce_rows' losses and the gradient it writes over the logits, swiglu's forward and
-// gradients, rope, and colsum's sums, against double precision references, for fp32 and bf16, and prints "ok" or
-// what is off (the test in fused_loss.rs compiles and runs it).
+// gradients, rope, colsum's sums, and the optimizer's AdamW and gradient layout, against double
+// precision references, for fp32 and bf16, and prints "ok" or what is off (the test in
+// fused_loss.rs compiles and runs it).
 
 #include <atomic>
 #include <barrier>
@@ -90,6 +91,9 @@ inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return
 #include "../src/kernels/rope.cu"
 
 #include "../src/kernels/colsum.cu"
+
+using std::min;
+#include "../src/kernels/optim.cu"
 
 template <typename F>
 void launch(unsigned rows, F body, unsigned block = kThreads) {
@@ -356,6 +360,149 @@ int main() {
       if (!(err <= 1.0)) {
         std::printf("colsum %s ln %d, %lld splits: off by %g of its bound\n", bf ? "bf16" : "fp32", ln, splits, err);
         bad = 1;
+      }
+    }
+  }
+
+  // adamw: a table of three pieces (5000 values aligned, with weight decay and the bf16
+  // parameters; 37 values one float off alignment, without either; 4100 aligned values past
+  // a chunk), fp32 and bf16 gradients; each value against the update in double, and the
+  // vector and one-at-a-time paths bitwise the same (the same values run again shifted off
+  // alignment, and as one piece each).
+  for (int bf = 0; bf < 2; ++bf) {
+    const long long sizes[3] = {5000, 37, 4100};
+    const long long total = sizes[0] + sizes[1] + sizes[2];
+    std::vector<float> p0(total), g0(total), m0(total), v0(total);
+    for (long long i = 0; i < total; ++i) {
+      p0[i] = normal(rng);
+      g0[i] = bf ? bf16_round(normal(rng) * 0.1f) : normal(rng) * 0.1f;
+      m0[i] = normal(rng) * 0.01f;
+      v0[i] = std::fabs(normal(rng)) * 1e-3f;
+    }
+    ZrAdamHp hp;
+    const double lr = 1e-3, wd = 0.1, b1 = 0.9, b2 = 0.95, eps = 1e-8, factor = 0.5;
+    const int t = 3;
+    hp.grad_factor = float(factor);
+    hp.keep = float(1.0 - lr * wd);
+    hp.b1 = float(b1);
+    hp.omb1 = float(1.0 - b1);
+    hp.b2 = float(b2);
+    hp.omb2 = float(1.0 - b2);
+    hp.step_size = float(lr / (1.0 - std::pow(b1, t)));
+    hp.bc2_sqrt = float(std::sqrt(1.0 - std::pow(b2, t)));
+    hp.eps = float(eps);
+    // Runs the values at offset `shift` (in values) of their buffers, cut into `pieces`.
+    auto run = [&](long long shift, int pieces, std::vector<float>& p, std::vector<float>& m,
+                   std::vector<float>& v, std::vector<unsigned short>& h) {
+      std::vector<float> pb(total + 8), gb(total + 8), mb(total + 8), vb(total + 8);
+      std::vector<unsigned short> gh(total + 8), hb(total + 8, 0);
+      for (long long i = 0; i < total; ++i) {
+        pb[shift + i] = p0[i];
+        gb[shift + i] = g0[i];
+        zr_store(&gh[shift + i], g0[i]);
+        mb[shift + i] = m0[i];
+        vb[shift + i] = v0[i];
+      }
+      ZrAdamTable table;
+      table.count = 0;
+      int blocks = 0;
+      long long at = 0;
+      for (int k = 0; k < 3; ++k) {
+        const long long n = sizes[k];
+        const int cuts = pieces == 1 ? 1 : 2;
+        for (int c = 0; c < cuts; ++c) {
+          const long long lo = at + n * c / cuts, hi = at + n * (c + 1) / cuts;
+          ZrAdamPiece& pc = table.piece[table.count];
+          pc.p = pb.data() + shift + lo;
+          pc.g = bf ? static_cast<const void*>(gh.data() + shift + lo)
+                    : static_cast<const void*>(gb.data() + shift + lo);
+          pc.m = mb.data() + shift + lo;
+          pc.v = vb.data() + shift + lo;
+          pc.h = k == 1 ? nullptr : hb.data() + shift + lo;
+          pc.n = hi - lo;
+          pc.decay = k != 1;
+          table.first[table.count++] = blocks;
+          blocks += int((hi - lo + ZR_CHUNK - 1) / ZR_CHUNK);
+        }
+        at += n;
+      }
+      table.first[table.count] = blocks;
+      if (bf) {
+        launch(unsigned(blocks), [&] { zr_adamw_bf16(table, hp); }, ZR_OPT_THREADS);
+      } else {
+        launch(unsigned(blocks), [&] { zr_adamw_f32(table, hp); }, ZR_OPT_THREADS);
+      }
+      p.assign(pb.begin() + shift, pb.begin() + shift + total);
+      m.assign(mb.begin() + shift, mb.begin() + shift + total);
+      v.assign(vb.begin() + shift, vb.begin() + shift + total);
+      h.assign(hb.begin() + shift, hb.begin() + shift + total);
+    };
+    std::vector<float> p, m, v, p2, m2, v2;
+    std::vector<unsigned short> h, h2;
+    run(0, 1, p, m, v, h);
+    double err = 0;
+    for (long long i = 0; i < total; ++i) {
+      const bool decay = i < sizes[0] || i >= sizes[0] + sizes[1];
+      const double g = double(g0[i]) * factor;
+      double pw = decay ? double(p0[i]) * (1.0 - lr * wd) : double(p0[i]);
+      const double mw = b1 * m0[i] + (1 - b1) * g, vw = b2 * v0[i] + (1 - b2) * g * g;
+      const double upd = lr / (1 - std::pow(b1, t)) * mw / (std::sqrt(vw) / std::sqrt(1 - std::pow(b2, t)) + eps);
+      // A few fp32 roundings of each term (m can cancel, so of its terms' magnitudes).
+      const double m_mag = b1 * std::fabs(m0[i]) + (1 - b1) * std::fabs(g);
+      err = std::fmax(err, std::fabs(p[i] - (pw - upd)) / (1e-6 * (std::fabs(pw) + std::fabs(upd) * (1 + m_mag / (std::fabs(mw) + 1e-30))) + 1e-12));
+      pw -= upd;
+      err = std::fmax(err, std::fabs(m[i] - mw) / (1e-6 * m_mag + 1e-12));
+      err = std::fmax(err, std::fabs(v[i] - vw) / (1e-6 * std::fabs(vw) + 1e-15));
+      const bool has_h = i < sizes[0] || i >= sizes[0] + sizes[1];
+      unsigned short want_h = 0;
+      if (has_h) zr_store(&want_h, p[i]);
+      if (h[i] != want_h) {
+        std::printf("adamw %s: bf16 parameter %lld is %04x, not %04x\n", bf ? "bf16" : "fp32", i, h[i], want_h);
+        bad = 1;
+        break;
+      }
+    }
+    if (!(err <= 4.0)) {
+      std::printf("adamw %s: off by %g of its bound\n", bf ? "bf16" : "fp32", err);
+      bad = 1;
+    }
+    for (long long shift : {1LL, 2LL}) {
+      run(shift, 2, p2, m2, v2, h2);
+      if (std::memcmp(p.data(), p2.data(), total * 4) != 0 ||
+          std::memcmp(m.data(), m2.data(), total * 4) != 0 ||
+          std::memcmp(v.data(), v2.data(), total * 4) != 0 || h != h2) {
+        std::printf("adamw %s: shifted by %lld and cut in two, not bitwise the same\n", bf ? "bf16" : "fp32", shift);
+        bad = 1;
+      }
+    }
+  }
+  // cast_into: bf16 gradients over an fp32 buffer and added to it, aligned (past a chunk) and
+  // one float off alignment; exact (a bf16 value is an fp32 one, and one fp32 add).
+  for (long long shift : {0LL, 1LL}) {
+    const long long n1 = 4100, n2 = 37, total = n1 + n2;
+    std::vector<float> src(total), base(total);
+    std::vector<unsigned short> s16(total);
+    for (long long i = 0; i < total; ++i) {
+      src[i] = bf16_round(normal(rng));
+      zr_store(&s16[i], src[i]);
+      base[i] = normal(rng);
+    }
+    std::vector<float> dst(total + 4);
+    for (long long i = 0; i < total; ++i) dst[shift + i] = base[i];
+    ZrCastTable table;
+    table.count = 2;
+    table.piece[0] = {dst.data() + shift, s16.data(), n1, 0, 0};
+    table.piece[1] = {dst.data() + shift + n1, s16.data() + n1, n2, 1, 0};
+    table.first[0] = 0;
+    table.first[1] = int((n1 + ZR_CHUNK - 1) / ZR_CHUNK);
+    table.first[2] = table.first[1] + 1;
+    launch(unsigned(table.first[2]), [&] { zr_cast_into(table); }, ZR_OPT_THREADS);
+    for (long long i = 0; i < total; ++i) {
+      const float want = i < n1 ? src[i] : base[i] + src[i];
+      if (dst[shift + i] != want) {
+        std::printf("cast_into shift %lld: value %lld is %g, not %g\n", shift, i, dst[shift + i], want);
+        bad = 1;
+        break;
       }
     }
   }

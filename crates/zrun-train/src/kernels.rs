@@ -1,6 +1,6 @@
 //! zrun's own CUDA kernels (`zrun_torch_ext::kernels`: the fused loss's rows, SwiGLU, the
-//! rotary embedding, the sums over rows of bias and LayerNorm gradients) made ready when a
-//! rank starts on a GPU.
+//! rotary embedding, the sums over rows of bias and LayerNorm gradients, the optimizer's AdamW
+//! and gradient layout) made ready when a rank starts on a GPU.
 
 use crate::config::Config;
 
@@ -37,11 +37,24 @@ pub fn install(cfg: &Config, device: tch::Device, rank: usize) {
     }
     let t0 = std::time::Instant::now();
     match zrun_torch_ext::kernels::install(index) {
-        Ok(()) if rank == 0 => tracing::info!(
-            "zrun's CUDA kernels (the fused loss's rows, SwiGLU, rotary embedding, sums over rows): compiled with NVRTC and checked against ATen in {:.2} s (ZRUN_KERNELS=0 turns them off)",
-            t0.elapsed().as_secs_f64()
-        ),
-        Ok(()) => {}
+        Ok(installed) => {
+            if rank == 0 {
+                tracing::info!(
+                    "zrun's CUDA kernels (the fused loss's rows, SwiGLU, rotary embedding, sums over rows{}): compiled with NVRTC and checked against ATen in {:.2} s (ZRUN_KERNELS=0 turns them off)",
+                    if installed.optimizer_left_out.is_none() {
+                        ", AdamW with the bf16 parameters, gradient layout"
+                    } else {
+                        ""
+                    },
+                    t0.elapsed().as_secs_f64()
+                );
+            }
+            if let Some(e) = installed.optimizer_left_out {
+                tracing::warn!(
+                    "rank {rank}: zrun's optimizer kernels are not installed ({e}); ATen's fused AdamW and copies run instead (slower)"
+                );
+            }
+        }
         Err(e) => tracing::warn!(
             "rank {rank}: zrun's CUDA kernels are not installed ({e}); ATen's ops run instead (slower)"
         ),

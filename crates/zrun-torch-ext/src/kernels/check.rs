@@ -172,3 +172,187 @@ pub(super) fn colsum(device: Device) -> Result<(), Error> {
     }
     Ok(())
 }
+
+/// `adamw`: three pieces (with and without weight decay and the bf16 parameters, one off
+/// 16-byte alignment, one past a chunk), fp32 and bf16 gradients, two steps; against ATen's
+/// fused AdamW and cast: master, m and v within a few fp32 roundings of their magnitudes,
+/// the bf16 parameters exactly the kernel's master rounded and within one bf16 rounding of
+/// ATen's.
+pub(super) fn adamw(device: Device) -> Result<(), Error> {
+    let _guard = tch::no_grad_guard();
+    let sizes = [5000i64, 37, 4100];
+    let total: i64 = sizes.iter().sum::<i64>() + 1;
+    for gkind in [Kind::Float, Kind::BFloat16] {
+        let op = || format!("check adamw on {device:?} ({gkind:?} gradients)");
+        let e = |err: tch::TchError| fail(&op(), err);
+        let p0 = spread(total, 0.7314, 1.0, device)?;
+        let g = spread(total, 1.3172, 0.1, device)?.to_kind(gkind);
+        let m0 = spread(total, 0.5119, 0.01, device)?;
+        let v0 = (spread(total, 0.2113, 1e-3, device)?.f_abs().map_err(e)? + 1e-6f64)
+            .f_contiguous()
+            .map_err(e)?;
+        let (pk, mk, vk) = (p0.copy(), m0.copy(), v0.copy());
+        let (pa, ma, va) = (p0.copy(), m0.copy(), v0.copy());
+        let hk = Tensor::f_zeros([total], (Kind::BFloat16, device)).map_err(e)?;
+        let c = crate::AdamCoeffs {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: 0,
+            grad_factor: 0.5,
+        };
+        // Piece k: [at, at + n), the first one element in (off alignment).
+        let mut at = 1;
+        let mut parts = Vec::new();
+        for (k, &n) in sizes.iter().enumerate() {
+            parts.push((at, n, k != 1));
+            at += n;
+        }
+        let view = |t: &Tensor, at: i64, n: i64| t.f_narrow(0, at, n).map_err(e);
+        for step in 1..=2u64 {
+            let c = crate::AdamCoeffs { step, ..c };
+            let mut views = Vec::new();
+            for &(at, n, decay) in &parts {
+                let half = decay.then(|| view(&hk, at, n)).transpose()?;
+                views.push((
+                    view(&pk, at, n)?,
+                    view(&g, at, n)?,
+                    view(&mk, at, n)?,
+                    view(&vk, at, n)?,
+                    half,
+                    decay,
+                ));
+            }
+            let pieces: Vec<crate::AdamPiece> = views
+                .iter()
+                .map(|(p, g, m, v, h, decay)| crate::AdamPiece {
+                    param: p,
+                    grad: g,
+                    exp_avg: m,
+                    exp_avg_sq: v,
+                    half: h.as_ref(),
+                    decay: *decay,
+                })
+                .collect();
+            if !crate::adamw_pieces(&pieces, &c)? {
+                if device.is_cuda() {
+                    return Err(fail(&op(), "the kernel refused its check's inputs"));
+                }
+                return Ok(());
+            }
+            let step_t = Tensor::f_full([1], step as f64, (Kind::Float, device)).map_err(e)?;
+            let scale =
+                Tensor::f_full([1], 1.0 / c.grad_factor, (Kind::Float, device)).map_err(e)?;
+            for &(at, n, decay) in &parts {
+                let hp = crate::AdamStep {
+                    lr: c.lr,
+                    beta1: c.beta1,
+                    beta2: c.beta2,
+                    eps: c.eps,
+                    weight_decay: if decay { c.weight_decay } else { 0.0 },
+                };
+                // ATen's kernel writes the unscaled gradient back: it gets a copy.
+                let gf = view(&g, at, n)?.to_kind(Kind::Float);
+                crate::fused_adam(
+                    &[view(&pa, at, n)?],
+                    &[gf],
+                    &[view(&ma, at, n)?],
+                    &[view(&va, at, n)?],
+                    &step_t,
+                    Some(&scale),
+                    hp,
+                )?;
+            }
+        }
+        let moved = max_abs(&(&p0 - &pa));
+        let checks = [
+            (
+                "master",
+                max_abs(&(&pk - &pa)),
+                1e-6 * max_abs(&pa) + 1e-4 * moved,
+            ),
+            ("m", max_abs(&(&mk - &ma)), 1e-6 * max_abs(&m0).max(0.1)),
+            ("v", max_abs(&(&vk - &va)), 1e-6 * max_abs(&va)),
+        ];
+        for (what, err, bound) in checks {
+            if err.is_nan() || err > bound {
+                return Err(fail(
+                    &op(),
+                    format!("the {what} disagrees with ATen's fused AdamW by {err:e} (bound {bound:e}); set ZRUN_KERNELS=0 to run without zrun's kernels"),
+                ));
+            }
+        }
+        for &(at, n, decay) in &parts {
+            let h = view(&hk, at, n)?.to_kind(Kind::Float);
+            let own = view(&pk, at, n)?
+                .to_kind(Kind::BFloat16)
+                .to_kind(Kind::Float);
+            let want = if decay { own } else { h.zeros_like() };
+            let off = max_abs(&(&h - &want));
+            let aten = view(&pa, at, n)?
+                .to_kind(Kind::BFloat16)
+                .to_kind(Kind::Float);
+            let bf = if decay { max_abs(&(&h - &aten)) } else { 0.0 };
+            if off != 0.0 || bf > 2.0 / 256.0 * max_abs(&aten) {
+                return Err(fail(
+                    &op(),
+                    format!("the bf16 parameters are {off:e} off the kernel's master rounded and {bf:e} off ATen's; set ZRUN_KERNELS=0 to run without zrun's kernels"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `cast_into`: bf16 values copied over and added to fp32 buffers (one piece past a chunk,
+/// one off 16-byte alignment); exactly ATen's `copy_` and `add_`.
+pub(super) fn cast_into(device: Device) -> Result<(), Error> {
+    let _guard = tch::no_grad_guard();
+    let op = || format!("check cast_into on {device:?}");
+    let e = |err: tch::TchError| fail(&op(), err);
+    let (n1, n2) = (4100i64, 37i64);
+    let src = spread(n1 + n2, 0.7314, 2.0, device)?.to_kind(Kind::BFloat16);
+    let base = spread(n1 + n2 + 1, 1.3172, 1.0, device)?;
+    let (got, want) = (base.copy(), base.copy());
+    let (s1, s2) = (
+        src.f_narrow(0, 0, n1).map_err(e)?,
+        src.f_narrow(0, n1, n2).map_err(e)?,
+    );
+    let (d1, d2) = (
+        got.f_narrow(0, 0, n1).map_err(e)?,
+        got.f_narrow(0, n1 + 1, n2).map_err(e)?,
+    );
+    let pieces = [
+        crate::CastPiece {
+            dst: &d1,
+            src: &s1,
+            add: false,
+        },
+        crate::CastPiece {
+            dst: &d2,
+            src: &s2,
+            add: true,
+        },
+    ];
+    if !crate::cast_into(&pieces)? {
+        if device.is_cuda() {
+            return Err(fail(&op(), "the kernel refused its check's inputs"));
+        }
+        return Ok(());
+    }
+    want.f_narrow(0, 0, n1)
+        .and_then(|mut d| d.f_copy_(&s1))
+        .and_then(|()| want.f_narrow(0, n1 + 1, n2))
+        .and_then(|mut d| d.f_add_(&s2).map(drop))
+        .map_err(e)?;
+    let off = max_abs(&(&got - &want));
+    if off != 0.0 {
+        return Err(fail(
+            &op(),
+            format!("the kernel's values are {off:e} off ATen's copy and add; set ZRUN_KERNELS=0 to run without zrun's kernels"),
+        ));
+    }
+    Ok(())
+}

@@ -12,6 +12,9 @@
 //! - `colsum` (colsum.cu): sums over rows of a gradient, in two passes of a fixed order,
 //!   behind the bias gradient of [`crate::linear`] and the weight and bias gradients of
 //!   [`crate::layer_norm`] (ATen's sum and LayerNorm backward otherwise).
+//! - `adamw` and `cast_into` (optim.cu): an AdamW step that writes the bf16 parameters too,
+//!   and bf16 gradients laid into an fp32 buffer, launched from Rust ([`optim`]; ATen's fused
+//!   AdamW, cast and copies otherwise).
 //!
 //! [`install`] compiles the kernels for one device, loads them, registers them with the shim
 //! and checks them against ATen's path on that device before any training step uses them; a
@@ -28,19 +31,21 @@ use tch::Device;
 mod check;
 
 /// The source of every kernel, one NVRTC program: the shared helpers, then `ce_rows`,
-/// `swiglu`, `rope` and `colsum` (an fp32 and a bf16 entry point each; rope.cu uses
-/// swiglu.cu's block size).
+/// `swiglu`, `rope`, `colsum` (an fp32 and a bf16 entry point each; rope.cu uses
+/// swiglu.cu's block size) and the optimizer's.
 pub const SOURCE: &str = concat!(
     include_str!("common.cuh"),
     include_str!("ce_rows.cu"),
     include_str!("swiglu.cu"),
     include_str!("rope.cu"),
-    include_str!("colsum.cu")
+    include_str!("colsum.cu"),
+    include_str!("optim.cu")
 );
 
 /// The program's entry points, as `Loaded::functions` holds them: each kernel's fp32 entry,
-/// then its bf16 one (the launches index them so).
-pub const ENTRIES: [&str; 12] = [
+/// then its bf16 one (the launches index them so); AdamW's are by its gradients' dtype, and
+/// the gradient layout has one.
+pub const ENTRIES: [&str; 15] = [
     "zr_ce_rows_f32",
     "zr_ce_rows_bf16",
     "zr_swiglu_fwd_f32",
@@ -53,6 +58,9 @@ pub const ENTRIES: [&str; 12] = [
     "zr_colsum_part_bf16",
     "zr_colsum_fin_f32",
     "zr_colsum_fin_bf16",
+    "zr_adamw_f32",
+    "zr_adamw_bf16",
+    "zr_cast_into",
 ];
 
 /// Each kernel's fp32 entry in [`ENTRIES`] (its bf16 entry is the next).
@@ -70,6 +78,8 @@ macro_rules! args {
         [$((&raw mut $a).cast::<c_void>()),*]
     };
 }
+
+pub mod optim;
 
 /// Blocks of [`EW_THREADS`] for `n` elements, enough to fill any GPU (the elementwise kernels
 /// stride over the rest).
@@ -455,11 +465,20 @@ extern "C" fn launch_colsum(
     status(run, err)
 }
 
+/// What [`install`] left out: the optimizer's kernels are checked apart from the others, and
+/// only they are left out when their check fails.
+#[derive(Debug)]
+pub struct Installed {
+    /// Why the optimizer's kernels ([`optim`]) are not used, if they are not.
+    pub optimizer_left_out: Option<Error>,
+}
+
 /// Compiles and loads the kernels for CUDA device `device`, checks each there against ATen's
 /// path ([`check`]) and registers them for every later [`crate::fused_linear_cross_entropy`],
-/// [`crate::swiglu`], [`crate::rope`], [`crate::linear`] and [`crate::layer_norm`].
-/// Idempotent per device. On error nothing new is registered.
-pub fn install(device: usize) -> Result<(), Error> {
+/// [`crate::swiglu`], [`crate::rope`], [`crate::linear`] and [`crate::layer_norm`], then
+/// the optimizer's for [`optim::adamw_pieces`] and [`optim::cast_into`]. Idempotent per
+/// device. On error nothing new is registered.
+pub fn install(device: usize) -> Result<Installed, Error> {
     let index = i32::try_from(device).map_err(|e| fail("install kernels", e))?;
     {
         let mut loaded = LOADED
@@ -470,28 +489,43 @@ pub fn install(device: usize) -> Result<(), Error> {
             loaded.push(k);
         }
     }
+    let dev = Device::Cuda(device);
     let ce = crate::ffi::set_ce_rows_kernel(Some(launch_ce_rows));
     let sw = crate::ffi::set_swiglu_kernel(Some(launch_swiglu));
     let ro = crate::ffi::set_rope_kernel(Some(launch_rope));
     let cs = crate::ffi::set_colsum_kernel(Some(launch_colsum));
-    let checked = check_all(Device::Cuda(device));
-    if let Err(e) = checked {
+    if let Err(e) = check_model(dev) {
         crate::ffi::set_ce_rows_kernel(ce);
         crate::ffi::set_swiglu_kernel(sw);
         crate::ffi::set_rope_kernel(ro);
         crate::ffi::set_colsum_kernel(cs);
         return Err(e);
     }
-    Ok(())
+    optim::set_on(true);
+    let optimizer_left_out = check_optimizer(dev).err();
+    if optimizer_left_out.is_some() {
+        optim::set_on(false);
+    }
+    Ok(Installed { optimizer_left_out })
 }
 
 /// Every kernel's check on `device`: what is registered there against ATen's ops, on inputs
 /// drawn from no random generator (on CPU both sides are ATen's).
 pub fn check_all(device: Device) -> Result<(), Error> {
+    check_model(device).and_then(|()| check_optimizer(device))
+}
+
+/// The checks of the kernels the model's ops run.
+fn check_model(device: Device) -> Result<(), Error> {
     check::ce_rows(device)
         .and_then(|()| check::swiglu(device))
         .and_then(|()| check::rope(device))
         .and_then(|()| check::colsum(device))
+}
+
+/// The checks of the optimizer's kernels.
+fn check_optimizer(device: Device) -> Result<(), Error> {
+    check::adamw(device).and_then(|()| check::cast_into(device))
 }
 
 /// Removes the registered kernels (ATen's ops from then on).
@@ -500,4 +534,5 @@ pub fn uninstall() {
     crate::ffi::set_swiglu_kernel(None);
     crate::ffi::set_rope_kernel(None);
     crate::ffi::set_colsum_kernel(None);
+    optim::set_on(false);
 }
