@@ -67,7 +67,7 @@ pub fn run_adam(args: &AdamArgs) -> anyhow::Result<()> {
         let grads: Vec<f32> = (0..n).map(|i| ((i % 997) as f32 - 498.0) * 1e-4).collect();
         let mut half = vec![0u16; if kind.is_some() { n } else { 0 }];
         for &t in &threads {
-            let mut opt = CpuAdamW::new(n, cfg, vec![(0, n / 2)], state, t);
+            let mut opt = CpuAdamW::new(n, cfg, vec![(0, n / 2)], state, t)?;
             let mut best = f64::INFINITY;
             // One untimed step touches every page of the state first.
             for i in 0..args.iters + 1 {

@@ -56,6 +56,14 @@ pub enum Error {
         /// The shim's message.
         detail: String,
     },
+    /// The CPU AdamW's worker threads could not be started.
+    #[error("CPU AdamW: cannot start {threads} worker threads: {detail}; lower train.threads (or OMP_NUM_THREADS) or raise the process's thread limit (ulimit -u)")]
+    Threads {
+        /// Workers asked for.
+        threads: usize,
+        /// The system's refusal.
+        detail: String,
+    },
     /// A CPU AdamW update came before the step was started.
     #[error("CPU AdamW: update before begin_step(); call begin_step() once per optimizer step before updating its sub-ranges")]
     NoStep,

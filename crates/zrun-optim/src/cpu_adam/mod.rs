@@ -5,9 +5,11 @@
 //! `torch.optim.AdamW`'s: decoupled weight decay `p *= 1 - lr * wd` (inside the decay ranges
 //! only), `m = b1 m + (1 - b1) g`, `v = b2 v + (1 - b2) g^2`,
 //! `p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)`, in f32 with fused
-//! multiply-adds. A call is split over `threads` scoped threads in contiguous pieces; every
-//! element's arithmetic is independent of the split, so results are bitwise the same for any
-//! thread count and any order of sub-range calls within a step.
+//! multiply-adds. A call is split over `threads` threads in contiguous pieces: the calling
+//! thread takes the last, workers started once with the optimizer the others (a step is a
+//! call per unit, and starting threads for each cost ~40 us a thread). Every element's
+//! arithmetic is independent of the split, so results are bitwise the same for any thread
+//! count and any order of sub-range calls within a step.
 //!
 //! With [`StateDtype::Bf16`] m and v are stored as bf16 (half the optimizer memory and
 //! traffic), computed in f32 and rounded back **stochastically**: the dropped 16 bits decide
@@ -77,9 +79,9 @@ enum State {
     Bf16 { m: Vec<u16>, v: Vec<u16> },
 }
 
-/// Elements per thread below which a call uses fewer threads: spawning costs ~40 us, the time
-/// of ~50K element updates (measured with `zrun bench adam --params 100K,1M`).
-const MIN_PER_THREAD: usize = 1 << 17;
+/// Elements per thread below which a call uses fewer threads: handing a piece to a worker and
+/// waking it costs a few microseconds, the time of a few thousand element updates.
+const MIN_PER_THREAD: usize = 1 << 15;
 
 /// AdamW for one rank's fp32 shard in host memory, updated sub-range by sub-range.
 pub struct CpuAdamW {
@@ -90,18 +92,35 @@ pub struct CpuAdamW {
     state: State,
     step: u64,
     threads: usize,
+    /// The `threads - 1` workers beside the calling thread (none for one thread).
+    pool: Option<rayon::ThreadPool>,
 }
 
 impl CpuAdamW {
     /// Zero state for `numel` elements; `decay_ranges` (offset, len) get weight decay
-    /// (clamped to the shard; overlaps are merged). `threads` is clamped to at least 1.
+    /// (clamped to the shard; overlaps are merged). `threads` is clamped to at least 1; the
+    /// workers beside the calling thread start here ([`Error::Threads`] if they cannot).
     pub fn new(
         numel: usize,
         cfg: AdamWConfig,
         decay_ranges: Vec<(usize, usize)>,
         state: StateDtype,
         threads: usize,
-    ) -> CpuAdamW {
+    ) -> Result<CpuAdamW> {
+        let threads = threads.max(1);
+        let pool = if threads > 1 {
+            let built = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads - 1)
+                .thread_name(|i| format!("zrun-adamw-{i}"))
+                .build()
+                .map_err(|e| Error::Threads {
+                    threads: threads - 1,
+                    detail: e.to_string(),
+                })?;
+            Some(built)
+        } else {
+            None
+        };
         let mut ranges: Vec<(usize, usize)> = decay_ranges
             .into_iter()
             .map(|(o, l)| (o.min(numel), o.saturating_add(l).min(numel)))
@@ -125,14 +144,15 @@ impl CpuAdamW {
                 v: vec![0; numel],
             },
         };
-        CpuAdamW {
+        Ok(CpuAdamW {
             cfg,
             numel,
             decay,
             state,
             step: 0,
-            threads: threads.max(1),
-        }
+            threads,
+            pool,
+        })
     }
 
     /// Starts optimizer step t+1 (bias corrections use it); returns t+1.
@@ -302,13 +322,13 @@ impl CpuAdamW {
             State::Bf16 { m, v } => Moments::Bf16(&mut m[off..off + n], &mut v[off..off + n]),
         };
         let threads = self.threads.min(n / MIN_PER_THREAD).max(1);
-        if threads == 1 {
+        let Some(pool) = self.pool.as_ref().filter(|_| threads > 1) else {
             job.run(off, params, grads, moments, half.as_deref_mut(), kind);
             return Ok(());
-        }
+        };
         // Contiguous pieces, multiples of 64 elements (whole cache lines) except the last.
         let piece = n.div_ceil(threads).div_ceil(64) * 64;
-        std::thread::scope(|s| {
+        pool.in_place_scope(|s| {
             let (mut p, mut g, mut mo, mut h) = (params, grads, moments, half);
             let mut at = off;
             while !p.is_empty() {
@@ -328,7 +348,7 @@ impl CpuAdamW {
                     // The last piece runs on the calling thread.
                     job.run(at, p0, g0, m0, h0, kind);
                 } else {
-                    s.spawn(move || job.run(at, p0, g0, m0, h0, kind));
+                    s.spawn(move |_| job.run(at, p0, g0, m0, h0, kind));
                 }
                 (p, g, mo, h) = (p1, g1, m1, h1);
                 at += len;

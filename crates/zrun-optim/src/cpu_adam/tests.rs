@@ -32,7 +32,7 @@ fn matches_torch_adamw_formulas_in_f64_over_100_steps() {
     let p32 = randn32(n, &mut seed, 1.0);
     let mut reference = Reference::new(p32.iter().map(|&x| x as f64).collect());
     let mut params = p32;
-    let mut opt = CpuAdamW::new(n, c, ranges.clone(), StateDtype::Fp32, 2);
+    let mut opt = CpuAdamW::new(n, c, ranges.clone(), StateDtype::Fp32, 2).unwrap();
     let scale = 0.5f32;
     for step in 0..100 {
         let g = randn32(n, &mut seed, 0.2);
@@ -92,7 +92,7 @@ fn matches_the_libtorch_adamw_of_this_crate() {
     )
     .unwrap();
     let mut params = p0;
-    let mut opt = CpuAdamW::new(n, c, ranges, StateDtype::Fp32, 1);
+    let mut opt = CpuAdamW::new(n, c, ranges, StateDtype::Fp32, 1).unwrap();
     for _ in 0..30 {
         let g = randn32(n, &mut seed, 0.1);
         torch_opt
@@ -128,7 +128,8 @@ fn run(
         vec![(0, 40_000), (60_001, 100)],
         state,
         threads,
-    );
+    )
+    .unwrap();
     // Uneven sub-ranges, applied in a scrambled order.
     let cuts = [0, 17, 5000, 40_001, 40_100, 70_000, n];
     let order = [4, 0, 5, 2, 1, 3];
@@ -231,7 +232,7 @@ fn vector_half_copy_rounds_special_values_like_the_scalar_one() {
         let mut params = values[start..].to_vec();
         let g = vec![0f32; params.len()];
         let mut half = vec![0u16; params.len() + 1];
-        let mut opt = CpuAdamW::new(params.len(), cfg(0.0), vec![], StateDtype::Fp32, 1);
+        let mut opt = CpuAdamW::new(params.len(), cfg(0.0), vec![], StateDtype::Fp32, 1).unwrap();
         opt.begin_step();
         // Output offset by one element too: both alignments of the 16-bit copy.
         let out = &mut half[start % 2..start % 2 + params.len()];
@@ -278,7 +279,7 @@ fn bf16_state_stays_close_to_fp32_state_training() {
     for state in [StateDtype::Fp32, StateDtype::Bf16] {
         let mut noise_seed = 99u64;
         let mut p = p0.clone();
-        let mut opt = CpuAdamW::new(n, c, vec![], state, 1);
+        let mut opt = CpuAdamW::new(n, c, vec![], state, 1).unwrap();
         for _ in 0..300 {
             let g: Vec<f32> = (0..n)
                 .map(|i| curv[i] * (p[i] - target[i]) + 0.1 * lcg(&mut noise_seed) as f32)
@@ -309,11 +310,13 @@ fn bf16_state_stays_close_to_fp32_state_training() {
 
 #[test]
 fn state_bytes_and_errors_name_the_problem() {
-    let mut opt = CpuAdamW::new(100, cfg(0.0), vec![], StateDtype::Fp32, 0);
+    let mut opt = CpuAdamW::new(100, cfg(0.0), vec![], StateDtype::Fp32, 0).unwrap();
     assert_eq!(opt.threads(), 1);
     assert_eq!(opt.state_bytes(), 800);
     assert_eq!(
-        CpuAdamW::new(100, cfg(0.0), vec![], StateDtype::Bf16, 2).state_bytes(),
+        CpuAdamW::new(100, cfg(0.0), vec![], StateDtype::Bf16, 2)
+            .unwrap()
+            .state_bytes(),
         400
     );
     let mut p = vec![0f32; 10];
@@ -343,11 +346,11 @@ fn load_restores_moments_and_step() {
     let mut seed = 8u64;
     let (m, v) = (randn32(n, &mut seed, 0.1), randn32(n, &mut seed, 0.1));
     let v: Vec<f32> = v.iter().map(|x| x * x).collect();
-    let mut a = CpuAdamW::new(n, cfg(0.0), vec![], StateDtype::Fp32, 1);
+    let mut a = CpuAdamW::new(n, cfg(0.0), vec![], StateDtype::Fp32, 1).unwrap();
     a.load(&m, &v, 7).unwrap();
     assert_eq!(a.moments(), (m.clone(), v.clone()));
     assert_eq!(a.begin_step(), 8);
-    let mut b = CpuAdamW::new(n, cfg(0.0), vec![], StateDtype::Bf16, 1);
+    let mut b = CpuAdamW::new(n, cfg(0.0), vec![], StateDtype::Bf16, 1).unwrap();
     b.load(&m, &v, 7).unwrap();
     let (bm, _) = b.moments();
     for (x, y) in m.iter().zip(&bm) {
@@ -382,7 +385,7 @@ fn bf16_state_decays_v_without_bias() {
         eps: 1e-8,
         weight_decay: 0.0,
     };
-    let mut opt = CpuAdamW::new(n, c, vec![], StateDtype::Bf16, 1);
+    let mut opt = CpuAdamW::new(n, c, vec![], StateDtype::Bf16, 1).unwrap();
     let mut p = vec![0f32; n];
     let (ones, zeros) = (vec![1f32; n], vec![0f32; n]);
     opt.begin_step();

@@ -285,7 +285,7 @@ impl HostOptimizer {
             }
             _ => (None, 0),
         };
-        let adam = CpuAdamW::new(n as usize, cfg, decay, state, threads.max(1));
+        let adam = CpuAdamW::new(n as usize, cfg, decay, state, threads.max(1))?;
         let in_place = grads_in_place.filter(|g| {
             g.device() == Device::Cpu
                 && g.kind() == Kind::Float
