@@ -25,7 +25,8 @@ KINDS = [
     ("norms", ["layer_norm", "layernorm", "rms_norm", "rmsnorm"]),
     ("loss", ["cross_entropy", "crossentropy", "log_softmax", "logsumexp", "nll_loss", "softmax"]),
     ("optimizer", ["adam", "foreach", "multi_tensor", "norm_of", "_amp_", "lerp"]),
-    ("copies", ["memcpy", "memset", "aten::copy_", "aten::_to_copy", "aten::to", "aten::cat", "copy_kernel"]),
+    ("copies", ["memcpy", "memset", "aten::copy_", "aten::_to_copy", "aten::to", "aten::cat", "copy_kernel",
+                "zr_cast_into"]),
     # Host-only work (no kernel): views, allocation, autograd's bookkeeping.
     ("framework", ["aten::view", "aten::slice", "aten::as_strided", "aten::transpose", "aten::t",
                    "aten::narrow", "aten::reshape", "aten::empty", "aten::zeros", "aten::expand",
