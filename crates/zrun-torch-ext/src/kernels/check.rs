@@ -173,15 +173,24 @@ pub(super) fn colsum(device: Device) -> Result<(), Error> {
     Ok(())
 }
 
-/// `adamw`: three pieces (with and without weight decay and the bf16 parameters, one off
-/// 16-byte alignment, one past a chunk), fp32 and bf16 gradients, two steps; against ATen's
+/// `adamw`: three pieces (with and without weight decay and the bf16 parameters; 16-byte
+/// aligned and not; one past a chunk), fp32 and bf16 gradients, two steps; against ATen's
 /// fused AdamW and cast: master, m and v within a few fp32 roundings of their magnitudes,
 /// the bf16 parameters exactly the kernel's master rounded and within one bf16 rounding of
 /// ATen's.
 pub(super) fn adamw(device: Device) -> Result<(), Error> {
+    adamw_against(device, &crate::adamw_pieces)
+}
+
+/// The kernel's side of an AdamW step (`Ok(false)`: it did not run).
+type AdamSide<'a> = &'a dyn Fn(&[crate::AdamPiece], &crate::AdamCoeffs) -> Result<bool, Error>;
+
+/// [`adamw`] with `kernel` as the kernel's side.
+fn adamw_against(device: Device, kernel: AdamSide) -> Result<(), Error> {
     let _guard = tch::no_grad_guard();
-    let sizes = [5000i64, 37, 4100];
-    let total: i64 = sizes.iter().sum::<i64>() + 1;
+    // Piece k: (start, len, decayed): 16-byte aligned, one element off, aligned again.
+    let parts = [(0i64, 5000i64, true), (5001, 37, false), (5040, 4100, true)];
+    let total = 5040 + 4100;
     for gkind in [Kind::Float, Kind::BFloat16] {
         let op = || format!("check adamw on {device:?} ({gkind:?} gradients)");
         let e = |err: tch::TchError| fail(&op(), err);
@@ -203,13 +212,6 @@ pub(super) fn adamw(device: Device) -> Result<(), Error> {
             step: 0,
             grad_factor: 0.5,
         };
-        // Piece k: [at, at + n), the first one element in (off alignment).
-        let mut at = 1;
-        let mut parts = Vec::new();
-        for (k, &n) in sizes.iter().enumerate() {
-            parts.push((at, n, k != 1));
-            at += n;
-        }
         let view = |t: &Tensor, at: i64, n: i64| t.f_narrow(0, at, n).map_err(e);
         for step in 1..=2u64 {
             let c = crate::AdamCoeffs { step, ..c };
@@ -236,7 +238,7 @@ pub(super) fn adamw(device: Device) -> Result<(), Error> {
                     decay: *decay,
                 })
                 .collect();
-            if !crate::adamw_pieces(&pieces, &c)? {
+            if !kernel(&pieces, &c)? {
                 if device.is_cuda() {
                     return Err(fail(&op(), "the kernel refused its check's inputs"));
                 }
@@ -309,6 +311,14 @@ pub(super) fn adamw(device: Device) -> Result<(), Error> {
 /// `cast_into`: bf16 values copied over and added to fp32 buffers (one piece past a chunk,
 /// one off 16-byte alignment); exactly ATen's `copy_` and `add_`.
 pub(super) fn cast_into(device: Device) -> Result<(), Error> {
+    cast_into_against(device, &crate::cast_into)
+}
+
+/// [`cast_into`] with `kernel` as the kernel's side (`Ok(false)`: it did not run).
+fn cast_into_against(
+    device: Device,
+    kernel: &dyn Fn(&[crate::CastPiece]) -> Result<bool, Error>,
+) -> Result<(), Error> {
     let _guard = tch::no_grad_guard();
     let op = || format!("check cast_into on {device:?}");
     let e = |err: tch::TchError| fail(&op(), err);
@@ -336,7 +346,7 @@ pub(super) fn cast_into(device: Device) -> Result<(), Error> {
             add: true,
         },
     ];
-    if !crate::cast_into(&pieces)? {
+    if !kernel(&pieces)? {
         if device.is_cuda() {
             return Err(fail(&op(), "the kernel refused its check's inputs"));
         }
@@ -355,4 +365,74 @@ pub(super) fn cast_into(device: Device) -> Result<(), Error> {
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernel's arithmetic in ATen's fp32 ops, one piece at a time.
+    fn emulated(pieces: &[crate::AdamPiece], c: &crate::AdamCoeffs) -> Result<bool, Error> {
+        let t = c.step as i32;
+        let (bc1, bc2) = (1.0 - c.beta1.powi(t), (1.0 - c.beta2.powi(t)).sqrt());
+        for p in pieces {
+            let g = p.grad.to_kind(Kind::Float) * c.grad_factor;
+            let mut master = p.param.shallow_clone();
+            if p.decay {
+                let _ = master.f_mul_scalar_(1.0 - c.lr * c.weight_decay);
+            }
+            let m = p.exp_avg * c.beta1 + &g * (1.0 - c.beta1);
+            let v = p.exp_avg_sq * c.beta2 + &g * &g * (1.0 - c.beta2);
+            let step = &m * (c.lr / bc1) / (v.sqrt() / bc2 + c.eps);
+            let _ = master.f_sub_(&step);
+            p.exp_avg.shallow_clone().copy_(&m);
+            p.exp_avg_sq.shallow_clone().copy_(&v);
+            if let Some(h) = p.half {
+                h.shallow_clone().copy_(&master);
+            }
+        }
+        Ok(true)
+    }
+
+    /// The check's inputs, views and bounds pass the kernel's arithmetic against ATen's
+    /// fused AdamW (its CPU kernel), and catch an update that misses the weight decay.
+    #[test]
+    fn the_adamw_check_passes_the_kernels_arithmetic_and_fails_a_wrong_one() {
+        adamw_against(Device::Cpu, &emulated).unwrap();
+        let no_decay = |ps: &[crate::AdamPiece], c: &crate::AdamCoeffs| {
+            emulated(
+                ps,
+                &crate::AdamCoeffs {
+                    weight_decay: 0.0,
+                    ..*c
+                },
+            )
+        };
+        let err = adamw_against(Device::Cpu, &no_decay)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("the master disagrees"), "{err}");
+    }
+
+    /// The layout's check passes a copy and an add in fp32, and catches an add done as a
+    /// copy.
+    #[test]
+    fn the_layout_check_passes_copies_and_adds_and_fails_a_lost_add() {
+        let run = |ps: &[crate::CastPiece], add_ok: bool| -> Result<bool, Error> {
+            for p in ps {
+                let mut dst = p.dst.shallow_clone();
+                if p.add && add_ok {
+                    let _ = dst.f_add_(p.src);
+                } else {
+                    let _ = dst.f_copy_(p.src);
+                }
+            }
+            Ok(true)
+        };
+        cast_into_against(Device::Cpu, &|ps| run(ps, true)).unwrap();
+        let err = cast_into_against(Device::Cpu, &|ps| run(ps, false))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("off ATen's copy and add"), "{err}");
+    }
 }
