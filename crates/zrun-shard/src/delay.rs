@@ -26,14 +26,19 @@
 //! place. At stages 2-3 the next step's backward still copies each unit's final gradient to
 //! the host as the unit completes, once the running update has finished with that unit: the
 //! update runs its units last first, the order backward makes them, so that wait is
-//! normally nil. With 16-bit parameters on a device the update also writes their new values
-//! into the pinned staging buffer, so the refresh is one DMA copy per unit (no cast on the
-//! host, no pageable copy), queued without blocking the host as soon as the CPU has finished
+//! normally nil. Unit 0, which backward finishes last and the update reaches last, has a
+//! pair of host buffers its gradients alternate between: its copy goes out at once, and the
+//! next update's job of unit 0 waits for it rather than the step's end (a copy that followed
+//! the running update's end would leave the CPU idle meanwhile). With 16-bit parameters on
+//! a device the update also writes their new values into the pinned staging buffer, so the
+//! refresh is one DMA copy per unit (no cast on the host, no pageable copy), queued without
+//! blocking the host as soon as the CPU has finished
 //! that unit: by the next backward for the units it waited for (behind that unit's backward,
 //! which is the last reader of its parameters in the step), by [`Engine::catch_up`] for the
 //! rest. The copies overlap the CPU's work on the other units, and only the last unit's is
-//! left when the update ends. The next update's first job waits
-//! for them (an event) before it writes the buffers they read.
+//! left when the update ends. The next update's jobs write the buffers they read: those
+//! made during backward are complete by then (the loss was read since, on their stream), so
+//! only the first job of a unit refreshed by the catch-up waits for an event after them.
 
 use crate::engine::Optimizer;
 use crate::offload::HostOptimizer;

@@ -280,6 +280,7 @@ impl Engine {
                 },
                 precision: cfg.precision,
                 device: dev,
+                delayed: cfg.offload_delay.is_some(),
             };
             let grads_in_place = in_place.then(|| grads.shallow_clone());
             let host = HostOptimizer::new(&layout, init(Extent::Shard)?, setup, grads_in_place)?;

@@ -169,12 +169,17 @@ impl MemoryLedger {
                 && !cfg.offload_delay
                 && cfg.reduce_dtype == ReduceDtype::Fp32;
             let grads = if in_place { 0 } else { 4 * shard };
+            // A delayed update keeps unit 0's gradient in a pair of buffers (`offload`).
+            let spare = match layout.units.first() {
+                Some(first) if cfg.offload_delay => 4 * first.shard_len(),
+                _ => 0,
+            };
             let staging = if cfg.cuda && cfg.precision != Precision::Fp32 {
                 cfg.precision.bytes() * shard
             } else {
                 0
             };
-            m.buffers = grads + staging + reserve;
+            m.buffers = grads + spare + staging + reserve;
         } else {
             let owned = if cfg.stage == Stage::Zero0 {
                 layout.full_numel()

@@ -334,7 +334,7 @@ fn a_skipped_fp16_step_applies_the_pending_update_and_submits_nothing() {
 }
 
 #[test]
-fn the_planned_ledger_counts_the_host_gradient_copy_of_the_delay() {
+fn the_planned_ledger_counts_the_host_gradient_copies_of_the_delay() {
     for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
         let (e, plain) = (
             engine(model(), stage, Some(0)),
@@ -345,8 +345,10 @@ fn the_planned_ledger_counts_the_host_gradient_copy_of_the_delay() {
         let planned = zrun_shard::MemoryLedger::planned(e.layout(), &ec);
         assert_eq!(planned, e.memory(), "stage {stage}");
         // Stage 1 stages a copy anyway; at stages 2-3 the undelayed host reads in place.
+        // The delay adds the second buffer of unit 0's gradient.
         let s = e.layout().shard_numel();
-        let extra = if stage == Stage::Zero1 { 0 } else { 4 * s };
+        let spare = 4 * e.layout().units[0].shard_len();
+        let extra = spare + if stage == Stage::Zero1 { 0 } else { 4 * s };
         assert_eq!(
             e.memory().buffers - plain.memory().buffers,
             extra,

@@ -39,22 +39,31 @@ impl HostOptimizer {
                     .into(),
             ));
         }
-        // The engine overwrites (then accumulates into) its gradients as soon as this returns.
-        self.stage_segments(segments)?;
+        // The engine overwrites (then accumulates into) its gradients as soon as this returns;
+        // unit 0's copy, into its own buffer, is waited for by its job alone.
+        let mut first = self.stage_segments(segments, true)?;
         self.begin_step()?;
-        // The first job (the worker runs them in order) waits until the device has read the
-        // last update's new parameters, which these jobs overwrite.
+        // The jobs overwrite the staging slices the last update's new parameters were copied
+        // to the device from. The copies made during backward are complete (the loss was read
+        // since, on the stream they were queued on); the first job (the worker runs them in
+        // order) of a unit copied at the catch-up waits until the device has read them all.
         let mut refreshed = self.refreshed_ready.take();
+        let late = self.refreshed_late.take();
         for u in (0..layout.units.len()).rev() {
             let mut job = self.job(layout, u, lr, grad_scale, None)?;
-            job.ready = refreshed.take();
+            if late.is_none_or(|l| u <= l) {
+                job.ready.extend(refreshed.take());
+            }
+            if u == 0 {
+                job.ready.extend(first.take());
+            }
             self.send(u, job)?;
         }
         Ok(())
     }
 
     /// Waits for a delayed update of `units` units unit by unit and calls `each(u)` once for
-    /// every unit not refreshed during backward ([`HostOptimizer::mark_refreshed`]), as soon
+    /// every unit not refreshed during backward ([`HostOptimizer::take_finished`]), as soon
     /// as it is done: first the units backward already waited for, then
     /// in the order they finish (last unit first), so that their new parameters can travel
     /// to the device while the CPU still updates the others; then every unit an earlier
@@ -71,10 +80,12 @@ impl HostOptimizer {
             }
         }
         let mut first = Ok(());
+        let mut late = None;
         let mut call = |u: usize, r: Result<()>, first: &mut Result<()>| {
             let r = r.and_then(|()| match called.get_mut(u) {
                 Some(c) if !*c => {
                     *c = true;
+                    late = late.max(Some(u));
                     each(u)
                 }
                 _ => Ok(()),
@@ -96,6 +107,7 @@ impl HostOptimizer {
         for u in 0..units {
             call(u, Ok(()), &mut first);
         }
+        self.refreshed_late = late;
         first.and(joined)
     }
 

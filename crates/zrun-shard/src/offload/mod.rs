@@ -39,6 +39,8 @@ pub(crate) struct HostSetup {
     pub precision: Precision,
     /// Where the compute parameters live (pinned host buffers when it is CUDA).
     pub device: Device,
+    /// Updates are delayed (`zero.offload_delay`): unit 0's gradient gets a second buffer.
+    pub delayed: bool,
 }
 
 /// The optimizer side of a rank whose optimizer state is offloaded to the host.
@@ -54,8 +56,20 @@ pub(crate) struct HostOptimizer {
     owns_grads: bool,
     /// 16-bit copy of the new parameters when they must travel to a device.
     staging: Option<Tensor>,
-    /// The event after the last gradient copy staged during backward for the step (CUDA).
+    /// The event after the last gradient copy staged during backward for the step (CUDA),
+    /// unit 0's aside when it has a spare.
     staged: Option<zrun_torch_ext::CudaEvent>,
+    /// With a delayed update, a second fp32 buffer for the gradient of unit 0, the unit the
+    /// next backward finishes last: unit 0's gradients staged during backward alternate
+    /// between it and unit 0's slice of `grads`, so the next one is copied at once, while the
+    /// running update may still read the last, and the copy overlaps the CPU's work on unit 0
+    /// instead of delaying the next update.
+    spare: Option<Tensor>,
+    /// Whether unit 0's newest staged gradient is in `spare` (else in `grads`).
+    in_spare: bool,
+    /// The event after unit 0's gradient copy into its spare's pair of buffers (CUDA): the
+    /// next delayed update's job of unit 0 waits for it, not the host.
+    staged_first: Option<zrun_torch_ext::CudaEvent>,
     /// The compute device (host buffers are pinned when it is CUDA).
     device: Device,
     /// Compute precision: the dtype the new parameters are written in.
@@ -70,12 +84,17 @@ pub(crate) struct HostOptimizer {
     /// ([`HostOptimizer::finish_each`]).
     finished: Vec<usize>,
     /// Units of the running delayed update whose new parameters the engine already copied to
-    /// the device during backward ([`HostOptimizer::mark_refreshed`]): [`HostOptimizer::finish_each`]
-    /// leaves them out.
+    /// the device during backward ([`HostOptimizer::take_finished`]):
+    /// [`HostOptimizer::finish_each`] leaves them out.
     refreshed_early: Vec<usize>,
     /// The event after the copies of the last delayed update's new parameters to the device
     /// (CUDA): the next delayed update writes the buffers they read only once it completes.
     refreshed_ready: Option<zrun_torch_ext::CudaEvent>,
+    /// The highest unit whose new parameters the last catch-up copied
+    /// ([`HostOptimizer::finish_each`]; the others went during backward, before a read of the
+    /// loss waited for them): the next delayed update's job of it is the first that waits for
+    /// `refreshed_ready`.
+    refreshed_late: Option<usize>,
 }
 
 /// One unit's update: where its elements are and where the new parameters go.
@@ -89,8 +108,12 @@ struct Job {
     dst: Option<Tensor>,
     /// How the new parameters reach `dst`.
     route: Route,
-    /// Completes once the unit's gradients have reached the host (CUDA).
-    ready: Option<zrun_torch_ext::CudaEvent>,
+    /// Complete once the unit's gradients have reached the host and the device has read what
+    /// the job overwrites (CUDA).
+    ready: Vec<zrun_torch_ext::CudaEvent>,
+    /// The spare holding the unit's gradient (unit 0, delayed), else its slice of the host
+    /// gradients.
+    spare: Option<Tensor>,
 }
 
 /// How a job's new parameters reach the compute parameters.
@@ -151,8 +174,11 @@ impl Worker {
 
 /// Waits, on the calling thread, for the device copies `ready` stands for (gradients to the
 /// host, or the last update's parameters to the device).
-fn wait_ready(ready: Option<zrun_torch_ext::CudaEvent>, unit: &str) -> Result<()> {
-    ready.map_or(Ok(()), |e| {
+fn wait_ready(
+    ready: impl IntoIterator<Item = zrun_torch_ext::CudaEvent>,
+    unit: &str,
+) -> Result<()> {
+    ready.into_iter().try_for_each(|e| {
         e.synchronize().map_err(|e| {
             Error::Unsupported(format!(
                 "copies of unit `{unit}` to or from the device: {e}"
@@ -195,16 +221,21 @@ fn run(
         dst,
         route,
         ready,
+        spare,
     } = job;
     wait_ready(ready, &unit)?;
     // SAFETY: master and grads are contiguous fp32 host tensors of the shard size, and
     // [off, off + len) is this job's unit, which nothing else touches while it runs (see
-    // above); a 16-bit target is the contiguous staging slice or the contiguous host slice
-    // `dst` of this unit (`Route::Direct`), likewise untouched by others meanwhile.
+    // above); so is the spare of `len` elements holding its gradient instead; a 16-bit
+    // target is the contiguous staging slice or the contiguous host slice `dst` of this unit
+    // (`Route::Direct`), likewise untouched by others meanwhile.
     let (m, g) = unsafe {
         (
             slice_mut::<f32>(master.data_ptr(), off, len),
-            slice_mut::<f32>(grads.data_ptr(), off, len),
+            match &spare {
+                Some(s) => slice_mut::<f32>(s.data_ptr(), 0, len),
+                None => slice_mut::<f32>(grads.data_ptr(), off, len),
+            },
         )
     };
     let out = match (half, &route, &dst) {
@@ -264,6 +295,7 @@ impl HostOptimizer {
             threads,
             precision,
             device,
+            delayed,
         } = setup;
         let n = layout.shard_numel();
         let mut alloc = HostBuffers::default();
@@ -297,22 +329,33 @@ impl HostOptimizer {
             Some(g) => (g, 0),
             None => alloc.zeros(n, Kind::Float, device)?,
         };
+        let (spare, spare_bytes) = match layout.units.first() {
+            Some(first) if delayed => {
+                let (t, bytes) = alloc.zeros(first.shard_len(), Kind::Float, device)?;
+                (Some(t), bytes)
+            }
+            _ => (None, 0),
+        };
         alloc.warn_if_rounded();
         Ok(HostOptimizer {
             state_bytes: master_bytes + adam.state_bytes() as i64,
-            buffer_bytes: grads_bytes + staging_bytes,
+            buffer_bytes: grads_bytes + staging_bytes + spare_bytes,
             adam: Some(adam),
             master,
             grads,
             owns_grads,
             staging,
             staged: None,
+            spare,
+            in_spare: false,
+            staged_first: None,
             device,
             precision,
             worker: None,
             finished: Vec::new(),
             refreshed_early: Vec::new(),
             refreshed_ready: None,
+            refreshed_late: None,
         })
     }
 
@@ -358,32 +401,58 @@ impl HostOptimizer {
         Ok(())
     }
 
-    /// Copies `grad` (any dtype and device) into the host gradients at shard offset `at`;
-    /// nothing to do when `grad` is that very memory (gradients read in place). From CUDA
-    /// the copy is queued without blocking; the returned event completes once it is done.
     /// Stages the owned gradient `segments` (end to end in shard order; `None`: staged unit
     /// by unit during backward already) on the host and waits until every staged copy is
-    /// there.
-    fn stage_segments(&mut self, segments: Option<&[Tensor]>) -> Result<()> {
+    /// there, but for unit 0's staged during backward into its spare's pair when `defer_first`:
+    /// that copy's event is returned instead, for the job of unit 0 to wait for.
+    fn stage_segments(
+        &mut self,
+        segments: Option<&[Tensor]>,
+        defer_first: bool,
+    ) -> Result<Option<zrun_torch_ext::CudaEvent>> {
         let mut at = 0;
         let mut ready = self.staged.take();
-        for g in segments.unwrap_or_default() {
-            ready = self.stage(at, g, "-")?.or(ready);
-            at += g.numel() as i64;
+        let mut first = self.staged_first.take();
+        if let Some(segments) = segments {
+            // Every unit's gradient goes to its slice of the host gradients, unit 0's too.
+            self.in_spare = false;
+            for g in segments {
+                let dst = self
+                    .grads
+                    .f_narrow(0, at, g.numel() as i64)
+                    .ctx("stage gradients", "-")?;
+                ready = self.stage_to(dst, g, "-")?.or(ready);
+                at += g.numel() as i64;
+            }
         }
-        wait_ready(ready, "-")
+        if !defer_first {
+            wait_ready(first.take(), "-")?;
+        }
+        wait_ready(ready, "-")?;
+        Ok(first)
     }
 
-    fn stage(
+    /// Where unit `u`'s gradient is staged: its slice of the host gradients, or for unit 0
+    /// the spare when that holds its newest.
+    fn grad_slot(&self, layout: &ShardLayout, u: usize) -> Result<Tensor> {
+        match &self.spare {
+            Some(s) if u == 0 && self.in_spare => Ok(s.shallow_clone()),
+            _ => self
+                .grads
+                .f_narrow(0, layout.shard_offsets[u], layout.units[u].shard_len())
+                .ctx("stage gradients", &layout.units[u].unit),
+        }
+    }
+
+    /// Copies `grad` (any dtype and device) into the host buffer `dst`; nothing to do when
+    /// `grad` is that very memory (gradients read in place). From CUDA the copy is queued
+    /// without blocking; the returned event completes once it is done.
+    fn stage_to(
         &mut self,
-        at: i64,
+        mut dst: Tensor,
         grad: &Tensor,
         unit: &str,
     ) -> Result<Option<zrun_torch_ext::CudaEvent>> {
-        let mut dst = self
-            .grads
-            .f_narrow(0, at, grad.numel() as i64)
-            .ctx("stage gradients", unit)?;
         if !self.owns_grads
             && grad.device() == Device::Cpu
             && grad.kind() == Kind::Float
@@ -444,7 +513,11 @@ impl HostOptimizer {
             grad_scale: grad_scale as f32,
             dst,
             route,
-            ready: None,
+            ready: Vec::new(),
+            spare: match &self.spare {
+                Some(s) if u == 0 && self.in_spare => Some(s.shallow_clone()),
+                _ => None,
+            },
         })
     }
 
@@ -456,11 +529,24 @@ impl HostOptimizer {
         u: usize,
         grad: &Tensor,
     ) -> Result<()> {
-        self.wait_unit(u)?;
-        let ready = self.stage(layout.shard_offsets[u], grad, &layout.units[u].unit)?;
+        let spared = u == 0 && self.spare.is_some();
+        if spared {
+            // The running update may still read unit 0's gradient: the new one goes to the
+            // other buffer of the pair, now (the update before it, which read that one, has
+            // finished: it was waited for before the running one was submitted).
+            self.in_spare = !self.in_spare;
+        } else {
+            self.wait_unit(u)?;
+        }
+        let dst = self.grad_slot(layout, u)?;
+        let ready = self.stage_to(dst, grad, &layout.units[u].unit)?;
         // Read at the step: the last unit's event covers every copy queued before it.
         if ready.is_some() {
-            self.staged = ready;
+            if spared {
+                self.staged_first = ready;
+            } else {
+                self.staged = ready;
+            }
         }
         Ok(())
     }
@@ -478,7 +564,7 @@ impl HostOptimizer {
         grad_scale: f64,
         params_of: impl Fn(usize) -> Result<Tensor>,
     ) -> Result<()> {
-        self.stage_segments(segments)?;
+        self.stage_segments(segments, false)?;
         self.begin_step()?;
         let half = self.half();
         for u in 0..layout.units.len() {
@@ -502,9 +588,10 @@ impl HostOptimizer {
         lr: f64,
         dst: Tensor,
     ) -> Result<()> {
-        let ready = self.stage(layout.shard_offsets[u], grad, &layout.units[u].unit)?;
+        let slot = self.grad_slot(layout, u)?;
+        let ready = self.stage_to(slot, grad, &layout.units[u].unit)?;
         let mut job = self.job(layout, u, lr, 1.0, Some(dst))?;
-        job.ready = ready;
+        job.ready.extend(ready);
         self.send(u, job)?;
         let w = self.worker.as_mut().expect("sent above");
         // Device copies of the units already updated go out while backward continues.
@@ -625,12 +712,7 @@ mod tests {
     use super::*;
     use zrun_models::{Gpt, GptConfig, Model};
 
-    /// The next backward stages a unit's gradient while the delayed update of the last step
-    /// may still read the unit's host slice: staging waits for that unit's update. The
-    /// update runs its units last first, so unit 0 (the embedding) is its last; its gradient
-    /// staged at once must not reach the update.
-    #[test]
-    fn staging_a_unit_waits_for_its_delayed_update() -> Result<()> {
+    fn optimizer(delayed: bool) -> Result<(ShardLayout, HostOptimizer)> {
         let m = Gpt::new(GptConfig {
             vocab_size: 64,
             seq_len: 8,
@@ -654,29 +736,65 @@ mod tests {
             threads: 1,
             precision: Precision::Fp32,
             device: Device::Cpu,
+            delayed,
         };
         let zeros = Tensor::zeros([n], (Kind::Float, Device::Cpu));
-        let mut h = HostOptimizer::new(&layout, zeros, setup, None)?;
+        let h = HostOptimizer::new(&layout, zeros, setup, None)?;
+        Ok((layout, h))
+    }
+
+    /// The next backward stages a unit's gradient while the delayed update of the last step
+    /// may still read the unit's host slice: staging waits for that unit's update, except
+    /// unit 0's, which goes to the other buffer of its pair at once. The update runs its
+    /// units last first, so unit 0 (the embedding) is its last; its gradient staged at once
+    /// must not reach the update, and must reach the next one.
+    #[test]
+    fn staging_a_unit_leaves_its_running_delayed_update_alone() -> Result<()> {
+        let (layout, mut h) = optimizer(true)?;
+        let n = layout.shard_numel();
         let lr = 1e-3;
+        let len = layout.units[0].shard_len();
+        let unit0 = |h: &HostOptimizer| h.master().narrow(0, layout.shard_offsets[0], len);
         // The delayed update: gradient +1 everywhere.
         let ones = Tensor::ones([n], (Kind::Float, Device::Cpu));
         h.submit_deferred(&layout, Some(&[ones]), lr, 1.0)?;
-        // The next backward's final gradient of unit 0: -1.
-        let len = layout.units[0].shard_len();
-        let next = Tensor::full([len], -1.0, (Kind::Float, Device::Cpu));
-        h.stage_unit(&layout, 0, &next)?;
+        // The next backward's final gradients of units 1 and 0: -1.
+        for u in [1, 0] {
+            let l = layout.units[u].shard_len();
+            let next = Tensor::full([l], -1.0, (Kind::Float, Device::Cpu));
+            h.stage_unit(&layout, u, &next)?;
+        }
+        assert!(h.in_spare, "unit 0's gradient went to the spare");
         h.finish()?;
         // AdamW's first step moves each parameter by lr against the gradient's sign.
-        let unit0 = h.master().narrow(0, layout.shard_offsets[0], len);
         let want = Tensor::full([len], -lr, (Kind::Float, Device::Cpu));
-        let off = (unit0 - want).abs().max().double_value(&[]);
+        let off = (unit0(&h) - &want).abs().max().double_value(&[]);
         assert!(
             off < 1e-6,
             "unit 0's update read the next step's gradient: off by {off}"
         );
-        // ... and the staged gradient is there for the next update.
-        let staged = h.grads.narrow(0, layout.shard_offsets[0], len);
-        assert!(staged.equal(&Tensor::full([len], -1.0, (Kind::Float, Device::Cpu))));
+        // ... and the staged gradients are what the next update reads: the same update as
+        // without the delay's spare.
+        h.submit_deferred(&layout, None, lr, 1.0)?;
+        h.finish()?;
+        let (_, mut plain) = optimizer(false)?;
+        let ones = Tensor::ones([n], (Kind::Float, Device::Cpu));
+        plain.submit_deferred(&layout, Some(&[ones]), lr, 1.0)?;
+        plain.finish()?;
+        let minus = Tensor::full([n], -1.0, (Kind::Float, Device::Cpu));
+        let ones = Tensor::ones([n], (Kind::Float, Device::Cpu));
+        let rest = layout.shard_offsets[2];
+        let second = Tensor::cat(
+            &[minus.narrow(0, 0, rest), ones.narrow(0, rest, n - rest)],
+            0,
+        );
+        plain.submit_deferred(&layout, Some(&[second]), lr, 1.0)?;
+        plain.finish()?;
+        assert!(
+            h.master().equal(plain.master()),
+            "the spare's update differs"
+        );
+        assert!(!unit0(&h).equal(&want), "the second update moved unit 0");
         Ok(())
     }
 }
