@@ -15,6 +15,7 @@ mod memory;
 mod micro;
 mod norm;
 mod offload;
+mod owned;
 mod policy;
 mod recover;
 mod scaler;
