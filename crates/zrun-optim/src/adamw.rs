@@ -37,7 +37,18 @@ pub struct AdamW {
     /// chunked kernels below would launch thousands), with its step count and gradient scale
     /// on the device.
     fused: Option<[Tensor; 2]>,
+    /// The pieces zrun's AdamW kernel last ran over, with what they were cut from: the
+    /// buffers of a run stay put, so a step reuses them instead of making hundreds of views
+    /// while the device waits for the update.
+    kernel_pieces: Option<(PartsKey, Vec<KernelPiece>)>,
 }
+
+/// Each part's data address and size, in order: what a list of pieces was cut from.
+type PartsKey = Vec<(usize, i64)>;
+
+/// One piece of zrun's AdamW kernel's update: views of the master, gradient, moments and
+/// (where written) the bf16 parameters, and whether it is decayed.
+type KernelPiece = (Tensor, Tensor, Tensor, Tensor, Option<Tensor>, bool);
 
 impl AdamW {
     /// Zero-initialised state for a shard of `numel` elements on `device`.
@@ -68,6 +79,7 @@ impl AdamW {
                 Device::Cuda(_) => Some(Self::fused_state(device)?),
                 _ => None,
             },
+            kernel_pieces: None,
         })
     }
 
@@ -283,21 +295,21 @@ impl AdamW {
         lr: f64,
         grad_factor: f64,
     ) -> Result<bool> {
-        let mut views = Vec::new();
-        for (off, len, decay) in self.spans() {
-            let lists: Vec<&Segments> = [p, g].into_iter().chain(h).collect();
-            Segments::pieces(&lists, off, len, |o, l| {
-                views.push((
-                    p.view(o, l)?,
-                    g.view(o, l)?,
-                    torch("AdamW m", self.m.f_narrow(0, o, l))?,
-                    torch("AdamW v", self.v.f_narrow(0, o, l))?,
-                    h.map(|h| h.view(o, l)).transpose()?,
-                    decay,
-                ));
-                Ok(())
-            })?;
+        if !zrun_torch_ext::kernels::optim::installed() {
+            return Ok(false);
         }
+        // What the pieces are cut from: each part's data and size, in order.
+        let key: PartsKey = [Some(p), Some(g), h]
+            .into_iter()
+            .flatten()
+            .flat_map(|s| s.parts().iter())
+            .map(|t| (t.data_ptr() as usize, t.numel() as i64))
+            .collect();
+        let cached = self.kernel_pieces.take().filter(|(k, _)| *k == key);
+        let views = match cached {
+            Some((_, views)) => views,
+            None => self.kernel_views(p, g, h)?,
+        };
         let pieces: Vec<zrun_torch_ext::AdamPiece> = views
             .iter()
             .map(|(p, g, m, v, h, decay)| zrun_torch_ext::AdamPiece {
@@ -319,9 +331,38 @@ impl AdamW {
             step: self.step,
             grad_factor,
         };
-        zrun_torch_ext::adamw_pieces(&pieces, &coeffs).map_err(|e| Error::Fused {
+        let ran = zrun_torch_ext::adamw_pieces(&pieces, &coeffs).map_err(|e| Error::Fused {
             detail: e.to_string(),
-        })
+        })?;
+        drop(pieces);
+        self.kernel_pieces = Some((key, views));
+        Ok(ran)
+    }
+
+    /// The kernel's pieces of the shard: each span split where a part of `p`, `g` or `h`
+    /// ends.
+    fn kernel_views(
+        &self,
+        p: &Segments,
+        g: &Segments,
+        h: Option<&Segments>,
+    ) -> Result<Vec<KernelPiece>> {
+        let mut views = Vec::new();
+        for (off, len, decay) in self.spans() {
+            let lists: Vec<&Segments> = [p, g].into_iter().chain(h).collect();
+            Segments::pieces(&lists, off, len, |o, l| {
+                views.push((
+                    p.view(o, l)?,
+                    g.view(o, l)?,
+                    torch("AdamW m", self.m.f_narrow(0, o, l))?,
+                    torch("AdamW v", self.v.f_narrow(0, o, l))?,
+                    h.map(|h| h.view(o, l)).transpose()?,
+                    decay,
+                ));
+                Ok(())
+            })?;
+        }
+        Ok(views)
     }
 
     /// The whole step by libtorch's fused kernel, over the pieces of the shard that are

@@ -27,6 +27,11 @@ impl<'a> Segments<'a> {
         Segments { parts, starts }
     }
 
+    /// The parts, in order.
+    pub fn parts(&self) -> &'a [Tensor] {
+        self.parts
+    }
+
     /// Total elements.
     pub fn len(&self) -> i64 {
         *self.starts.last().unwrap_or(&0)

@@ -25,6 +25,12 @@ pub(super) fn set_on(on: bool) -> bool {
     ON.swap(on, Ordering::SeqCst)
 }
 
+/// Whether the kernels are installed: where not, [`adamw_pieces`] and [`cast_into`] do
+/// nothing and a caller need not make their pieces.
+pub fn installed() -> bool {
+    ON.load(Ordering::SeqCst)
+}
+
 /// optim.cu's `ZR_PIECES`, `ZR_CHUNK` and `ZR_OPT_THREADS`.
 const PIECES: usize = 48;
 const CHUNK: i64 = 4096;
