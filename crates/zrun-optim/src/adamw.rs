@@ -37,18 +37,16 @@ pub struct AdamW {
     /// chunked kernels below would launch thousands), with its step count and gradient scale
     /// on the device.
     fused: Option<[Tensor; 2]>,
-    /// The pieces zrun's AdamW kernel last ran over, with what they were cut from: the
-    /// buffers of a run stay put, so a step reuses them instead of making hundreds of views
-    /// while the device waits for the update.
-    kernel_pieces: Option<(PartsKey, Vec<KernelPiece>)>,
+    /// zrun's AdamW kernel's plan of the pieces it last ran over, with what they were cut
+    /// from: the buffers of a run stay put, so a step reuses it instead of making and
+    /// checking hundreds of views while the device waits for the update.
+    /// `None` inside: the kernel does not take these buffers (fp16 parameters), so they are
+    /// not cut again at every step either.
+    kernel_plan: Option<(PartsKey, Option<zrun_torch_ext::AdamPlan>)>,
 }
 
 /// Each part's data address and size, in order: what a list of pieces was cut from.
 type PartsKey = Vec<(usize, i64)>;
-
-/// One piece of zrun's AdamW kernel's update: views of the master, gradient, moments and
-/// (where written) the bf16 parameters, and whether it is decayed.
-type KernelPiece = (Tensor, Tensor, Tensor, Tensor, Option<Tensor>, bool);
 
 impl AdamW {
     /// Zero-initialised state for a shard of `numel` elements on `device`.
@@ -79,7 +77,7 @@ impl AdamW {
                 Device::Cuda(_) => Some(Self::fused_state(device)?),
                 _ => None,
             },
-            kernel_pieces: None,
+            kernel_plan: None,
         })
     }
 
@@ -305,22 +303,14 @@ impl AdamW {
             .flat_map(|s| s.parts().iter())
             .map(|t| (t.data_ptr() as usize, t.numel() as i64))
             .collect();
-        let cached = self.kernel_pieces.take().filter(|(k, _)| *k == key);
-        let views = match cached {
-            Some((_, views)) => views,
-            None => self.kernel_views(p, g, h)?,
+        let plan = match self.kernel_plan.take().filter(|(k, _)| *k == key) {
+            Some((_, plan)) => plan,
+            None => self.kernel_plan_of(p, g, h)?,
         };
-        let pieces: Vec<zrun_torch_ext::AdamPiece> = views
-            .iter()
-            .map(|(p, g, m, v, h, decay)| zrun_torch_ext::AdamPiece {
-                param: p,
-                grad: g,
-                exp_avg: m,
-                exp_avg_sq: v,
-                half: h.as_ref(),
-                decay: *decay,
-            })
-            .collect();
+        let Some(plan) = plan else {
+            self.kernel_plan = Some((key, None));
+            return Ok(false);
+        };
         let c = self.cfg;
         let coeffs = zrun_torch_ext::AdamCoeffs {
             lr,
@@ -331,22 +321,21 @@ impl AdamW {
             step: self.step,
             grad_factor,
         };
-        let ran = zrun_torch_ext::adamw_pieces(&pieces, &coeffs).map_err(|e| Error::Fused {
+        let ran = plan.run(&coeffs).map_err(|e| Error::Fused {
             detail: e.to_string(),
         })?;
-        drop(pieces);
-        self.kernel_pieces = Some((key, views));
+        self.kernel_plan = Some((key, Some(plan)));
         Ok(ran)
     }
 
-    /// The kernel's pieces of the shard: each span split where a part of `p`, `g` or `h`
-    /// ends.
-    fn kernel_views(
+    /// The kernel's plan of the shard: each span split where a part of `p`, `g` or `h` ends
+    /// (`None`: the kernel does not take these tensors).
+    fn kernel_plan_of(
         &self,
         p: &Segments,
         g: &Segments,
         h: Option<&Segments>,
-    ) -> Result<Vec<KernelPiece>> {
+    ) -> Result<Option<zrun_torch_ext::AdamPlan>> {
         let mut views = Vec::new();
         for (off, len, decay) in self.spans() {
             let lists: Vec<&Segments> = [p, g].into_iter().chain(h).collect();
@@ -362,7 +351,18 @@ impl AdamW {
                 Ok(())
             })?;
         }
-        Ok(views)
+        let pieces: Vec<zrun_torch_ext::AdamPiece> = views
+            .iter()
+            .map(|(p, g, m, v, h, decay)| zrun_torch_ext::AdamPiece {
+                param: p,
+                grad: g,
+                exp_avg: m,
+                exp_avg_sq: v,
+                half: h.as_ref(),
+                decay: *decay,
+            })
+            .collect();
+        Ok(zrun_torch_ext::AdamPlan::new(&pieces))
     }
 
     /// The whole step by libtorch's fused kernel, over the pieces of the shard that are

@@ -65,7 +65,7 @@ pub use cuda::{
     reset_cuda_peak, set_allocator_settings, set_cuda_device, CudaEvent, CudaMemory,
 };
 pub use error::Error;
-pub use kernels::optim::{adamw_pieces, cast_into, AdamCoeffs, AdamPiece, CastPiece};
+pub use kernels::optim::{adamw_pieces, cast_into, AdamCoeffs, AdamPiece, AdamPlan, CastPiece};
 pub use loss::{ce_rows, fused_linear_cross_entropy, linear_cross_entropy};
 pub use norm::rms_norm;
 pub use optim::{fused_adam, sum_of_squares, AdamStep};

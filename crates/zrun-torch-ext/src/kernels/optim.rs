@@ -203,71 +203,106 @@ fn launch_tables<P: Copy + Default>(
 
 /// One AdamW step over `pieces` by optim.cu's kernel, queued on the current stream: the
 /// master, m and v updated in place and, where given, the bf16 parameters written.
-/// `Ok(false)` (nothing done) when the kernels are not installed or a piece does not fit:
-/// fp32 master and moments, fp32 or bf16 gradients (one kind for all), bf16 parameters,
-/// contiguous, one CUDA device, equal sizes.
+/// `Ok(false)` (nothing done) when the kernels are not installed or a piece does not fit
+/// ([`AdamPlan::new`]).
 pub fn adamw_pieces(pieces: &[AdamPiece], c: &AdamCoeffs) -> Result<bool, Error> {
-    if !ON.load(Ordering::SeqCst) || pieces.is_empty() || c.step == 0 {
-        return Ok(false);
+    match AdamPlan::new(pieces) {
+        Some(plan) => plan.run(c),
+        None => Ok(false),
     }
-    let gkind = pieces[0].grad.kind();
-    if !matches!(gkind, Kind::Float | Kind::BFloat16) {
-        return Ok(false);
-    }
-    let f = Kind::Float;
-    let tensors = pieces.iter().flat_map(|p| {
-        [
-            (p.param, f),
-            (p.grad, gkind),
-            (p.exp_avg, f),
-            (p.exp_avg_sq, f),
-        ]
-        .into_iter()
-        .chain(p.half.map(|h| (h, Kind::BFloat16)))
-    });
-    let Some(device) = device_of(tensors) else {
-        return Ok(false);
-    };
-    let mut raw = Vec::with_capacity(pieces.len());
-    for p in pieces {
-        let n = p.param.numel() as i64;
-        let same = [p.grad, p.exp_avg, p.exp_avg_sq]
+}
+
+/// AdamW pieces checked and laid out for optim.cu's kernel once, to run at every step over
+/// the same buffers. It holds its tensors, so the memory it points at lives as long as it.
+pub struct AdamPlan {
+    device: usize,
+    entry: usize,
+    raw: Vec<(AdamPieceRaw, i64)>,
+    _held: Vec<Tensor>,
+}
+
+impl AdamPlan {
+    /// The plan of `pieces`; `None` when the kernels are not installed or a piece does not
+    /// fit: fp32 master and moments, fp32 or bf16 gradients (one kind for all), bf16
+    /// parameters, contiguous, one CUDA device, equal sizes.
+    pub fn new(pieces: &[AdamPiece]) -> Option<AdamPlan> {
+        if !installed() || pieces.is_empty() {
+            return None;
+        }
+        let gkind = pieces[0].grad.kind();
+        if !matches!(gkind, Kind::Float | Kind::BFloat16) {
+            return None;
+        }
+        let f = Kind::Float;
+        let tensors = pieces.iter().flat_map(|p| {
+            [
+                (p.param, f),
+                (p.grad, gkind),
+                (p.exp_avg, f),
+                (p.exp_avg_sq, f),
+            ]
             .into_iter()
-            .chain(p.half)
-            .all(|t| t.numel() as i64 == n);
-        if !same {
+            .chain(p.half.map(|h| (h, Kind::BFloat16)))
+        });
+        let device = device_of(tensors)?;
+        let mut raw = Vec::with_capacity(pieces.len());
+        let mut held = Vec::with_capacity(5 * pieces.len());
+        for p in pieces {
+            let n = p.param.numel() as i64;
+            let all = [p.param, p.grad, p.exp_avg, p.exp_avg_sq];
+            if !all
+                .iter()
+                .copied()
+                .chain(p.half)
+                .all(|t| t.numel() as i64 == n)
+            {
+                return None;
+            }
+            held.extend(all.iter().copied().chain(p.half).map(Tensor::shallow_clone));
+            let ptr = |t: &Tensor| t.data_ptr() as u64;
+            raw.push((
+                AdamPieceRaw {
+                    p: ptr(p.param),
+                    g: ptr(p.grad),
+                    m: ptr(p.exp_avg),
+                    v: ptr(p.exp_avg_sq),
+                    h: p.half.map_or(0, ptr),
+                    n,
+                    decay: i32::from(p.decay),
+                    pad: 0,
+                },
+                n,
+            ));
+        }
+        Some(AdamPlan {
+            device,
+            entry: ADAMW + usize::from(gkind == Kind::BFloat16),
+            raw,
+            _held: held,
+        })
+    }
+
+    /// Queues one step of the plan on the current stream; `Ok(false)` (nothing done) when
+    /// the kernels have been uninstalled since or `c.step` is 0.
+    pub fn run(&self, c: &AdamCoeffs) -> Result<bool, Error> {
+        if !installed() || c.step == 0 {
             return Ok(false);
         }
-        let ptr = |t: &Tensor| t.data_ptr() as u64;
-        raw.push((
-            AdamPieceRaw {
-                p: ptr(p.param),
-                g: ptr(p.grad),
-                m: ptr(p.exp_avg),
-                v: ptr(p.exp_avg_sq),
-                h: p.half.map_or(0, ptr),
-                n,
-                decay: i32::from(p.decay && c.weight_decay != 0.0),
-                pad: 0,
-            },
-            n,
-        ));
+        let t = c.step as i32;
+        let hp = AdamHp {
+            grad_factor: c.grad_factor as f32,
+            keep: (1.0 - c.lr * c.weight_decay) as f32,
+            b1: c.beta1 as f32,
+            omb1: (1.0 - c.beta1) as f32,
+            b2: c.beta2 as f32,
+            omb2: (1.0 - c.beta2) as f32,
+            step_size: (c.lr / (1.0 - c.beta1.powi(t))) as f32,
+            bc2_sqrt: (1.0 - c.beta2.powi(t)).sqrt() as f32,
+            eps: c.eps as f32,
+        };
+        launch_tables(self.device, self.entry, &self.raw, Some(hp))?;
+        Ok(true)
     }
-    let t = c.step as i32;
-    let hp = AdamHp {
-        grad_factor: c.grad_factor as f32,
-        keep: (1.0 - c.lr * c.weight_decay) as f32,
-        b1: c.beta1 as f32,
-        omb1: (1.0 - c.beta1) as f32,
-        b2: c.beta2 as f32,
-        omb2: (1.0 - c.beta2) as f32,
-        step_size: (c.lr / (1.0 - c.beta1.powi(t))) as f32,
-        bc2_sqrt: (1.0 - c.beta2.powi(t)).sqrt() as f32,
-        eps: c.eps as f32,
-    };
-    let entry = ADAMW + usize::from(gkind == Kind::BFloat16);
-    launch_tables(device, entry, &raw, Some(hp))?;
-    Ok(true)
 }
 
 /// Each piece's bf16 `src` copied over its fp32 `dst` or added to it, by optim.cu's kernel
