@@ -101,11 +101,11 @@ pub(crate) fn adamw_sides(pieces: &[(i64, bool)], device: Device) -> anyhow::Res
         Box::new(move || {
             let ps: Vec<zrun_torch_ext::AdamPiece> = (0..zs.p.len())
                 .map(|i| zrun_torch_ext::AdamPiece {
-                    param: &zs.p[i],
-                    grad: &zs.g[i],
-                    exp_avg: &zs.m[i],
-                    exp_avg_sq: &zs.v[i],
-                    half: Some(&zs.h[i]),
+                    param: zs.p[i].shallow_clone(),
+                    grad: zs.g[i].shallow_clone(),
+                    exp_avg: zs.m[i].shallow_clone(),
+                    exp_avg_sq: zs.v[i].shallow_clone(),
+                    half: Some(zs.h[i].shallow_clone()),
                     decay: decayed[i],
                 })
                 .collect();

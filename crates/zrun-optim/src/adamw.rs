@@ -336,32 +336,21 @@ impl AdamW {
         g: &Segments,
         h: Option<&Segments>,
     ) -> Result<Option<zrun_torch_ext::AdamPlan>> {
-        let mut views = Vec::new();
+        let mut pieces = Vec::new();
         for (off, len, decay) in self.spans() {
             let lists: Vec<&Segments> = [p, g].into_iter().chain(h).collect();
             Segments::pieces(&lists, off, len, |o, l| {
-                views.push((
-                    p.view(o, l)?,
-                    g.view(o, l)?,
-                    torch("AdamW m", self.m.f_narrow(0, o, l))?,
-                    torch("AdamW v", self.v.f_narrow(0, o, l))?,
-                    h.map(|h| h.view(o, l)).transpose()?,
+                pieces.push(zrun_torch_ext::AdamPiece {
+                    param: p.view(o, l)?,
+                    grad: g.view(o, l)?,
+                    exp_avg: torch("AdamW m", self.m.f_narrow(0, o, l))?,
+                    exp_avg_sq: torch("AdamW v", self.v.f_narrow(0, o, l))?,
+                    half: h.map(|h| h.view(o, l)).transpose()?,
                     decay,
-                ));
+                });
                 Ok(())
             })?;
         }
-        let pieces: Vec<zrun_torch_ext::AdamPiece> = views
-            .iter()
-            .map(|(p, g, m, v, h, decay)| zrun_torch_ext::AdamPiece {
-                param: p,
-                grad: g,
-                exp_avg: m,
-                exp_avg_sq: v,
-                half: h.as_ref(),
-                decay: *decay,
-            })
-            .collect();
         Ok(zrun_torch_ext::AdamPlan::new(&pieces))
     }
 

@@ -215,29 +215,17 @@ fn adamw_against(device: Device, kernel: AdamSide) -> Result<(), Error> {
         let view = |t: &Tensor, at: i64, n: i64| t.f_narrow(0, at, n).map_err(e);
         for step in 1..=2u64 {
             let c = crate::AdamCoeffs { step, ..c };
-            let mut views = Vec::new();
+            let mut pieces = Vec::new();
             for &(at, n, decay) in &parts {
-                let half = decay.then(|| view(&hk, at, n)).transpose()?;
-                views.push((
-                    view(&pk, at, n)?,
-                    view(&g, at, n)?,
-                    view(&mk, at, n)?,
-                    view(&vk, at, n)?,
-                    half,
+                pieces.push(crate::AdamPiece {
+                    param: view(&pk, at, n)?,
+                    grad: view(&g, at, n)?,
+                    exp_avg: view(&mk, at, n)?,
+                    exp_avg_sq: view(&vk, at, n)?,
+                    half: decay.then(|| view(&hk, at, n)).transpose()?,
                     decay,
-                ));
+                });
             }
-            let pieces: Vec<crate::AdamPiece> = views
-                .iter()
-                .map(|(p, g, m, v, h, decay)| crate::AdamPiece {
-                    param: p,
-                    grad: g,
-                    exp_avg: m,
-                    exp_avg_sq: v,
-                    half: h.as_ref(),
-                    decay: *decay,
-                })
-                .collect();
             if !kernel(&pieces, &c)? {
                 if device.is_cuda() {
                     return Err(fail(&op(), "the kernel refused its check's inputs"));
@@ -381,13 +369,13 @@ mod tests {
             if p.decay {
                 let _ = master.f_mul_scalar_(1.0 - c.lr * c.weight_decay);
             }
-            let m = p.exp_avg * c.beta1 + &g * (1.0 - c.beta1);
-            let v = p.exp_avg_sq * c.beta2 + &g * &g * (1.0 - c.beta2);
+            let m = &p.exp_avg * c.beta1 + &g * (1.0 - c.beta1);
+            let v = &p.exp_avg_sq * c.beta2 + &g * &g * (1.0 - c.beta2);
             let step = &m * (c.lr / bc1) / (v.sqrt() / bc2 + c.eps);
             let _ = master.f_sub_(&step);
             p.exp_avg.shallow_clone().copy_(&m);
             p.exp_avg_sq.shallow_clone().copy_(&v);
-            if let Some(h) = p.half {
+            if let Some(h) = &p.half {
                 h.shallow_clone().copy_(&master);
             }
         }

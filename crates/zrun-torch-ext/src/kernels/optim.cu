@@ -17,13 +17,8 @@ struct ZrBf16x4 {
   unsigned int lo, hi;
 };
 
-__device__ __forceinline__ void zr_load4(const float* p, float* out) {
-  const float4 v = *reinterpret_cast<const float4*>(p);
-  out[0] = v.x;
-  out[1] = v.y;
-  out[2] = v.z;
-  out[3] = v.w;
-}
+// Four values at p (16 bytes of fp32, 8 of bf16) as floats, and four floats stored so.
+__device__ __forceinline__ void zr_load4(const float* p, float* out) { zr_load16(p, out); }
 __device__ __forceinline__ void zr_load4(const zr_bf16* p, float* out) {
   const ZrBf16x4 v = *reinterpret_cast<const ZrBf16x4*>(p);
   out[0] = __uint_as_float(v.lo << 16);
@@ -31,9 +26,7 @@ __device__ __forceinline__ void zr_load4(const zr_bf16* p, float* out) {
   out[2] = __uint_as_float(v.hi << 16);
   out[3] = __uint_as_float(v.hi & 0xffff0000u);
 }
-__device__ __forceinline__ void zr_store4(float* p, const float* in) {
-  *reinterpret_cast<float4*>(p) = make_float4(in[0], in[1], in[2], in[3]);
-}
+__device__ __forceinline__ void zr_store4(float* p, const float* in) { zr_store16(p, in); }
 __device__ __forceinline__ void zr_store4(zr_bf16* p, const float* in) {
   zr_bf16 h[4];
 #pragma unroll

@@ -90,18 +90,19 @@ struct AdamHp {
 }
 
 /// One contiguous piece of an AdamW step: fp32 `param` (the master), `grad` (fp32 or bf16,
-/// the same for every piece of a call), fp32 moments, and the bf16 parameters to write.
-pub struct AdamPiece<'a> {
+/// the same for every piece of a call), fp32 moments, and the bf16 parameters to write; views
+/// of the buffers they update.
+pub struct AdamPiece {
     /// The fp32 master, updated in place.
-    pub param: &'a Tensor,
+    pub param: Tensor,
     /// The gradient.
-    pub grad: &'a Tensor,
+    pub grad: Tensor,
     /// The first moment, updated in place.
-    pub exp_avg: &'a Tensor,
+    pub exp_avg: Tensor,
     /// The second moment, updated in place.
-    pub exp_avg_sq: &'a Tensor,
+    pub exp_avg_sq: Tensor,
     /// The compute parameters the new values are written to in bf16 (none: not written).
-    pub half: Option<&'a Tensor>,
+    pub half: Option<Tensor>,
     /// Whether the decoupled weight decay applies.
     pub decay: bool,
 }
@@ -236,37 +237,36 @@ impl AdamPlan {
         let f = Kind::Float;
         let tensors = pieces.iter().flat_map(|p| {
             [
-                (p.param, f),
-                (p.grad, gkind),
-                (p.exp_avg, f),
-                (p.exp_avg_sq, f),
+                (&p.param, f),
+                (&p.grad, gkind),
+                (&p.exp_avg, f),
+                (&p.exp_avg_sq, f),
             ]
             .into_iter()
-            .chain(p.half.map(|h| (h, Kind::BFloat16)))
+            .chain(p.half.as_ref().map(|h| (h, Kind::BFloat16)))
         });
         let device = device_of(tensors)?;
         let mut raw = Vec::with_capacity(pieces.len());
         let mut held = Vec::with_capacity(5 * pieces.len());
         for p in pieces {
             let n = p.param.numel() as i64;
-            let all = [p.param, p.grad, p.exp_avg, p.exp_avg_sq];
+            let all = [&p.param, &p.grad, &p.exp_avg, &p.exp_avg_sq];
             if !all
-                .iter()
-                .copied()
-                .chain(p.half)
+                .into_iter()
+                .chain(&p.half)
                 .all(|t| t.numel() as i64 == n)
             {
                 return None;
             }
-            held.extend(all.iter().copied().chain(p.half).map(Tensor::shallow_clone));
+            held.extend(all.into_iter().chain(&p.half).map(Tensor::shallow_clone));
             let ptr = |t: &Tensor| t.data_ptr() as u64;
             raw.push((
                 AdamPieceRaw {
-                    p: ptr(p.param),
-                    g: ptr(p.grad),
-                    m: ptr(p.exp_avg),
-                    v: ptr(p.exp_avg_sq),
-                    h: p.half.map_or(0, ptr),
+                    p: ptr(&p.param),
+                    g: ptr(&p.grad),
+                    m: ptr(&p.exp_avg),
+                    v: ptr(&p.exp_avg_sq),
+                    h: p.half.as_ref().map_or(0, ptr),
                     n,
                     decay: i32::from(p.decay),
                     pad: 0,
