@@ -65,14 +65,8 @@ impl State {
                     .map(|(t, _)| t.shallow_clone())
                     .collect()
             };
-            let hp = zrun_torch_ext::AdamStep {
-                lr: COEFFS.lr,
-                beta1: COEFFS.beta1,
-                beta2: COEFFS.beta2,
-                eps: COEFFS.eps,
-                weight_decay: if decay { COEFFS.weight_decay } else { 0.0 },
-            };
             let (p, g, m, v) = (pick(&self.p), pick(&self.g), pick(&self.m), pick(&self.v));
+            let hp = COEFFS.aten(decay);
             zrun_torch_ext::fused_adam(&p, &g, &m, &v, &step, Some(&scale), hp)?;
         }
         self.whole[1].shallow_clone().f_copy_(&self.whole[0])?;

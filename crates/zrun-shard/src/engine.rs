@@ -597,9 +597,12 @@ impl Engine {
                 // Clipping and unscaling ride on the update (on CUDA inside the fused kernel,
                 // zrun's of which writes the bf16 parameters as well: no cast after it).
                 let master = self.owned_master()?;
+                // (Only where a kernel may write them: no views made for nothing.)
                 let half = match &self.master {
-                    Some(_) => Some(self.owned_params()?),
-                    None => None,
+                    Some(_) if zrun_torch_ext::kernels::optim::installed() => {
+                        Some(self.owned_params()?)
+                    }
+                    _ => None,
                 };
                 let wrote = match &mut self.optimizer {
                     Optimizer::Device(a) => a.step_segments_into(

@@ -88,13 +88,15 @@ impl Engine {
 /// its dtype: on CUDA by zrun's layout kernel, one launch for them all, where it takes them
 /// (bf16 into fp32; `zrun_torch_ext::cast_into`), else by ATen's copy or add, one each.
 pub(crate) fn lay_out(dsts: &[Tensor], srcs: &[Tensor], add: bool, unit: &str) -> Result<()> {
-    let pieces: Vec<zrun_torch_ext::CastPiece> = dsts
-        .iter()
-        .zip(srcs)
-        .map(|(dst, src)| zrun_torch_ext::CastPiece { dst, src, add })
-        .collect();
-    if zrun_torch_ext::cast_into(&pieces).map_err(|e| Error::Kernel("lay out gradients", e))? {
-        return Ok(());
+    if zrun_torch_ext::kernels::optim::installed() {
+        let pieces: Vec<zrun_torch_ext::CastPiece> = dsts
+            .iter()
+            .zip(srcs)
+            .map(|(dst, src)| zrun_torch_ext::CastPiece { dst, src, add })
+            .collect();
+        if zrun_torch_ext::cast_into(&pieces).map_err(|e| Error::Kernel("lay out gradients", e))? {
+            return Ok(());
+        }
     }
     for (dst, g) in dsts.iter().zip(srcs) {
         let mut dst = dst.shallow_clone();

@@ -236,13 +236,6 @@ fn adamw_against(device: Device, kernel: AdamSide) -> Result<(), Error> {
             let scale =
                 Tensor::f_full([1], 1.0 / c.grad_factor, (Kind::Float, device)).map_err(e)?;
             for &(at, n, decay) in &parts {
-                let hp = crate::AdamStep {
-                    lr: c.lr,
-                    beta1: c.beta1,
-                    beta2: c.beta2,
-                    eps: c.eps,
-                    weight_decay: if decay { c.weight_decay } else { 0.0 },
-                };
                 // ATen's kernel writes the unscaled gradient back: it gets a copy.
                 let gf = view(&g, at, n)?.to_kind(Kind::Float);
                 crate::fused_adam(
@@ -252,7 +245,7 @@ fn adamw_against(device: Device, kernel: AdamSide) -> Result<(), Error> {
                     &[view(&va, at, n)?],
                     &step_t,
                     Some(&scale),
-                    hp,
+                    c.aten(decay),
                 )?;
             }
         }

@@ -127,6 +127,21 @@ pub struct AdamCoeffs {
     pub grad_factor: f64,
 }
 
+impl AdamCoeffs {
+    /// The same step's hyper-parameters for ATen's fused AdamW ([`crate::fused_adam`]),
+    /// with the weight decay only where `decay` (the gradient factor goes in its
+    /// `grad_scale`, as its inverse).
+    pub fn aten(&self, decay: bool) -> crate::AdamStep {
+        crate::AdamStep {
+            lr: self.lr,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: if decay { self.weight_decay } else { 0.0 },
+        }
+    }
+}
+
 /// One piece of a gradient layout: bf16 `src` copied over the fp32 `dst`, or added to it.
 pub struct CastPiece<'a> {
     /// fp32 destination.
