@@ -42,9 +42,10 @@ impl Engine {
         Ok(())
     }
 
-    /// Stages 0-1: adds `grads` (unit `u`'s parameter gradients in its parameter order, or
-    /// parameter `only`'s alone) into the unit's full gradient, or copies them over it (and
-    /// zeroes its padding) where it is stale.
+    /// Stages 0-1, and 2-3 over a shard group of one without replicas (whose shard of a unit
+    /// is the whole unit): adds `grads` (unit `u`'s parameter gradients in its parameter
+    /// order, or parameter `only`'s alone) into the unit's full gradient, or copies them over
+    /// it (and zeroes its padding) where it is stale.
     pub(crate) fn accumulate_full(
         &mut self,
         u: usize,

@@ -13,7 +13,7 @@
 use crate::delay::refresh_unit;
 use crate::engine::{views, EarlyStep, Engine, Optimizer, Phase};
 use crate::grads::{lay_out, pick};
-use crate::state::{Mover, Pending};
+use crate::state::{Collective, Mover, Pending};
 use crate::{Context, Error, Result, Stage};
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -350,7 +350,8 @@ impl Engine {
 
     /// Adds unit `u`'s parameter gradients (in the unit's parameter order, or only parameter
     /// `only`'s) into the full gradients, or copies them over a stale region (stages 0-1,
-    /// `grads.rs`), or lays them out in one flat buffer of
+    /// `grads.rs`; stages 2-3 too over a shard group of one without replicas, handing a
+    /// completed unit's gradient on at once), or lays them out in one flat buffer of
     /// the reduce dtype (zeros elsewhere) and starts its reduce-scatter (stages 2-3),
     /// retiring older reductions so one stays in flight (and, replicated, one all-reduce).
     /// `last` says no more of unit `u`'s gradient follows in this micro-step.
@@ -366,6 +367,18 @@ impl Engine {
         let name = layout.unit.clone();
         match self.cfg.stage {
             Stage::Zero0 | Stage::Zero1 => self.accumulate_full(u, only, &grads),
+            // A shard group of one without replicas: the reduce-scatter is an identity and
+            // the unit's shard is the whole unit, so the gradients go straight into it, as at
+            // stages 0-1, with no flat buffer of their own and no copy of it.
+            Stage::Zero2 | Stage::Zero3 if self.mover.in_place_grads() => {
+                self.accumulate_full(u, only, &grads)?;
+                self.mover.issued.push((Collective::ReduceScatter, u));
+                if last {
+                    let acc = self.unit_grads(u)?;
+                    self.unit_final(u, &acc)?;
+                }
+                Ok(())
+            }
             Stage::Zero2 | Stage::Zero3 => {
                 let kind = self.cfg.reduce_dtype.kind();
                 let mut flat = Tensor::f_empty([layout.padded], (kind, self.cfg.device))

@@ -389,6 +389,25 @@ fn stage3_on_one_rank_reads_every_unit_in_place() {
     );
 }
 
+#[test]
+fn stages_2_and_3_on_one_rank_allocate_in_a_micro_step_what_stage_0_does() {
+    // A shard group of one lays each unit's gradients straight into its shard, as stages 0-1
+    // do: no flat gradient of its own per unit, no copy of it. Counted from the second
+    // micro-step, which accumulates (the first overwrites stale regions).
+    let bytes = |stage: Stage| {
+        let mut e = engine_at(model_with(true), stage);
+        let (x, y) = tokens(9, 2, 24, 97);
+        e.forward_backward(&x, &y, 0.5).unwrap();
+        let (r, n) = zrun_torch_ext::count_allocations(|| e.forward_backward(&x, &y, 0.5)).unwrap();
+        r.unwrap();
+        n.bytes
+    };
+    let zero0 = bytes(Stage::Zero0);
+    for stage in [Stage::Zero2, Stage::Zero3] {
+        assert_eq!(bytes(stage), zero0, "stage {stage} against stage 0");
+    }
+}
+
 /// Losses and final parameters of `steps` optimizer steps of two micro-steps each, clipped
 /// to `max_norm` (0: off); `announce` calls `prepare_step` before the last micro-step, so the
 /// offloaded update runs during backward (no clipping) or its gradients are staged then.

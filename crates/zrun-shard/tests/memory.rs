@@ -522,9 +522,19 @@ fn hybrid_sharding_holds_the_model_states_of_its_shard_group() {
                     let est = zrun_shard::estimate(model.as_ref(), &hybrid, &ec);
                     assert_eq!(est.ledger, planned, "{what}");
                     // The all-reduce across the replicas runs in place on the gradient
-                    // shards: the peak is sharding's alone.
+                    // shards: the peak is sharding's alone, except that a shard group of one
+                    // lays its gradients straight into its shards only without replicas;
+                    // with them each unit's gradient is laid out flat (the reduce dtype), and
+                    // one more may be in flight.
                     let alone = zrun_shard::estimate(model.as_ref(), e_g.layout(), &ec);
-                    assert_eq!(est.peak_bytes, alone.peak_bytes, "{what}");
+                    if g == 1 && matches!(stage, Stage::Zero2 | Stage::Zero3) {
+                        let rb = reduce_dtype.kind().elt_size_in_bytes() as i64;
+                        let widest = l.units.iter().map(|u| u.padded).max().unwrap();
+                        let extra = est.peak_bytes - alone.peak_bytes;
+                        assert!(extra > 0 && extra <= 2 * widest * rb, "{what}: {extra}");
+                    } else {
+                        assert_eq!(est.peak_bytes, alone.peak_bytes, "{what}");
+                    }
                     cases += 1;
                 }
             }
