@@ -321,10 +321,9 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
             .tied()
             .map_or(0, |t| layout.units[t.unit].views[t.param].numel * elt)
     };
-    // A shard group of one without replicas lays gradients straight into its shards.
-    let in_place = layout.world_size == 1 && layout.replicas == 1;
+    // A rank alone lays gradients straight into its shards.
     let reduce = |u: usize| -> i64 {
-        if in_place {
+        if layout.single_rank() {
             return 0;
         }
         let l = &layout.units[u];

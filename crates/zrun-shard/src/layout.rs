@@ -202,6 +202,12 @@ impl ShardLayout {
         self.replica * self.world_size + self.rank
     }
 
+    /// Whether the run is this rank alone: a shard group of one without replicas, whose
+    /// collectives are identities and whose shard of a unit is the whole unit.
+    pub fn single_rank(&self) -> bool {
+        self.world_size == 1 && self.replicas == 1
+    }
+
     /// Elements of this rank's contiguous shard buffer (sum of owned slices).
     pub fn shard_numel(&self) -> i64 {
         self.units.iter().map(|u| u.shard_len()).sum()

@@ -23,7 +23,8 @@ use tch::{Kind, Tensor};
 /// reduce dtype and, at stage 3 over a shard group of more than one rank (which gathers),
 /// the compute dtype; none at stages 0-1, and
 /// none when the run does not recover from an out-of-memory (`recovery` false: a failed
-/// micro-step then ends the run, and no stand-in collective is issued).
+/// micro-step then ends the run, and no stand-in collective is issued), and none for a rank
+/// alone ([`ShardLayout::single_rank`]: no other rank waits in a collective).
 pub(crate) fn reserve_bytes(
     layout: &ShardLayout,
     stage: Stage,
@@ -31,7 +32,7 @@ pub(crate) fn reserve_bytes(
     reduce: ReduceDtype,
     recovery: bool,
 ) -> i64 {
-    if !recovery {
+    if !recovery || layout.single_rank() {
         return 0;
     }
     let rb = reduce.kind().elt_size_in_bytes() as i64;
@@ -141,6 +142,11 @@ impl Engine {
     /// of the reserve made with the engine, and the reduced stand-ins land in this rank's
     /// gradient shard, which is left for [`Engine::abandon_step`] to clear.
     pub fn finish_failed_micro_step(&mut self) -> Result<()> {
+        if self.mover.layout.single_rank() {
+            // No other rank waits in a collective: there is nothing to stand in for.
+            self.mover.issued.clear();
+            return Ok(());
+        }
         let all = self.micro_step_schedule();
         let done = std::mem::take(&mut self.mover.issued);
         if !all.starts_with(&done) {

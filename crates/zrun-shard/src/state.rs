@@ -140,7 +140,7 @@ impl Mover {
     /// shard, as stages 0-1 do: a shard group of one (its reduce-scatter is an identity and
     /// its shard the whole unit) without a replica group to all-reduce the shard across.
     pub(crate) fn in_place_grads(&self) -> bool {
-        self.group_of_one() && !self.replicated()
+        self.layout.single_rank()
     }
 
     fn alloc(

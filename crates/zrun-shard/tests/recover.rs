@@ -7,7 +7,8 @@
 //! `dist.memory_limit` does on CPU) and fails in forward or in backward; it then tightens the
 //! limit to what the allocator holds, so the reserve cannot grow by a byte, and recovers
 //! under it, while libtorch's allocations are counted: none. (The limit alone would not prove
-//! it: the allocator may serve a request from blocks freed earlier.)
+//! it: the allocator may serve a request from blocks freed earlier.) Rank 1 then runs the
+//! same cases alone, with no reserve: it has no collective to stand in for.
 
 mod common;
 
@@ -81,8 +82,8 @@ struct Failed {
     allocated: zrun_torch_ext::Allocations,
 }
 
-fn run_case(comm: &Arc<dyn Communicator>, c: Case) -> Option<Failed> {
-    let rank = comm.rank();
+/// Runs case `c` on every rank of `comm`; the rank where `fails` runs out of memory.
+fn run_case(comm: &Arc<dyn Communicator>, c: Case, fails: bool) -> Option<Failed> {
     let cfg = EngineConfig {
         precision: c.precision,
         activation_checkpointing: c.ckpt,
@@ -90,13 +91,17 @@ fn run_case(comm: &Arc<dyn Communicator>, c: Case) -> Option<Failed> {
     };
     let m = model(c.tied);
     let mut e = Engine::new(m.clone(), comm.clone(), cfg).unwrap();
+    if comm.world_size() == 1 {
+        // A rank alone has no one to stand in for: it keeps no reserve.
+        assert_eq!(e.oom_reserve_bytes(), 0, "{c:?}");
+    }
     let (x, y) = batch(2, 32);
     // A first step on both ranks: threads, the allocator and the communicator are warm.
     e.forward_backward(&x, &y, 1.0).unwrap();
     e.step(1e-3, 1.0).unwrap();
     let before_step = e.full_parameters().unwrap();
 
-    let failed = if rank == 1 {
+    let failed = if fails {
         let big = 32;
         let ec = e.estimate_config(big, 32);
         let est = zrun_shard::estimate(m.as_ref(), e.layout(), &ec);
@@ -170,7 +175,7 @@ fn worker() {
             tied,
             room,
         };
-        if let Some(f) = run_case(&comm, c) {
+        if let Some(f) = run_case(&comm, c, comm.rank() == 1) {
             assert_eq!(
                 f.after, f.before,
                 "{c:?}: the allocator's reserve grew in recovery"
@@ -185,6 +190,34 @@ fn worker() {
         }
     }
     if comm.rank() == 1 {
+        // A rank alone recovers too, with no reserve: nothing to stand in for.
+        let mut alone = Vec::new();
+        let single: Arc<dyn Communicator> =
+            Arc::from(zrun_comm::init(&Topology::single(), Backend::Tcp, COMM_TIMEOUT).unwrap());
+        for (stage, precision, ckpt, tied, room) in cases {
+            let c = Case {
+                stage,
+                precision,
+                ckpt,
+                tied,
+                // Less room: a rank alone lays no unit's gradient out flat (with the
+                // checkpointed cases' 0.91 it would not run out).
+                room: room * 0.85,
+            };
+            let f = run_case(&single, c, true).expect("the micro-step ran out of memory");
+            assert_eq!(f.after, f.before, "{c:?} alone: the reserve grew");
+            assert_eq!(
+                f.allocated,
+                zrun_torch_ext::Allocations::default(),
+                "{c:?} alone: recovery allocated"
+            );
+            println!("rank alone: {c:?} failed in {}; recovered", f.phase);
+            alone.push(f.phase);
+        }
+        assert!(
+            alone.iter().any(|p| p.starts_with("backward of unit")),
+            "no case alone failed in backward: {alone:?}"
+        );
         for want in ["forward of unit", "backward of unit"] {
             assert!(
                 phases.iter().any(|p| p.starts_with(want)),
