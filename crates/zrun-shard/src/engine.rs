@@ -12,7 +12,7 @@
 //! a separate contiguous fp32 buffer and the compute parameters are refreshed from it.
 //! The micro-step (forward and backward unit by unit) is in `micro.rs`.
 
-use crate::init::{init_buffer, Extent};
+use crate::init::{init_buffer, init_into, place, Extent};
 use crate::layout::{ShardLayout, UnitLayout};
 use crate::offload::{self, HostOptimizer, HostSetup};
 use crate::scaler::LossScaler;
@@ -215,7 +215,7 @@ impl Engine {
         } else {
             Extent::Shard
         };
-        let to_dev = |t: Tensor, kind: Kind| t.f_to_device(dev).and_then(|t| t.f_to_kind(kind));
+        let to_dev = |t: Tensor, kind: Kind| place(t, kind, dev);
         let init = |extent| init_buffer(model.as_ref(), &layout, cfg.seed, extent);
         let params =
             to_dev(init(param_extent)?, cfg.precision.kind()).ctx("place parameters", "-")?;
@@ -237,6 +237,11 @@ impl Engine {
                 to_dev(init(master_extent)?, Kind::Float).ctx("place master parameters", "-")?,
             ),
         };
+        // The fp32 init buffers above were host temporaries of the rank's whole extent (on
+        // CUDA 30 GiB each for an 8B model at W=1). The caching CPU allocator would keep
+        // their pages, beside the offloaded state allocated next (pinned, outside it) and
+        // for good: no host tensor of that size comes later on a GPU. Return them now.
+        zrun_torch_ext::cpu_empty_cache();
         let grad_numel = match cfg.stage {
             Stage::Zero0 | Stage::Zero1 => layout.full_numel(),
             Stage::Zero2 | Stage::Zero3 => layout.shard_numel(),
@@ -283,7 +288,10 @@ impl Engine {
                 delayed: cfg.offload_delay.is_some(),
             };
             let grads_in_place = in_place.then(|| grads.shallow_clone());
-            let host = HostOptimizer::new(&layout, init(Extent::Shard)?, setup, grads_in_place)?;
+            let init_master = |master: &Tensor| {
+                init_into(model.as_ref(), &layout, cfg.seed, Extent::Shard, master)
+            };
+            let host = HostOptimizer::new(&layout, init_master, setup, grads_in_place)?;
             Optimizer::Host(Box::new(host))
         } else {
             Optimizer::Device(AdamW::new(opt_numel, dev, cfg.adamw, decay)?)
@@ -294,11 +302,6 @@ impl Engine {
             cfg.loss_scale_window,
         );
         let n_units = layout.units.len();
-        // The fp32 init buffers above were host temporaries of the rank's whole extent (on
-        // CUDA both the parameters' and the master's: 30 GiB each for an 8B model at W=1).
-        // The caching CPU allocator would keep their pages for reuse, which on a GPU no host
-        // tensor of that size ever comes for: return them.
-        zrun_torch_ext::cpu_empty_cache();
         Ok(Engine {
             model,
             cfg,

@@ -2,7 +2,7 @@
 
 use crate::layout::ShardLayout;
 use crate::{Context, Result};
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Kind, TchError, Tensor};
 use zrun_models::Model;
 
 /// Which part of every unit a buffer holds.
@@ -14,6 +14,14 @@ pub(crate) enum Extent {
     Shard,
 }
 
+/// Elements of a buffer holding `extent` of every unit.
+fn extent_numel(layout: &ShardLayout, extent: Extent) -> i64 {
+    match extent {
+        Extent::Full => layout.full_numel(),
+        Extent::Shard => layout.shard_numel(),
+    }
+}
+
 /// An fp32 CPU buffer holding `extent` of every unit, filled by the models' counter-based
 /// init, so no rank materialises more than the extent it keeps.
 pub(crate) fn init_buffer(
@@ -22,13 +30,37 @@ pub(crate) fn init_buffer(
     seed: u64,
     extent: Extent,
 ) -> Result<Tensor> {
-    let n = match extent {
-        Extent::Full => layout.full_numel(),
-        Extent::Shard => layout.shard_numel(),
-    };
+    let n = extent_numel(layout, extent);
     let buf = Tensor::f_zeros([n], (Kind::Float, Device::Cpu)).ctx("allocate parameters", "-")?;
-    // SAFETY: `buf` is a freshly allocated, contiguous fp32 CPU tensor of `n` elements that
-    // nothing else references until this function returns; the slice does not outlive it.
+    init_into(model, layout, seed, extent, &buf)?;
+    Ok(buf)
+}
+
+/// Fills `buf`, a zeroed fp32 CPU buffer holding `extent` of every unit (the padding stays
+/// zero), with the models' counter-based init: a buffer that is kept (the offloaded master)
+/// is initialised where it lives, with no temporary of its size beside it.
+pub(crate) fn init_into(
+    model: &dyn Model,
+    layout: &ShardLayout,
+    seed: u64,
+    extent: Extent,
+    buf: &Tensor,
+) -> Result<()> {
+    let n = extent_numel(layout, extent);
+    if buf.device() != Device::Cpu
+        || buf.kind() != Kind::Float
+        || !buf.is_contiguous()
+        || buf.numel() as i64 != n
+    {
+        return Err(crate::Error::Unsupported(format!(
+            "initialise parameters into a {:?} {:?} buffer of {} elements: want a contiguous fp32 host buffer of {n}",
+            buf.device(),
+            buf.kind(),
+            buf.numel()
+        )));
+    }
+    // SAFETY: `buf` is a contiguous fp32 CPU tensor of `n` elements (checked above) that the
+    // caller lends for this call alone; the slice does not outlive it.
     let data = unsafe { std::slice::from_raw_parts_mut(buf.data_ptr() as *mut f32, n as usize) };
     for (u, (unit, l)) in model.units().iter().zip(&layout.units).enumerate() {
         let (start, len, at) = match extent {
@@ -49,5 +81,53 @@ pub(crate) fn init_buffer(
             }
         }
     }
-    Ok(buf)
+    Ok(())
+}
+
+/// Elements cast on the host per copy to the device in [`place`].
+const PLACE_CHUNK: i64 = 1 << 26;
+
+/// The fp32 host buffer `t` as `kind` on `dev`: cast on the host a chunk at a time and
+/// copied in, so a device never holds an fp32 copy beside the compute dtype's (at stage 2
+/// over 8 ranks that copy would be more than the step's peak) and the host no whole second
+/// copy.
+pub(crate) fn place(t: Tensor, kind: Kind, dev: Device) -> std::result::Result<Tensor, TchError> {
+    place_in_chunks(t, kind, dev, PLACE_CHUNK)
+}
+
+fn place_in_chunks(
+    t: Tensor,
+    kind: Kind,
+    dev: Device,
+    chunk: i64,
+) -> std::result::Result<Tensor, TchError> {
+    if t.kind() == kind {
+        return t.f_to_device(dev);
+    }
+    let n = t.numel() as i64;
+    let out = Tensor::f_empty([n], (kind, dev))?;
+    for off in (0..n).step_by(chunk as usize) {
+        let len = chunk.min(n - off);
+        out.f_narrow(0, off, len)?
+            .f_copy_(&t.f_narrow(0, off, len)?.f_to_kind(kind)?)?;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placing_in_chunks_casts_every_element_as_a_whole_cast_does() {
+        let t = Tensor::randn([1000], (Kind::Float, Device::Cpu)) * 1e3;
+        for kind in [Kind::BFloat16, Kind::Half, Kind::Float] {
+            let want = t.to_kind(kind);
+            for chunk in [1, 7, 999, 1000, 4096] {
+                let got = place_in_chunks(t.copy(), kind, Device::Cpu, chunk).unwrap();
+                assert_eq!(got.kind(), kind);
+                assert!(got.equal(&want), "{kind:?} in chunks of {chunk}");
+            }
+        }
+    }
 }

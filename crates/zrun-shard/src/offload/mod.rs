@@ -279,13 +279,15 @@ fn run(
 }
 
 impl HostOptimizer {
-    /// Host state for `layout`'s rank, the master initialised from `master_init` (fp32 CPU).
+    /// Host state for `layout`'s rank, the master initialised in place by `master_init` (given
+    /// the zeroed fp32 host master), before any other buffer is allocated: no temporary of
+    /// the master's size lives beside the host state.
     /// `grads_in_place`: the engine's gradient shard, when it is already contiguous fp32 host
     /// memory laid out as the shard (stages 2-3 on the host); updates read it where it is
     /// instead of from a staged copy.
     pub(crate) fn new(
         layout: &ShardLayout,
-        master_init: Tensor,
+        master_init: impl FnOnce(&Tensor) -> Result<()>,
         setup: HostSetup,
         grads_in_place: Option<Tensor>,
     ) -> Result<HostOptimizer> {
@@ -300,10 +302,7 @@ impl HostOptimizer {
         let n = layout.shard_numel();
         let mut alloc = HostBuffers::default();
         let (master, master_bytes) = alloc.zeros(n, Kind::Float, device)?;
-        master
-            .shallow_clone()
-            .f_copy_(&master_init)
-            .ctx("initialise host master", "-")?;
+        master_init(&master)?;
         let decay = layout
             .shard_decay_ranges()
             .into_iter()
