@@ -15,7 +15,6 @@ fn optimizer(delayed: bool) -> Result<(ShardLayout, HostOptimizer)> {
     })
     .map_err(|e| Error::Unsupported(e.to_string()))?;
     let layout = ShardLayout::new(m.units(), 0, 1);
-    let n = layout.shard_numel();
     let setup = HostSetup {
         adamw: AdamWConfig {
             beta1: 0.9,
