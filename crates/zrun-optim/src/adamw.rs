@@ -204,14 +204,20 @@ impl AdamW {
         }
         let _guard = tch::no_grad_guard();
         self.step += 1;
+        // Gradients of another dtype than the master (bf16 with `zero.reduce_dtype`): ATen's
+        // fused AdamW takes one dtype, so unless zrun's kernel takes them the chunks below
+        // read each one into the fp32 scratch first.
+        let mixed = grads.iter().any(|t| t.kind() != self.m.kind());
         if self.fused.is_some() {
             if self.kernel_update(&p, &g, h.as_ref(), lr, grad_factor)? {
                 return Ok(h.is_some());
             }
-            self.fused_update(&p, &g, lr, grad_factor)?;
-            return Ok(false);
+            if !mixed {
+                self.fused_update(&p, &g, lr, grad_factor)?;
+                return Ok(false);
+            }
         }
-        if grad_factor != 1.0 {
+        if grad_factor != 1.0 && !mixed {
             for t in grads {
                 inplace(
                     "scale gradients",
@@ -240,8 +246,19 @@ impl AdamW {
                 let mut v = self.v.f_narrow(0, o, l)?;
                 let mut d = self.scratch.f_narrow(0, 0, l)?;
                 // m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2 (as lerps, no temporaries)
-                inplace("AdamW m", m.f_lerp_(&gv, 1.0 - c.beta1))?;
-                inplace("AdamW g^2", gv.f_mul_out(&d, &gv))?;
+                if mixed {
+                    // g in fp32 (exact from bf16 or fp16), scaled there as an fp32 buffer's
+                    // would be: the same values as with fp32 gradients.
+                    torch("AdamW gradient", d.f_copy_(&gv))?;
+                    if grad_factor != 1.0 {
+                        inplace("scale gradients", d.f_mul_scalar_(grad_factor))?;
+                    }
+                    inplace("AdamW m", m.f_lerp_(&d, 1.0 - c.beta1))?;
+                    inplace("AdamW g^2", d.f_square_())?;
+                } else {
+                    inplace("AdamW m", m.f_lerp_(&gv, 1.0 - c.beta1))?;
+                    inplace("AdamW g^2", gv.f_mul_out(&d, &gv))?;
+                }
                 inplace("AdamW v", v.f_lerp_(&d, 1.0 - c.beta2))?;
                 // d = m / (sqrt(v) / sqrt(bc2) + eps);  p -= lr / bc1 * d
                 inplace("AdamW denom", v.f_sqrt_out(&d))?;
@@ -474,6 +491,45 @@ mod tests {
         assert!(worst_rel < 1e-6, "max relative error {worst_rel}");
         assert!(worst_abs < 1e-7, "max absolute error {worst_abs}");
         assert_eq!(opt.steps(), 20);
+    }
+
+    #[test]
+    fn bf16_gradients_update_exactly_as_their_fp32_values_do() {
+        // `zero.reduce_dtype = "bf16"`: the gradients are bf16, the master and moments fp32.
+        // Each chunk reads them into fp32, where an fp32 gradient would be scaled too.
+        let n = CHUNK + 123;
+        let cfg = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let ranges = vec![(3i64, 2000i64)];
+        tch::manual_seed(2);
+        let p0 = Tensor::randn([n], (Kind::Float, Device::Cpu));
+        let (a_p, b_p) = (p0.copy(), p0.copy());
+        let mut a = AdamW::new(n, Device::Cpu, cfg, ranges.clone()).unwrap();
+        let mut b = AdamW::new(n, Device::Cpu, cfg, ranges).unwrap();
+        for factor in [1.0, 0.37, 1.0 / 3.0] {
+            let g16 = Tensor::randn([n], (Kind::Float, Device::Cpu)).to_kind(Kind::BFloat16);
+            let g32 = g16.to_kind(Kind::Float);
+            let keep = g16.copy();
+            a.step_segments(std::slice::from_ref(&a_p), &[g32], 1e-2, factor)
+                .unwrap();
+            b.step_segments(
+                std::slice::from_ref(&b_p),
+                &[g16.shallow_clone()],
+                1e-2,
+                factor,
+            )
+            .unwrap();
+            assert!(
+                a_p.equal(&b_p),
+                "parameters after a step scaled by {factor}"
+            );
+            assert!(g16.equal(&keep), "the bf16 gradients are read, not written");
+        }
+        assert!(a.moments().0.equal(b.moments().0) && a.moments().1.equal(b.moments().1));
     }
 
     #[test]
