@@ -497,10 +497,13 @@ def check_8b(c):
         mb = next((b for b in [16, 8, 4, 2]
                    if (e := estimate(c, "llama8b", [f"train.micro_batch={b}"])) and e["fits"]), 1)
     sets = [f"train.micro_batch={mb}"]
+    # ZRUN_GPU_8B_SETS: more `--set` lines, separated by ";" (for example
+    # 'zero.reduce_dtype="bf16"', exact at one rank and one micro-step: docs/config.md).
+    sets += [x for x in os.environ.get("ZRUN_GPU_8B_SETS", "").split(";") if x.strip()]
     e = estimate(c, "llama8b", sets)
     r = c.train("llama8b", "llama8b", 1, sets,
                 timeout=int(os.environ.get("ZRUN_GPU_8B_TIMEOUT", "580")))
-    out = {"micro_batch": int(mb), "estimate": e, "rc": r["rc"], "seconds": r["seconds"]}
+    out = {"micro_batch": int(mb), "sets": sets, "estimate": e, "rc": r["rc"], "seconds": r["seconds"]}
     if r["rc"] != 0:
         part = r.get("partial_metrics", [])
         return {**out, "pass": False, "output": r.get("output"), "partial_metrics": part[-8:],
