@@ -55,7 +55,11 @@ fn two_ranks(stage: u8, reduce: &str) -> f64 {
         args.extend(["--set", s.as_str()]);
     }
     let out = zrun(&args);
-    assert!(out.status.success(), "stage {stage} {reduce}: {}", stderr(&out));
+    assert!(
+        out.status.success(),
+        "stage {stage} {reduce}: {}",
+        stderr(&out)
+    );
     let s: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(d.join("summary.json")).unwrap()).unwrap();
     s["final_loss"].as_f64().unwrap()

@@ -153,6 +153,22 @@ fn run_case(comm: &Arc<dyn Communicator>, c: Case, fails: bool) -> Option<Failed
     failed
 }
 
+/// Checks that recovering from `f` allocated nothing and left the allocator's reserve as it
+/// was; returns the phase the micro-step failed in.
+fn recovered(f: Failed, what: &str) -> String {
+    assert_eq!(
+        f.after, f.before,
+        "{what}: the allocator's reserve grew in recovery"
+    );
+    assert_eq!(
+        f.allocated,
+        zrun_torch_ext::Allocations::default(),
+        "{what}: recovery allocated"
+    );
+    println!("{what} failed in {}; recovered", f.phase);
+    f.phase
+}
+
 fn worker() {
     // As zrun's CPU ranks: libtorch's CPU tensors come from the caching allocator, whose
     // reserve the limit caps.
@@ -165,54 +181,34 @@ fn worker() {
         (Stage::Zero2, Precision::Fp32, true, false, 0.91),
         (Stage::Zero3, Precision::Bf16, false, true, 0.13),
         (Stage::Zero3, Precision::Fp32, true, true, 0.91),
-    ];
+    ]
+    .map(|(stage, precision, ckpt, tied, room)| Case {
+        stage,
+        precision,
+        ckpt,
+        tied,
+        room,
+    });
     let mut phases = Vec::new();
-    for (stage, precision, ckpt, tied, room) in cases {
-        let c = Case {
-            stage,
-            precision,
-            ckpt,
-            tied,
-            room,
-        };
+    for c in cases {
         if let Some(f) = run_case(&comm, c, comm.rank() == 1) {
-            assert_eq!(
-                f.after, f.before,
-                "{c:?}: the allocator's reserve grew in recovery"
-            );
-            assert_eq!(
-                f.allocated,
-                zrun_torch_ext::Allocations::default(),
-                "{c:?}: recovery allocated"
-            );
-            println!("rank 1: {c:?} failed in {}; recovered", f.phase);
-            phases.push(f.phase);
+            phases.push(recovered(f, &format!("rank 1: {c:?}")));
         }
     }
     if comm.rank() == 1 {
         // A rank alone recovers too, with no reserve: nothing to stand in for.
-        let mut alone = Vec::new();
         let single: Arc<dyn Communicator> =
             Arc::from(zrun_comm::init(&Topology::single(), Backend::Tcp, COMM_TIMEOUT).unwrap());
-        for (stage, precision, ckpt, tied, room) in cases {
+        let mut alone = Vec::new();
+        for c in cases {
+            // Less room: a rank alone lays no unit's gradient out flat (with the
+            // checkpointed cases' 0.91 it would not run out).
             let c = Case {
-                stage,
-                precision,
-                ckpt,
-                tied,
-                // Less room: a rank alone lays no unit's gradient out flat (with the
-                // checkpointed cases' 0.91 it would not run out).
-                room: room * 0.85,
+                room: c.room * 0.85,
+                ..c
             };
             let f = run_case(&single, c, true).expect("the micro-step ran out of memory");
-            assert_eq!(f.after, f.before, "{c:?} alone: the reserve grew");
-            assert_eq!(
-                f.allocated,
-                zrun_torch_ext::Allocations::default(),
-                "{c:?} alone: recovery allocated"
-            );
-            println!("rank alone: {c:?} failed in {}; recovered", f.phase);
-            alone.push(f.phase);
+            alone.push(recovered(f, &format!("rank alone: {c:?}")));
         }
         assert!(
             alone.iter().any(|p| p.starts_with("backward of unit")),
