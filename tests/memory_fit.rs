@@ -523,3 +523,38 @@ fn the_estimate_counts_the_fused_loss_on_a_gpu() {
     assert_eq!(loss("bf16", "cuda", &[("ZRUN_FUSED_LOSS", "0")]), unfused);
     assert_eq!(loss("fp16", "cuda", &[]), unfused);
 }
+
+#[test]
+fn the_estimate_names_bf16_gradients_where_they_are_exact() {
+    // One rank, one micro-step a step, no tied parameter, bf16 compute: bf16 gradients train
+    // exactly as fp32 ones (docs/config.md) in half the bytes, and the estimate says so;
+    // with two micro-steps (summed in the gradients), or a tied head, they would round.
+    let hint = "--set zero.reduce_dtype=\"bf16\" trains exactly";
+    let text = |extra: &[&str]| {
+        let mut args = vec![
+            "estimate",
+            CONFIG,
+            "--nproc",
+            "1",
+            "--set",
+            "zero.precision=\"bf16\"",
+        ];
+        for s in extra {
+            args.extend(["--set", s]);
+        }
+        let out = zrun(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        stdout(&out)
+    };
+    let untied = "model.tie_embeddings=false";
+    let exact = text(&[untied, "train.grad_accum=1"]);
+    assert!(exact.contains(hint), "{exact}");
+    for extra in [
+        &[untied, "train.grad_accum=2"][..],
+        &["model.tie_embeddings=true", "train.grad_accum=1"],
+        &[untied, "train.grad_accum=1", "zero.reduce_dtype=\"bf16\""],
+    ] {
+        let t = text(extra);
+        assert!(!t.contains(hint), "{extra:?}: {t}");
+    }
+}

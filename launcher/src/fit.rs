@@ -161,9 +161,41 @@ pub fn estimate(a: &FitArgs) -> anyhow::Result<u8> {
         print_rank(r, until, s.limit);
         shown = Some(r);
     }
+    if let Some(hint) = bf16_grads_hint(&s, &ranks)? {
+        println!("{hint}");
+    }
     println!();
     print_alternatives(&s, &alts, &Choice::of(&s.cfg));
     Ok(0)
+}
+
+/// Where bf16 gradients would be exact (docs/config.md: one rank, one micro-step a step, no
+/// tied parameter, 16-bit compute) and the config keeps fp32 ones: the line saying what they
+/// would save at the peak.
+fn bf16_grads_hint(s: &Setting, ranks: &[RankEstimate]) -> anyhow::Result<Option<String>> {
+    use zrun_shard::{Precision, ReduceDtype};
+    let c = &s.cfg;
+    if s.world != 1
+        || c.train.grad_accum != 1
+        || c.zero.precision == Precision::Fp32
+        || c.zero.reduce_dtype != ReduceDtype::Fp32
+        || c.arch()?.tied()
+    {
+        return Ok(None);
+    }
+    let mut bf16 = c.clone();
+    bf16.zero.reduce_dtype = ReduceDtype::Bf16;
+    let with = memory::estimate_ranks(&bf16, 1, s.fixed, s.limit)?;
+    let (Some(now), Some(then)) = (ranks.first(), with.first()) else {
+        return Ok(None);
+    };
+    let saved = now.peak_bytes - then.peak_bytes;
+    Ok((saved > 0).then(|| {
+        format!(
+            "one rank, one micro-step a step, no tied parameter: --set zero.reduce_dtype=\"bf16\" trains exactly as fp32 gradients do, with {} less at the peak",
+            human(saved)
+        )
+    }))
 }
 
 fn on_off(b: bool) -> &'static str {
