@@ -296,9 +296,9 @@ fn a_dry_run_shows_the_shard_groups() {
 
 /// `zrun bench kernels` on CPU: every case runs, interleaved, and prints its row; zrun's
 /// fused and chunked losses equal PyTorch's cross-entropy (fp32), the fused one holding less
-/// at its peak, and the SwiGLU, rotary, bias-gradient, LayerNorm, AdamW and gradient-layout
-/// sides equal the ops they replace bitwise (on CPU the last two run ATen's ops, as a rank
-/// there does).
+/// at its peak, and the SwiGLU, rotary, bias-gradient, GELU-and-bias-gradient, LayerNorm,
+/// AdamW and gradient-layout sides equal the ops they replace bitwise (on CPU the last two
+/// run ATen's ops, as a rank there does).
 #[test]
 fn bench_kernels_compares_the_fused_ops_with_pytorchs() {
     let out = zrun(&[
@@ -310,7 +310,7 @@ fn bench_kernels_compares_the_fused_ops_with_pytorchs() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(rows.len(), 8, "{rows:?}");
+    assert_eq!(rows.len(), 9, "{rows:?}");
     let (loss, chunked, swiglu, rope) = (&rows[0], &rows[1], &rows[2], &rows[3]);
     let cases: Vec<_> = rows.iter().map(|r| r["case"].as_str()).collect();
     assert_eq!(
@@ -321,12 +321,13 @@ fn bench_kernels_compares_the_fused_ops_with_pytorchs() {
             Some("swiglu"),
             Some("rope"),
             Some("bias_grad"),
+            Some("gelu_bias_grad"),
             Some("layer_norm"),
             Some("adamw"),
             Some("grad_layout")
         ]
     );
-    for r in [rope, &rows[4], &rows[5], &rows[6], &rows[7]] {
+    for r in [rope, &rows[4], &rows[5], &rows[6], &rows[7], &rows[8]] {
         assert_eq!(r["apart"].as_f64(), Some(0.0), "{r}");
     }
     assert!(loss["apart"].as_f64().unwrap() < 1e-5, "{loss}");

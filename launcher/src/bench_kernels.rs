@@ -17,6 +17,9 @@
 //!   gradient: zrun's node against autograd over mul, roll and add;
 //! - `bias_grad`: a bias's gradient, the sum over rows of the MLP's output gradient (rows x
 //!   MLP width): zrun's column sums against ATen's sum;
+//! - `gelu_bias_grad`: GELU's gradient at the MLP's pre-activation and the fc bias's gradient
+//!   (the sum of it over rows): zrun's one pass (`gelu_colsum_raw`, behind `linear_gelu`)
+//!   against ATen's gelu_backward and sum;
 //! - `layer_norm`: LayerNorm over the width and its three gradients: zrun's node (column sums
 //!   for the weight and bias) against autograd's layer_norm;
 //! - `adamw`: one AdamW step over a model's parameters of the shape (GPT-2's blocks at its
@@ -148,12 +151,13 @@ fn apart(got: &Outcome, want: &Outcome) -> f64 {
 }
 
 /// The cases, in the order of the rows.
-const CASES: [&str; 8] = [
+const CASES: [&str; 9] = [
     "loss",
     "loss_chunked",
     "swiglu",
     "rope",
     "bias_grad",
+    "gelu_bias_grad",
     "layer_norm",
     "adamw",
     "grad_layout",
@@ -322,6 +326,18 @@ fn row(
         (
             Box::new(move || Ok((0.0, zrun_torch_ext::colsum_raw(&dy, None, false)?))),
             Box::new(move || Ok((0.0, vec![dy2.f_sum_dim_intlist(0, false, kind)?]))),
+        )
+    } else if case == "gelu_bias_grad" {
+        let dy = Tensor::f_randn([s.n, s.f], opts)?;
+        let h = (Tensor::f_randn([s.n, s.f], opts)? * 2.0).f_to_kind(kind)?;
+        let (dy2, h2) = (dy.shallow_clone(), h.shallow_clone());
+        (
+            Box::new(move || Ok((0.0, zrun_torch_ext::gelu_colsum_raw(&dy, &h, false)?))),
+            Box::new(move || {
+                let dh = h2.f_gelu_backward(&dy2, "tanh")?;
+                let db = dh.f_sum_dim_intlist(0, false, kind)?;
+                Ok((0.0, vec![dh, db]))
+            }),
         )
     } else if case == "layer_norm" {
         let c = s.c;

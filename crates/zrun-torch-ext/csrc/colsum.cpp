@@ -46,8 +46,20 @@ bool use_kernel(const at::Tensor& dy, const at::Tensor* x, const at::Tensor* mea
          mean->numel() == rows && rstd->numel() == rows;
 }
 
+// Whether the kernel takes GELU's backward at h with the sums: dy's conditions, and h of dy's
+// shape and dtype, contiguous and aligned.
+bool use_gelu_kernel(const at::Tensor& dy, const at::Tensor& h, bool force_aten) {
+  return use_kernel(dy, nullptr, nullptr, nullptr, force_aten) && h.sizes() == dy.sizes() &&
+         h.scalar_type() == dy.scalar_type() && h.is_contiguous() && aligned(h);
+}
+
+// The bit of the kernel's dtype that asks for GELU's backward first (colsum.h).
+constexpr int kGelu = 2;
+
+// The kernel's sums of dy: {out_b}; with x, mean and rstd {out_g, out_b}; with `gelu` (x is
+// GELU's input h) {dy gelu'(h), the sums of it}.
 std::vector<at::Tensor> launch(const at::Tensor& dy, const at::Tensor* x, const at::Tensor* mean,
-                               const at::Tensor* rstd) {
+                               const at::Tensor* rstd, bool gelu = false) {
   const int64_t rows = dy.size(0), cols = dy.size(1);
   const int64_t span = 32 * vec(dy), spans = (cols + span - 1) / span;
   // About 512 blocks (a few per SM), each warp taking at least 8 rows of its split: fewer
@@ -55,17 +67,19 @@ std::vector<at::Tensor> launch(const at::Tensor& dy, const at::Tensor* x, const 
   int64_t splits = std::clamp<int64_t>(512 / spans, 1, std::max<int64_t>(1, rows / 64));
   const int64_t per_split = (rows + splits - 1) / splits;
   splits = (rows + per_split - 1) / per_split;
-  const int64_t halves = x != nullptr ? 2 : 1;
+  const bool ln = x != nullptr && !gelu;
+  const int64_t halves = ln ? 2 : 1;
   at::Tensor part = at::empty({halves * splits * cols}, dy.options().dtype(at::kFloat));
   at::Tensor out_b = at::empty({cols}, dy.options());
-  at::Tensor out_g = x != nullptr ? at::empty({cols}, dy.options()) : at::Tensor();
+  at::Tensor out_g = ln ? at::empty({cols}, dy.options())
+                        : (gelu ? at::empty({rows, cols}, dy.options()) : at::Tensor());
+  const int dtype = (dy.scalar_type() == at::kBFloat16 ? 1 : 0) | (gelu ? kGelu : 0);
   char* err = nullptr;
   const int rc = g_kernel.load()(
-      dy.device().index(), dy.scalar_type() == at::kBFloat16 ? 1 : 0, dy.data_ptr(),
-      x != nullptr ? x->data_ptr() : nullptr, x != nullptr ? mean->data_ptr() : nullptr,
-      x != nullptr ? rstd->data_ptr() : nullptr, part.data_ptr(), out_b.data_ptr(),
-      x != nullptr ? out_g.data_ptr() : nullptr, rows, cols, splits, per_split,
-      current_stream(dy.device()), &err);
+      dy.device().index(), dtype, dy.data_ptr(), x != nullptr ? x->data_ptr() : nullptr,
+      ln ? mean->data_ptr() : nullptr, ln ? rstd->data_ptr() : nullptr, part.data_ptr(),
+      out_b.data_ptr(), out_g.defined() ? out_g.data_ptr() : nullptr, rows, cols, splits,
+      per_split, current_stream(dy.device()), &err);
   check_launch(rc, err, "column-sum");
   if (x == nullptr) {
     return {out_b};
@@ -95,6 +109,41 @@ struct Linear : public torch::autograd::Function<Linear> {
     }
     if (ctx->needs_input_grad(2)) {
       gb = colsum_raw(g, nullptr, nullptr, nullptr, false)[0];
+    }
+    return {gx, gw, gb};
+  }
+};
+
+// GELU (tanh) of a Linear with a bias as one node: the Linear's forward, then ATen's GELU.
+// It keeps x, w and GELU's input h, what autograd's two nodes keep. Backward: GELU's
+// gradient and the bias's (its sum over rows) in one pass of the kernel where it runs, else
+// ATen's gelu_backward and the bias's sum as `Linear`'s; then the Linear's matmuls.
+struct LinearGelu : public torch::autograd::Function<LinearGelu> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const at::Tensor& b) {
+    at::Tensor h = at::linear(x, w, b);
+    ctx->save_for_backward({x, w, h});
+    return at::gelu(h, "tanh");
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w = saved[1], &h = saved[2];
+    const int64_t out = w.size(0);
+    at::Tensor dh, gb;
+    if (ctx->needs_input_grad(2)) {
+      auto r = gelu_colsum_raw(grads[0].reshape({-1, out}), h.reshape({-1, out}), false);
+      dh = r[0];
+      gb = r[1];
+    } else {
+      dh = at::gelu_backward(grads[0], h, "tanh").reshape({-1, out});
+    }
+    at::Tensor gx, gw;
+    if (ctx->needs_input_grad(0)) {
+      gx = dh.mm(w).view(x.sizes());
+    }
+    if (ctx->needs_input_grad(1)) {
+      gw = dh.t().mm(x.reshape({-1, w.size(1)}));
     }
     return {gx, gw, gb};
   }
@@ -162,8 +211,25 @@ std::vector<at::Tensor> colsum_raw(const at::Tensor& dy, const at::Tensor* x,
   return {(df * xhat).sum(0).to(dy.scalar_type()), df.sum(0).to(dy.scalar_type())};
 }
 
+std::vector<at::Tensor> gelu_colsum_raw(const at::Tensor& dy, const at::Tensor& h,
+                                        bool force_aten) {
+  TORCH_CHECK(dy.dim() == 2 && h.sizes() == dy.sizes(), "gelu colsum: dy and h must be (rows, cols)");
+  if (dy.is_cuda()) {
+    const at::Tensor dyc = dy.contiguous(), hc = h.contiguous();
+    if (use_gelu_kernel(dyc, hc, force_aten)) {
+      return launch(dyc, &hc, nullptr, nullptr, true);
+    }
+  }
+  at::Tensor dh = at::gelu_backward(dy, h, "tanh");
+  return {dh, colsum_raw(dh, nullptr, nullptr, nullptr, force_aten)[0]};
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
   return Linear::apply(x, w, b);
+}
+
+at::Tensor linear_gelu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  return LinearGelu::apply(x, w, b);
 }
 
 at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps) {

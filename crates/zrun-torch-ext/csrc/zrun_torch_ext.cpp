@@ -755,6 +755,42 @@ int zrun_ext_linear(const at::Tensor* x, const at::Tensor* w, const at::Tensor* 
   });
 }
 
+// zrun::linear_gelu after checking its inputs (see colsum.h).
+int zrun_ext_linear_gelu(const at::Tensor* x, const at::Tensor* w, const at::Tensor* b,
+                         at::Tensor** out, char** err) {
+  return guard(err, [&] {
+    if (!x->defined() || !w->defined() || !b->defined()) {
+      return refuse(err, "an input is undefined");
+    }
+    if (x->dim() < 1 || w->dim() != 2 || b->dim() != 1 || x->size(-1) != w->size(1) ||
+        b->size(0) != w->size(0) || !x->is_floating_point() ||
+        x->scalar_type() != w->scalar_type() || x->scalar_type() != b->scalar_type() ||
+        x->device() != w->device() || x->device() != b->device()) {
+      return refuse(err, "x (..., in), w (out, in) and b (out) must be floating point of one dtype and device");
+    }
+    *out = new at::Tensor(zrun::linear_gelu(*x, *w, *b));
+    return ZR_OK;
+  });
+}
+
+// zrun::gelu_colsum_raw after checking its inputs: {dy gelu'(h), its sum over rows}.
+int zrun_ext_gelu_colsum(const at::Tensor* dy, const at::Tensor* h, int force_aten,
+                         at::Tensor** out0, at::Tensor** out1, char** err) {
+  return guard(err, [&] {
+    if (!dy->defined() || !h->defined()) {
+      return refuse(err, "an input is undefined");
+    }
+    if (dy->dim() != 2 || !dy->is_floating_point() || h->sizes() != dy->sizes() ||
+        h->scalar_type() != dy->scalar_type() || h->device() != dy->device()) {
+      return refuse(err, "dy and h must be floating point (rows, cols) of one dtype and device");
+    }
+    auto r = zrun::gelu_colsum_raw(*dy, *h, force_aten != 0);
+    *out0 = new at::Tensor(r[0]);
+    *out1 = new at::Tensor(r[1]);
+    return ZR_OK;
+  });
+}
+
 // zrun::layer_norm after checking its inputs (see colsum.h).
 int zrun_ext_layer_norm(const at::Tensor* x, const at::Tensor* w, const at::Tensor* b,
                         double eps, at::Tensor** out, char** err) {

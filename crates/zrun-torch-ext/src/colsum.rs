@@ -29,6 +29,37 @@ pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor, Error> {
     }
 }
 
+/// `gelu(x w^T + b)` with the tanh GELU, for `x` (..., in), `w` (out, in), `b` (out) of one
+/// floating dtype and device, as one node: the graph keeps `x`, `w` and GELU's input, what
+/// autograd's linear and gelu keep. Values and gradients are bitwise
+/// `x.linear(w, Some(b)).gelu("tanh")`'s except on CUDA (bf16, fp32) with
+/// [`crate::kernels::install`], where GELU's gradient and `b`'s (the sum of it over rows) come
+/// from one pass of the column-sum kernel: GELU's derivative in ATen's steps, fp32 sums in the
+/// kernel's order.
+pub fn linear_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor, Error> {
+    let op = || {
+        format!(
+            "linear_gelu(x {:?} {:?}, w {:?})",
+            x.size(),
+            x.kind(),
+            w.size()
+        )
+    };
+    ffi::require_defined("linear_gelu", &[("x", x), ("w", w), ("b", b)])?;
+    // SAFETY: as for `linear`.
+    unsafe {
+        ffi::tensor_out(op, |out, err| {
+            ffi::zrun_ext_linear_gelu(
+                x.as_ptr().cast(),
+                w.as_ptr().cast(),
+                b.as_ptr().cast(),
+                out,
+                err,
+            )
+        })
+    }
+}
+
 /// LayerNorm over the last dimension of `x` (..., C) with `w` and `b` (C): bitwise
 /// `x.layer_norm([C], Some(w), Some(b), eps, _)` and its gradients, except those of `w` and
 /// `b` on CUDA (bf16, fp32) with [`crate::kernels::install`]: fp32 sums in the kernel's order.
@@ -71,6 +102,28 @@ pub fn colsum_raw(
                 ptr(ln.map(|l| l.0)),
                 ptr(ln.map(|l| l.1)),
                 ptr(ln.map(|l| l.2)),
+                c_int::from(force_aten),
+                out0,
+                out1,
+                err,
+            )
+        })
+    }
+}
+
+/// Without autograd: `[dy gelu'(h), its sum over rows]` for `dy` and GELU's input `h` (rows,
+/// cols) of one dtype (the tanh GELU); `force_aten` takes ATen's ops even where the kernel is
+/// installed (its reference).
+pub fn gelu_colsum_raw(dy: &Tensor, h: &Tensor, force_aten: bool) -> Result<Vec<Tensor>, Error> {
+    let op = || format!("gelu_colsum_raw(dy {:?} {:?})", dy.size(), dy.kind());
+    ffi::require_defined("gelu_colsum_raw", &[("dy", dy), ("h", h)])?;
+    // SAFETY: the tensor pointers are live for the call; the shim writes fresh tensors into
+    // both out-pointers on success only.
+    unsafe {
+        ffi::tensors_out(op, true, |out0, out1, err| {
+            ffi::zrun_ext_gelu_colsum(
+                dy.as_ptr().cast(),
+                h.as_ptr().cast(),
                 c_int::from(force_aten),
                 out0,
                 out1,

@@ -209,6 +209,21 @@ extern "C" {
         out1: *mut *mut c_void,
         err: *mut *mut c_char,
     ) -> c_int;
+    pub(crate) fn zrun_ext_linear_gelu(
+        x: *const c_void,
+        w: *const c_void,
+        b: *const c_void,
+        out: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    pub(crate) fn zrun_ext_gelu_colsum(
+        dy: *const c_void,
+        h: *const c_void,
+        force_aten: c_int,
+        out0: *mut *mut c_void,
+        out1: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
     fn zrun_ext_set_colsum_kernel(kernel: Option<ColsumKernel>) -> Option<ColsumKernel>;
     pub(crate) fn zrun_ext_event_record_current(
         device: i64,

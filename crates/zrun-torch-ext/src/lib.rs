@@ -54,7 +54,7 @@ mod storage;
 mod swiglu;
 
 pub use autograd::grad;
-pub use colsum::{colsum_raw, layer_norm, linear};
+pub use colsum::{colsum_raw, gelu_colsum_raw, layer_norm, linear, linear_gelu};
 pub use count::{count_allocations, Allocations};
 pub use cpu_alloc::{
     cpu_caching_allocator_installed, cpu_empty_cache, cpu_memory_stats,

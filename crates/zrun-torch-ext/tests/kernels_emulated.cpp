@@ -311,7 +311,9 @@ int main() {
   }
   // colsum: 37 rows of 264 columns (a span and a block of the second pass cut short), in 3
   // splits of 13 rows (fewer than the second pass's warps) or 10 of 4 (more), without and
-  // with LayerNorm's x, mean and rstd, against sums in double.
+  // with LayerNorm's x, mean and rstd, and with GELU's backward first (x as GELU's input h),
+  // against sums in double; GELU's gradient against its derivative in double, and its sums
+  // against the double sums of what the kernel stored.
   for (int cfg = 0; cfg < 4; ++cfg) {
     const int bf = cfg % 2;
     const long long rows = 37, cols = 264;
@@ -319,7 +321,7 @@ int main() {
     const long long span = bf ? 256 : 128, spans = (cols + span - 1) / span;
     std::vector<float> dy(rows * cols), x(rows * cols), mean(rows), rstd(rows);
     for (auto& v : dy) v = bf ? bf16_round(normal(rng)) : normal(rng);
-    for (auto& v : x) v = bf ? bf16_round(normal(rng)) : normal(rng);
+    for (auto& v : x) v = bf ? bf16_round(2 * normal(rng)) : 2 * normal(rng);
     for (long long r = 0; r < rows; ++r) {
       mean[r] = normal(rng) * 0.1f;
       rstd[r] = 0.5f + 0.01f * float(r);
@@ -329,36 +331,55 @@ int main() {
       zr_store(&dy16[i], dy[i]);
       zr_store(&x16[i], x[i]);
     }
-    for (int ln = 0; ln < 2; ++ln) {
+    for (int mode = 0; mode < 3; ++mode) {
+      const bool ln = mode == 1, gelu = mode == 2;
       std::vector<float> part(2 * splits * cols, NAN), ob(cols, NAN), og(cols, NAN);
-      std::vector<unsigned short> ob16(cols), og16(cols);
+      std::vector<float> dh(rows * cols, NAN);
+      std::vector<unsigned short> ob16(cols), og16(cols), dh16(rows * cols);
       const unsigned grid = unsigned(spans * splits), fin = unsigned((cols + 31) / 32);
       if (bf) {
-        launch(grid, [&] { zr_colsum_part_bf16(dy16.data(), ln ? x16.data() : nullptr, mean.data(), rstd.data(), part.data(), rows, cols, per_split); }, 256);
+        unsigned short* g16 = gelu ? dh16.data() : nullptr;
+        launch(grid, [&] { zr_colsum_part_bf16(dy16.data(), mode ? x16.data() : nullptr, mean.data(), rstd.data(), g16, part.data(), rows, cols, per_split); }, 256);
         launch(fin, [&] { zr_colsum_fin_bf16(part.data(), ob16.data(), ln ? og16.data() : nullptr, splits, cols); }, 256);
         for (long long c = 0; c < cols; ++c) {
           ob[c] = zr_load(&ob16[c]);
           og[c] = zr_load(&og16[c]);
         }
+        for (long long i = 0; i < rows * cols; ++i) dh[i] = zr_load(&dh16[i]);
       } else {
-        launch(grid, [&] { zr_colsum_part_f32(dy.data(), ln ? x.data() : nullptr, mean.data(), rstd.data(), part.data(), rows, cols, per_split); }, 256);
+        float* g32 = gelu ? dh.data() : nullptr;
+        launch(grid, [&] { zr_colsum_part_f32(dy.data(), mode ? x.data() : nullptr, mean.data(), rstd.data(), g32, part.data(), rows, cols, per_split); }, 256);
         launch(fin, [&] { zr_colsum_fin_f32(part.data(), ob.data(), ln ? og.data() : nullptr, splits, cols); }, 256);
       }
       double err = 0;
+      const double rel = bf ? 1.0 / 256 : 1e-6;
       for (long long c = 0; c < cols; ++c) {
         double b = 0, g = 0, mag = 0;
         for (long long r = 0; r < rows; ++r) {
-          const double d = dy[r * cols + c];
+          const long long i = r * cols + c;
+          double d = dy[i];
+          if (gelu) {
+            // dy gelu'(h) in double; the kernel's, once rounded to its dtype.
+            const double h = x[i], k = std::sqrt(2.0 / M_PI);
+            const double t = std::tanh(k * (h + 0.044715 * h * h * h));
+            const double left = 0.5 * (1 + t), right = 0.5 * h * (1 - t * t) * k * (1 + 3 * 0.044715 * h * h);
+            const double want = d * (left + right);
+            // Float's steps: tanh's rounding (about 1e-7) enters 1 + t and 1 - t^2, which
+            // cancel where h is far below 0, scaled by the derivative's size there.
+            const double scale = 1 + 0.5 * std::fabs(h) * k * (1 + 3 * 0.044715 * h * h);
+            const double bound = (bf ? 1.0 / 128 : 1e-5) * std::fabs(want) + 2e-7 * std::fabs(d) * scale;
+            err = std::fmax(err, std::fabs(dh[i] - want) / bound);
+            d = dh[i];
+          }
           b += d;
-          g += d * (double(x[r * cols + c]) - mean[r]) * rstd[r];
-          mag += std::fabs(d) * (1 + std::fabs(x[r * cols + c]));
+          g += d * (double(x[i]) - mean[r]) * rstd[r];
+          mag += std::fabs(d) * (1 + std::fabs(x[i]));
         }
-        const double rel = bf ? 1.0 / 256 : 1e-6;
         err = std::fmax(err, std::fabs(ob[c] - b) / (rel * std::fabs(b) + 1e-6 * mag));
         if (ln) err = std::fmax(err, std::fabs(og[c] - g) / (rel * std::fabs(g) + 1e-6 * mag));
       }
       if (!(err <= 1.0)) {
-        std::printf("colsum %s ln %d, %lld splits: off by %g of its bound\n", bf ? "bf16" : "fp32", ln, splits, err);
+        std::printf("colsum %s mode %d, %lld splits: off by %g of its bound\n", bf ? "bf16" : "fp32", mode, splits, err);
         bad = 1;
       }
     }

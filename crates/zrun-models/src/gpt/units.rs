@@ -36,9 +36,16 @@ fn linear(unit: &str, what: &str, x: &Tensor, w: &Tensor, b: &Tensor) -> Result<
     })
 }
 
-/// GELU variant used by the MLP: the tanh approximation, as the original GPT-2 ("gelu_new"),
-/// so GPT-2 weights reproduce GPT-2's activations.
-const GELU_APPROX: &str = "tanh";
+/// `gelu(x w^T + b)` with the tanh GELU, the MLP's activation as the original GPT-2's
+/// ("gelu_new", so GPT-2 weights reproduce GPT-2's activations), through one autograd node
+/// whose GELU and bias gradients are one kernel pass on CUDA (`zrun_torch_ext::linear_gelu`;
+/// bitwise ATen's linear and gelu on CPU).
+fn linear_gelu(unit: &str, what: &str, x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    zrun_torch_ext::linear_gelu(x, w, b).map_err(|source| Error::Shim {
+        place: format!("{unit}: linear_gelu({what})"),
+        source,
+    })
+}
 
 /// Unit `"embed"`: `wte.weight` (V, C), `wpe.weight` (T_max, C); x = wte[idx] + wpe[0..T].
 pub(crate) struct Embed {
@@ -228,8 +235,7 @@ impl Block {
 
         // MLP.
         let h = layer_norm(u, "ln_2", &x, ln2_w, ln2_b)?;
-        let h = linear(u, "mlp.fc", &h, fc_w, fc_b)?; // (B, T, 4C)
-        let h = h.f_gelu(GELU_APPROX).ctx(u, "gelu")?;
+        let h = linear_gelu(u, "mlp.fc", &h, fc_w, fc_b)?; // (B, T, 4C)
         let h = linear(u, "mlp.proj", &h, mp_w, mp_b)?; // (B, T, C)
         x.f_add(&h).ctx(u, "residual add")
     }

@@ -173,6 +173,50 @@ pub(super) fn colsum(device: Device) -> Result<(), Error> {
     Ok(())
 }
 
+/// `colsum` with GELU's backward first (the MLP's `linear_gelu`): fp32 and bf16, the same
+/// shapes; GELU's gradient within one rounding of its dtype of ATen's `gelu_backward`, and
+/// its sums against the f64 sums of the gradient the kernel stored and of ATen's.
+pub(super) fn gelu_colsum(device: Device) -> Result<(), Error> {
+    let _guard = tch::no_grad_guard();
+    for (kind, rel) in [(Kind::Float, 1e-5), (Kind::BFloat16, 2.0 / 128.0)] {
+        for (rows, cols) in [(5i64, 64i64), (1000, 264), (4096, 1024), (7, 12)] {
+            let op = || format!("check gelu colsum on {device:?} ({kind:?}, {rows} x {cols})");
+            let shape = |t: Tensor| t.f_reshape([rows, cols]).map_err(|e| fail(&op(), e));
+            let dy = shape(spread(rows * cols, 0.7314, 1.0, device)?)?.to_kind(kind);
+            let h = shape(spread(rows * cols, 1.3172, 4.0, device)?)?.to_kind(kind);
+            let got = crate::gelu_colsum_raw(&dy, &h, false)?;
+            let want = crate::gelu_colsum_raw(&dy, &h, true)?;
+            let own = got[0]
+                .to_kind(Kind::Double)
+                .sum_dim_intlist(0, false, Kind::Double);
+            let aten = want[0]
+                .to_kind(Kind::Double)
+                .sum_dim_intlist(0, false, Kind::Double);
+            let scale = max_abs(&got[0].to_kind(Kind::Float).abs().sum_dim_intlist(
+                0,
+                false,
+                Kind::Float,
+            ));
+            let checks = [
+                ("gradient", &got[0], &want[0], 0.0),
+                ("sums of its gradient", &got[1], &own, 1e-5 * scale),
+                ("sums of ATen's gradient", &got[1], &aten, 1e-5 * scale),
+            ];
+            for (what, got, want, slack) in checks {
+                let err = max_abs(&(got.to_kind(Kind::Float) - want.to_kind(Kind::Float)));
+                let bound = rel * max_abs(want) + slack;
+                if err.is_nan() || err > bound || got.size() != want.size() {
+                    return Err(fail(
+                        &op(),
+                        format!("the {what} disagrees with ATen by {err:e} (bound {bound:e}, shape {:?}); set ZRUN_KERNELS=0 to run without zrun's kernels", got.size()),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// `adamw`: three pieces (with and without weight decay and the bf16 parameters; 16-byte
 /// aligned and not; one past a chunk), fp32 and bf16 gradients, two steps; against ATen's
 /// fused AdamW and cast: master, m and v within a few fp32 roundings of their magnitudes,

@@ -94,6 +94,9 @@ const EW_THREADS: u32 = 256;
 /// Threads per block of `colsum`'s passes (its `ZR_CS_THREADS`).
 const COLSUM_THREADS: u32 = 256;
 
+/// The bit of `launch_colsum`'s dtype that asks for GELU's backward first (colsum.h).
+const COLSUM_GELU: c_int = 2;
+
 /// Threads per block of `ce_rows` (its `ZR_THREADS`).
 const CE_ROWS_THREADS: u32 = 512;
 
@@ -409,7 +412,9 @@ extern "C" fn launch_rope(
 
 /// The shim's `ColsumKernel`: the sums over `rows` of `dy` (rows, `cols`) into `out_b`, and
 /// with `x` those of dy (x - mean) rstd into `out_g`, through the fp32 scratch `part`: one
-/// launch of `splits` blocks per span of columns, then one of a block per 32 columns.
+/// launch of `splits` blocks per span of columns, then one of a block per 32 columns. With
+/// `dtype`'s bit [`COLSUM_GELU`] GELU's backward comes first: `x` is GELU's input h, `out_g`
+/// (rows, cols) gets dy gelu'(h), and `out_b` the sums of that.
 extern "C" fn launch_colsum(
     device: c_int,
     dtype: c_int,
@@ -428,16 +433,23 @@ extern "C" fn launch_colsum(
     err: *mut *mut c_char,
 ) -> c_int {
     let run = || -> Result<(), String> {
-        let bf16 = usize::from(dtype == 1);
+        let bf16 = usize::from(dtype & 1 == 1);
+        let gelu = dtype & COLSUM_GELU != 0;
         // colsum.cu's span: 32 threads of 16 bytes.
         let span = if bf16 == 1 { 256 } else { 128 };
         let spans = (cols + span - 1) / span;
         let blocks = u32::try_from(spans * splits)
             .map_err(|_| format!("{spans} x {splits} blocks are more than one launch takes"))?;
         let (mut dy, mut x, mut mean, mut rstd, mut part) = (dy, x, mean, rstd, part);
-        let (mut out_b, mut out_g, mut rows, mut cols, mut splits, mut per_split) =
-            (out_b, out_g, rows, cols, splits, per_split);
-        let mut params = args![dy, x, mean, rstd, part, rows, cols, per_split];
+        let (mut out_b, mut rows, mut cols, mut splits, mut per_split) =
+            (out_b, rows, cols, splits, per_split);
+        // GELU's gradient goes to `out_g`; the second pass then has one half to add.
+        let (mut dh, mut out_g) = if gelu {
+            (out_g, std::ptr::null_mut())
+        } else {
+            (std::ptr::null_mut(), out_g)
+        };
+        let mut params = args![dy, x, mean, rstd, dh, part, rows, cols, per_split];
         let entry = COLSUM_PART + bf16;
         launch(
             device,
@@ -521,6 +533,7 @@ fn check_model(device: Device) -> Result<(), Error> {
         .and_then(|()| check::swiglu(device))
         .and_then(|()| check::rope(device))
         .and_then(|()| check::colsum(device))
+        .and_then(|()| check::gelu_colsum(device))
 }
 
 /// The checks of the optimizer's kernels.
