@@ -372,6 +372,7 @@ impl Engine {
             // stages 0-1, with no flat buffer of their own and no copy of it.
             Stage::Zero2 | Stage::Zero3 if self.mover.in_place_grads() => {
                 self.accumulate_full(u, only, &grads)?;
+                // Recorded as the identity reduce-scatter it stands for (the schedule).
                 self.mover.issued.push((Collective::ReduceScatter, u));
                 if last {
                     let acc = self.unit_grads(u)?;
