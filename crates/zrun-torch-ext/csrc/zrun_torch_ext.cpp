@@ -185,6 +185,20 @@ int rng_device(int kind, int64_t index, c10::Device* device, char** err) {
   return ZR_OK;
 }
 
+// What is wrong with a Linear's inputs x (..., in), w (out, in), b (out), or nullptr.
+const char* linear_inputs_problem(const at::Tensor* x, const at::Tensor* w, const at::Tensor* b) {
+  if (!x->defined() || !w->defined() || !b->defined()) {
+    return "an input is undefined";
+  }
+  if (x->dim() < 1 || w->dim() != 2 || b->dim() != 1 || x->size(-1) != w->size(1) ||
+      b->size(0) != w->size(0) || !x->is_floating_point() ||
+      x->scalar_type() != w->scalar_type() || x->scalar_type() != b->scalar_type() ||
+      x->device() != w->device() || x->device() != b->device()) {
+    return "x (..., in), w (out, in) and b (out) must be floating point of one dtype and device";
+  }
+  return nullptr;
+}
+
 }  // namespace
 
 extern "C" {
@@ -741,14 +755,8 @@ zrun::RopeKernel zrun_ext_set_rope_kernel(zrun::RopeKernel kernel) {
 int zrun_ext_linear(const at::Tensor* x, const at::Tensor* w, const at::Tensor* b,
                     at::Tensor** out, char** err) {
   return guard(err, [&] {
-    if (!x->defined() || !w->defined() || !b->defined()) {
-      return refuse(err, "an input is undefined");
-    }
-    if (x->dim() < 1 || w->dim() != 2 || b->dim() != 1 || x->size(-1) != w->size(1) ||
-        b->size(0) != w->size(0) || !x->is_floating_point() ||
-        x->scalar_type() != w->scalar_type() || x->scalar_type() != b->scalar_type() ||
-        x->device() != w->device() || x->device() != b->device()) {
-      return refuse(err, "x (..., in), w (out, in) and b (out) must be floating point of one dtype and device");
+    if (const char* problem = linear_inputs_problem(x, w, b)) {
+      return refuse(err, problem);
     }
     *out = new at::Tensor(zrun::linear(*x, *w, *b));
     return ZR_OK;
@@ -759,14 +767,8 @@ int zrun_ext_linear(const at::Tensor* x, const at::Tensor* w, const at::Tensor* 
 int zrun_ext_linear_gelu(const at::Tensor* x, const at::Tensor* w, const at::Tensor* b,
                          at::Tensor** out, char** err) {
   return guard(err, [&] {
-    if (!x->defined() || !w->defined() || !b->defined()) {
-      return refuse(err, "an input is undefined");
-    }
-    if (x->dim() < 1 || w->dim() != 2 || b->dim() != 1 || x->size(-1) != w->size(1) ||
-        b->size(0) != w->size(0) || !x->is_floating_point() ||
-        x->scalar_type() != w->scalar_type() || x->scalar_type() != b->scalar_type() ||
-        x->device() != w->device() || x->device() != b->device()) {
-      return refuse(err, "x (..., in), w (out, in) and b (out) must be floating point of one dtype and device");
+    if (const char* problem = linear_inputs_problem(x, w, b)) {
+      return refuse(err, problem);
     }
     *out = new at::Tensor(zrun::linear_gelu(*x, *w, *b));
     return ZR_OK;

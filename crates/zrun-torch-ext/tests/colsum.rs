@@ -13,16 +13,21 @@ fn leaf(shape: &[i64], kind: Kind, scale: f64) -> Tensor {
         .set_requires_grad(true)
 }
 
-#[test]
-fn linear_equals_autograds_linear_bitwise_with_its_gradients() {
-    tch::manual_seed(11);
+/// `node(x, w, b)` against `reference` (autograd's ops) for x (..., 24), w (40, 24), b (40):
+/// values and the three gradients bitwise, in fp32, bf16 and f64, on 3-d input (the flattened
+/// addmm path) and 2-d input (addmm itself).
+fn equals_autograd(
+    seed: i64,
+    node: impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor,
+    reference: impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor,
+) {
+    tch::manual_seed(seed);
     for kind in [Kind::Float, Kind::BFloat16, Kind::Double] {
-        // 3-d input (the flattened addmm path) and 2-d input (addmm itself).
         for shape in [&[3i64, 5, 24][..], &[7, 24]] {
             let x = leaf(shape, kind, 1.0);
-            let (w, b) = (leaf(&[40, 24], kind, 0.2), leaf(&[40], kind, 1.0));
-            let want = x.linear(&w, Some(&b));
-            let got = linear(&x, &w, &b).unwrap();
+            let (w, b) = (leaf(&[40, 24], kind, 0.3), leaf(&[40], kind, 1.0));
+            let want = reference(&x, &w, &b);
+            let got = node(&x, &w, &b);
             assert!(got.equal(&want), "{kind:?} {shape:?}: values");
             let up = Tensor::randn(want.size(), CPU).to_kind(kind);
             let gw = grad(&[&want], &[&up], &[&x, &w, &b]).unwrap();
@@ -32,50 +37,24 @@ fn linear_equals_autograds_linear_bitwise_with_its_gradients() {
             }
         }
     }
+}
+
+#[test]
+fn linear_equals_autograds_linear_bitwise_with_its_gradients() {
+    equals_autograd(
+        11,
+        |x, w, b| linear(x, w, b).unwrap(),
+        |x, w, b| x.linear(w, Some(b)),
+    );
 }
 
 #[test]
 fn linear_gelu_equals_autograds_linear_and_gelu_bitwise_with_its_gradients() {
-    tch::manual_seed(14);
-    for kind in [Kind::Float, Kind::BFloat16, Kind::Double] {
-        for shape in [&[3i64, 5, 24][..], &[7, 24]] {
-            let x = leaf(shape, kind, 1.0);
-            let (w, b) = (leaf(&[40, 24], kind, 0.4), leaf(&[40], kind, 1.0));
-            let want = x.linear(&w, Some(&b)).gelu("tanh");
-            let got = linear_gelu(&x, &w, &b).unwrap();
-            assert!(got.equal(&want), "{kind:?} {shape:?}: values");
-            let up = Tensor::randn(want.size(), CPU).to_kind(kind);
-            let gw = grad(&[&want], &[&up], &[&x, &w, &b]).unwrap();
-            let gg = grad(&[&got], &[&up], &[&x, &w, &b]).unwrap();
-            for (i, what) in ["x", "w", "b"].iter().enumerate() {
-                assert!(gg[i].equal(&gw[i]), "{kind:?} {shape:?}: d({what})");
-            }
-        }
-    }
-}
-
-#[test]
-fn gelus_gradient_and_its_sums_over_rows_match_f64() {
-    tch::manual_seed(15);
-    let (rows, cols) = (37i64, 24i64);
-    let dy = Tensor::randn([rows, cols], CPU);
-    let h = Tensor::randn([rows, cols], CPU) * 3.0;
-    // The tanh GELU's derivative in f64.
-    let x = h.to_kind(Kind::Double);
-    let k = (2.0 / std::f64::consts::PI).sqrt();
-    let t = ((&x + x.pow_tensor_scalar(3) * 0.044715) * k).tanh();
-    let inner = (x.pow_tensor_scalar(2) * (3.0 * 0.044715) + 1.0) * k;
-    let slope = (&t + 1.0) * 0.5 + &x * 0.5 * (1.0 - &t * &t) * inner;
-    let want = dy.to_kind(Kind::Double) * slope;
-    let got = gelu_colsum_raw(&dy, &h, false).unwrap();
-    let off = |a: &Tensor, b: &Tensor| (a.to_kind(Kind::Double) - b).abs().max().double_value(&[]);
-    assert!(off(&got[0], &want) < 1e-5, "{}", off(&got[0], &want));
-    let sums = want.sum_dim_intlist(0, false, Kind::Double);
-    assert!(off(&got[1], &sums) < 1e-4, "{}", off(&got[1], &sums));
-    assert!(got[1].equal(&got[0].sum_dim_intlist(0, false, Kind::Float)));
-    // h of another shape is refused, not read past.
-    let e = gelu_colsum_raw(&dy, &h.narrow(0, 1, rows - 1), false).unwrap_err();
-    assert!(e.to_string().contains("(rows, cols)"), "{e}");
+    equals_autograd(
+        14,
+        |x, w, b| linear_gelu(x, w, b).unwrap(),
+        |x, w, b| x.linear(w, Some(b)).gelu("tanh"),
+    );
 }
 
 #[test]
@@ -118,4 +97,28 @@ fn the_sums_over_rows_match_f64() {
     let short = Tensor::zeros([rows - 1], CPU);
     let e = colsum_raw(&dy, Some((&x, &short, &rstd)), false).unwrap_err();
     assert!(e.to_string().contains("one value per row"), "{e}");
+}
+
+#[test]
+fn gelus_gradient_and_its_sums_over_rows_match_f64() {
+    tch::manual_seed(15);
+    let (rows, cols) = (37i64, 24i64);
+    let dy = Tensor::randn([rows, cols], CPU);
+    let h = Tensor::randn([rows, cols], CPU) * 3.0;
+    // The tanh GELU's derivative in f64.
+    let x = h.to_kind(Kind::Double);
+    let k = (2.0 / std::f64::consts::PI).sqrt();
+    let t = ((&x + x.pow_tensor_scalar(3) * 0.044715) * k).tanh();
+    let inner = (x.pow_tensor_scalar(2) * (3.0 * 0.044715) + 1.0) * k;
+    let slope = (&t + 1.0) * 0.5 + &x * 0.5 * (1.0 - &t * &t) * inner;
+    let want = dy.to_kind(Kind::Double) * slope;
+    let got = gelu_colsum_raw(&dy, &h, false).unwrap();
+    let off = |a: &Tensor, b: &Tensor| (a.to_kind(Kind::Double) - b).abs().max().double_value(&[]);
+    assert!(off(&got[0], &want) < 1e-5, "{}", off(&got[0], &want));
+    let sums = want.sum_dim_intlist(0, false, Kind::Double);
+    assert!(off(&got[1], &sums) < 1e-4, "{}", off(&got[1], &sums));
+    assert!(got[1].equal(&got[0].sum_dim_intlist(0, false, Kind::Float)));
+    // h of another shape is refused, not read past.
+    let e = gelu_colsum_raw(&dy, &h.narrow(0, 1, rows - 1), false).unwrap_err();
+    assert!(e.to_string().contains("(rows, cols)"), "{e}");
 }
