@@ -370,13 +370,12 @@ impl Engine {
             // A shard group of one without replicas: the reduce-scatter is an identity and
             // the unit's shard is the whole unit, so the gradients go straight into it, as at
             // stages 0-1, with no flat buffer of their own and no copy of it.
-            Stage::Zero2 | Stage::Zero3 if self.mover.in_place_grads() => {
+            Stage::Zero2 | Stage::Zero3 if self.mover.layout.single_rank() => {
                 self.accumulate_full(u, only, &grads)?;
                 // Recorded as the identity reduce-scatter it stands for (the schedule).
                 self.mover.issued.push((Collective::ReduceScatter, u));
                 if last {
-                    let acc = self.unit_grads(u)?;
-                    self.unit_final(u, &acc)?;
+                    self.unit_final(u, &self.unit_grads(u)?)?;
                 }
                 Ok(())
             }

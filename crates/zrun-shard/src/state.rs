@@ -136,13 +136,6 @@ impl Mover {
         self.layout.world_size == 1
     }
 
-    /// Whether stages 2-3 lay each unit's gradients straight into the rank's gradient
-    /// shard, as stages 0-1 do: a shard group of one (its reduce-scatter is an identity and
-    /// its shard the whole unit) without a replica group to all-reduce the shard across.
-    pub(crate) fn in_place_grads(&self) -> bool {
-        self.layout.single_rank()
-    }
-
     fn alloc(
         &mut self,
         numel: i64,
