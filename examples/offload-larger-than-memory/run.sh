@@ -23,12 +23,15 @@
 #                                   "params 798.5, grads 798.5, master 1597.1, optimizer 3194.2"
 #                                   (2Psi/W, 2Psi/W, 4Psi/W, 8Psi/W)
 #   + offload_optimizer = "cpu"     master + optimizer, 12Psi/W = 4,791.3 MiB per rank, live in
-#                                   host memory; the GPU keeps params + grads, 4Psi/W = 1,597.1
-#                                   MiB per rank (399.3 MiB at W = 8), plus the units being
+#                                   host memory, and with grad_accum = 1 the gradients too: each
+#                                   unit's shard goes to the host (an fp32 copy, 4Psi/W) as soon
+#                                   as it is reduced. The GPU keeps the params, 2Psi/W = 798.5
+#                                   MiB per rank (199.6 MiB at W = 8), plus the units being
 #                                   gathered (bf16: 37.5 MiB per block, 123 MiB for the
-#                                   embedding and for the head; `prefetch` = 1 holds two) and the
-#                                   activations (one block's input per layer with activation
-#                                   checkpointing: 1.25 MiB each at micro_batch 4 x 128 tokens).
+#                                   embedding and for the head; `prefetch` = 1 holds two), the
+#                                   gradient of the unit being reduced, and the activations (one
+#                                   block's input per layer with activation checkpointing: 1.25
+#                                   MiB each at micro_batch 4 x 128 tokens).
 #
 # The dry run counts the offloaded master and optimizer bytes in the rank's total without
 # saying where they live; the table printed at the end of the run shows them under

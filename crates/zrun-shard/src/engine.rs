@@ -67,6 +67,11 @@ pub struct EngineConfig {
     /// Logits per chunk of the head's matmul and the loss ([`zrun_models::linear_lm_loss`]):
     /// the logits (B, T, V) are never held whole. 0: all logits at once, then the loss.
     pub loss_chunk: i64,
+    /// The caller runs every step as one micro-step announced with
+    /// [`Engine::prepare_step`] (`train.grad_accum = 1`). With CPU offload at stages 2-3 and
+    /// no out-of-memory recovery, each unit's gradient then goes to the host as it is made
+    /// and the device keeps no gradient shard (`host_grads.rs`).
+    pub one_micro_step: bool,
 }
 
 impl EngineConfig {
@@ -90,6 +95,7 @@ impl EngineConfig {
             offload_delay: None,
             shard_group: None,
             loss_chunk: zrun_models::LOSS_CHUNK,
+            one_micro_step: false,
         }
     }
 }
@@ -157,6 +163,12 @@ pub struct Engine {
     pub(crate) grads: Tensor,
     /// Per unit: its region of `grads` is stale, not zero, until overwritten (`grads.rs`).
     pub(crate) stale: Vec<bool>,
+    /// Gradients live on the host only (`host_grads.rs`): `grads` is empty.
+    pub(crate) host_grads: bool,
+    /// With host gradients, per unit: its gradient on the device while it is made.
+    pub(crate) held: Vec<Option<Tensor>>,
+    /// With host gradients: the squares of the units' gradients, summed as they go.
+    pub(crate) squares: crate::host_grads::Squares,
     /// Stages 2-3: bytes reserved for the stand-in collectives of a micro-step that ran out
     /// of memory (see `recover.rs`), so that recovering allocates nothing.
     pub(crate) reserve: Option<Tensor>,
@@ -242,7 +254,9 @@ impl Engine {
         // their pages, beside the offloaded state allocated next (pinned, outside it) and
         // for good: no host tensor of that size comes later on a GPU. Return them now.
         zrun_torch_ext::cpu_empty_cache();
+        let host_grads = crate::host_grads::applies(&cfg);
         let grad_numel = match cfg.stage {
+            _ if host_grads => 0,
             Stage::Zero0 | Stage::Zero1 => layout.full_numel(),
             Stage::Zero2 | Stage::Zero3 => layout.shard_numel(),
         };
@@ -271,6 +285,7 @@ impl Engine {
             // order: the CPU AdamW reads it in place (fp32) rather than from a second copy,
             // unless a delayed update reads it while the next step accumulates.
             let in_place = matches!(cfg.stage, Stage::Zero2 | Stage::Zero3)
+                && !host_grads
                 && dev == Device::Cpu
                 && cfg.offload_delay.is_none();
             let setup = HostSetup {
@@ -310,6 +325,9 @@ impl Engine {
             master,
             grads,
             stale: vec![false; n_units],
+            host_grads,
+            held: (0..n_units).map(|_| None).collect(),
+            squares: Default::default(),
             reserve,
             optimizer,
             scaler,
@@ -500,6 +518,11 @@ impl Engine {
     fn step_inner(&mut self, lr: f64, max_norm: f64) -> Result<StepStats> {
         let _guard = tch::no_grad_guard();
         self.enter(Phase::Step, 0);
+        if self.host_grads {
+            // Before the early step ends: what it hands over goes where the rest went.
+            self.check_announced()?;
+            self.settle_host_grads()?;
+        }
         let early = std::mem::replace(&mut self.early, EarlyStep::Off);
         // Whether the last micro-step's backward all-reduced across the replicas already.
         let replicated_in_backward = std::mem::take(&mut self.mover.replicates);
@@ -533,7 +556,10 @@ impl Engine {
             }
         }
         let grads = self.owned_grads()?;
-        let local = if self.cfg.device.is_cuda() && !grads.is_empty() {
+        let local = if self.host_grads {
+            // Summed unit by unit as they went to the host.
+            self.squares.take()?
+        } else if self.cfg.device.is_cuda() && !grads.is_empty() {
             // One multi-tensor kernel and one read-back, not one per 1M elements.
             zrun_torch_ext::sum_of_squares(&grads)
                 .map_err(|e| Error::Kernel("gradient norm", e))?

@@ -42,6 +42,9 @@ pub struct EstimateConfig {
     pub offload_delay: bool,
     /// Logits per chunk of the head's matmul and the loss (0: all logits at once).
     pub loss_chunk: i64,
+    /// Whether gradients live on the host only ([`crate::gradients_on_host`]): the device
+    /// holds each unit's while it is made.
+    pub host_grads: bool,
 }
 
 /// What a CPU rank's resident memory gains in training outside its tensors, at the least:
@@ -151,6 +154,9 @@ impl MemoryLedger {
     /// out-of-memory reserve of stages 2-3), computed without allocating.
     pub fn planned(layout: &ShardLayout, cfg: &EstimateConfig) -> MemoryLedger {
         let mut m = MemoryLedger::plan(layout, cfg.stage, cfg.precision, cfg.reduce_dtype);
+        if cfg.host_grads {
+            m.grads = 0;
+        }
         let reserve = oom_reserve(layout, cfg);
         let shard = layout.shard_numel();
         if cfg.offload == Offload::Cpu {
@@ -165,6 +171,7 @@ impl MemoryLedger {
             // memory in shard order (stages 2-3 on CPU) and no delayed update reads it while
             // the next step accumulates; otherwise it stages a copy.
             let in_place = matches!(cfg.stage, Stage::Zero2 | Stage::Zero3)
+                && !cfg.host_grads
                 && !cfg.cuda
                 && !cfg.offload_delay
                 && cfg.reduce_dtype == ReduceDtype::Fp32;
@@ -334,6 +341,41 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
         };
         (l.padded + shard) * rb
     };
+    // Gradients on the host only: a rank alone makes each unit's in a buffer of its own,
+    // which the copy to the host reads (with CUDA through an fp32 cast of it on the device
+    // when the reduce dtype is narrower); a tied parameter's part waits from its reader's
+    // backward to its owner's.
+    let host_cast = |u: usize| -> i64 {
+        let cast = cfg.cuda && rb != 4;
+        if cfg.host_grads && cast {
+            layout.units[u].shard_len() * 4
+        } else {
+            0
+        }
+    };
+    let unit_grad = |u: usize| -> i64 {
+        let own = if cfg.host_grads && layout.single_rank() {
+            layout.units[u].shard_len() * rb
+        } else {
+            0
+        };
+        own + host_cast(u)
+    };
+    // The tied parts held at unit u's backward (`made`: its own gradient is made too).
+    let tied_held = |u: usize, made: bool| -> i64 {
+        if !cfg.host_grads {
+            return 0;
+        }
+        (0..n)
+            .filter_map(|r| units[r].tied().map(|t| (r, t.unit)))
+            .filter(|&(r, t)| {
+                let waiting = t < u && (u < r || (made && u == r));
+                // Over several ranks the owner's shard is added into the part.
+                waiting || (made && t == u && !layout.single_rank())
+            })
+            .map(|(_, t)| layout.units[t].shard_len() * rb)
+            .sum()
+    };
     // What a unit's forward keeps until its backward.
     let kept = |u: usize| -> i64 {
         if ckpt {
@@ -411,6 +453,7 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
                 ("parameter gradients", param_grads),
                 ("gathered parameters", gathered(u, true) + tied_gathered(u)),
                 ("gradient reduction", in_flight),
+                ("tied gradient held", tied_held(u, false)),
             ],
         );
         // Absorbing the unit's gradients: at stages 2-3 a flat buffer in the reduce dtype
@@ -427,6 +470,8 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
                     ("upstream gradient", upstream),
                     ("parameter gradients", param_grads),
                     ("gradient reduction", reduce(u) + in_flight),
+                    ("unit gradient", unit_grad(u)),
+                    ("tied gradient held", tied_held(u, true)),
                 ],
             );
         }
@@ -528,6 +573,7 @@ impl Engine {
             offload_delay: c.offload_delay.is_some(),
             cuda: c.device.is_cuda(),
             loss_chunk: c.loss_chunk,
+            host_grads: self.host_grads,
         }
     }
 }

@@ -10,8 +10,17 @@ use tch::Tensor;
 
 impl Engine {
     /// This rank's gradient region of unit `u`: the unit's full buffer at stages 0-1, its
-    /// shard at stages 2-3.
+    /// shard at stages 2-3; with gradients on the host, the one the backward is making.
     pub(crate) fn unit_grads(&self, u: usize) -> Result<Tensor> {
+        if self.host_grads {
+            let name = &self.mover.layout.units[u].unit;
+            return self.held[u]
+                .as_ref()
+                .map(Tensor::shallow_clone)
+                .ok_or_else(|| {
+                    Error::Unsupported(format!("no gradient of unit `{name}` is being made"))
+                });
+        }
         match self.cfg.stage {
             Stage::Zero0 | Stage::Zero1 => self.mover.unit_full(&self.grads, u),
             Stage::Zero2 | Stage::Zero3 => self.mover.shard_of(&self.grads, u),
@@ -22,6 +31,8 @@ impl Engine {
     /// gradient (what zeroing them was for).
     pub(crate) fn discard_grads(&mut self) {
         self.stale.iter_mut().for_each(|s| *s = true);
+        self.held.iter_mut().for_each(|h| *h = None);
+        self.squares.clear();
     }
 
     /// Whether unit `u`'s region is stale, and from now on not: the caller overwrites it.
@@ -31,6 +42,10 @@ impl Engine {
 
     /// Zeroes the regions still stale, before the gradients are read as a whole.
     pub(crate) fn settle_grads(&mut self) -> Result<()> {
+        if self.host_grads {
+            // Settled at the step's start (`settle_host_grads`).
+            return Ok(());
+        }
         for u in 0..self.stale.len() {
             if self.take_stale(u) {
                 let name = self.mover.layout.units[u].unit.clone();
@@ -52,8 +67,11 @@ impl Engine {
         only: Option<usize>,
         grads: &[Tensor],
     ) -> Result<()> {
-        let stale = self.take_stale(u);
-        let mut acc = self.unit_grads(u)?;
+        let (stale, mut acc) = if self.host_grads {
+            self.held_grads(u)?
+        } else {
+            (self.take_stale(u), self.unit_grads(u)?)
+        };
         let layout = &self.mover.layout.units[u];
         let name = layout.unit.as_str();
         if stale && only.is_some() {

@@ -9,6 +9,7 @@ mod delay;
 mod engine;
 mod estimate;
 mod grads;
+mod host_grads;
 mod init;
 pub mod layout;
 mod memory;
@@ -24,6 +25,7 @@ mod state;
 
 pub use engine::{Engine, EngineConfig, StepStats, StepTimes};
 pub use estimate::{estimate, runtime_heap_bytes, Estimate, EstimateConfig, Term, UnitActivations};
+pub use host_grads::gradients_on_host;
 pub use layout::{ShardLayout, UnitLayout, View, SHARD_ALIGN};
 pub use memory::MemoryLedger;
 pub use policy::{Offload, Precision, ReduceDtype, Stage};

@@ -164,7 +164,7 @@ impl Engine {
                     "forward_backward after the micro-step announced as the last by prepare_step: call step first".into(),
                 ))
             }
-            EarlyStep::Off => {}
+            EarlyStep::Off => self.check_announced()?,
         }
         if self.mover.replicates {
             return Err(Error::Unsupported(
@@ -412,8 +412,11 @@ impl Engine {
     /// flight; in the other micro-steps the shard is only summed.
     fn retire(&mut self, p: Pending, last: bool, reducing: &mut Reductions) -> Result<()> {
         let (u, shard) = self.mover.finish_reduce_scatter(p)?;
-        let acc = self.accumulate_shard(u, &shard)?;
-        drop(shard);
+        let acc = if self.host_grads {
+            self.hold_shard(u, shard, last)?
+        } else {
+            self.accumulate_shard(u, &shard)?
+        };
         if !last {
             return Ok(());
         }
@@ -440,7 +443,10 @@ impl Engine {
 
     /// Unit `u`'s gradient shard `acc` is final for the step: hands it to an offloaded
     /// optimizer's early step.
-    fn unit_final(&mut self, u: usize, acc: &Tensor) -> Result<()> {
+    pub(crate) fn unit_final(&mut self, u: usize, acc: &Tensor) -> Result<()> {
+        if self.host_grads {
+            self.hand_over(u, acc)?;
+        }
         if self.early == EarlyStep::Staged {
             let refresh = self.delay.behind && self.delay.submitted;
             if let Optimizer::Host(h) = &mut self.optimizer {

@@ -433,38 +433,49 @@ fn the_estimators_model_states_equal_the_engines_ledger_everywhere() {
                     if offload == Offload::Cpu && stage == Stage::Zero0 {
                         continue;
                     }
-                    let rank = world - 1;
-                    let comm = Arc::new(Placement::at(rank, world));
-                    let cfg = EngineConfig {
-                        precision,
-                        reduce_dtype,
-                        offload,
-                        optimizer_state_dtype: state,
-                        ..EngineConfig::fp32(stage, Device::Cpu, 1, adamw())
-                    };
-                    let e = Engine::new(model.clone(), comm, cfg).unwrap();
-                    let ec = e.estimate_config(2, 16);
-                    let planned = zrun_shard::MemoryLedger::planned(e.layout(), &ec);
-                    let what = format!(
-                        "W={world} rank {rank} stage {stage} {precision} reduce {reduce_dtype} offload {offload:?} state {state}"
+                    // With one micro-step a step and no recovery, offloaded gradients live
+                    // on the host at stages 2-3.
+                    for one in [false, true] {
+                        let rank = world - 1;
+                        let comm = Arc::new(Placement::at(rank, world));
+                        let cfg = EngineConfig {
+                            precision,
+                            reduce_dtype,
+                            offload,
+                            optimizer_state_dtype: state,
+                            one_micro_step: one,
+                            oom_recovery: !one,
+                            ..EngineConfig::fp32(stage, Device::Cpu, 1, adamw())
+                        };
+                        let e = Engine::new(model.clone(), comm, cfg).unwrap();
+                        let ec = e.estimate_config(2, 16);
+                        let planned = zrun_shard::MemoryLedger::planned(e.layout(), &ec);
+                        let what = format!(
+                        "W={world} rank {rank} stage {stage} {precision} reduce {reduce_dtype} offload {offload:?} state {state} one micro-step {one}"
                     );
-                    assert_eq!(planned, e.memory(), "{what}");
-                    // The estimate starts from the same ledger and adds the run's terms.
-                    let est = zrun_shard::estimate(model.as_ref(), e.layout(), &ec);
-                    assert_eq!(est.ledger, planned, "{what}");
-                    let states = est.terms.iter().find(|t| t.name == "model states").unwrap();
-                    assert_eq!(
-                        states.bytes,
-                        planned.total(),
-                        "{what}: on CPU every byte is one memory"
-                    );
-                    assert!(est.peak_bytes > planned.total(), "{what}");
-                    cases += 1;
+                        let on_host = offload == Offload::Cpu
+                            && one
+                            && matches!(stage, Stage::Zero2 | Stage::Zero3);
+                        assert_eq!(ec.host_grads, on_host, "{what}");
+                        assert_eq!(e.memory().grads == 0, on_host, "{what}");
+                        assert_eq!(planned, e.memory(), "{what}");
+                        // The estimate starts from the same ledger and adds the run's terms.
+                        let est = zrun_shard::estimate(model.as_ref(), e.layout(), &ec);
+                        assert_eq!(est.ledger, planned, "{what}");
+                        let states = est.terms.iter().find(|t| t.name == "model states").unwrap();
+                        assert_eq!(
+                            states.bytes,
+                            planned.total(),
+                            "{what}: on CPU every byte is one memory"
+                        );
+                        assert!(est.peak_bytes > planned.total(), "{what}");
+                        cases += 1;
+                    }
                 }
             }
         }
     }
-    assert_eq!(cases, 4 * (4 * 4 + 3 * 4 * 2));
+    assert_eq!(cases, 2 * 4 * (4 * 4 + 3 * 4 * 2));
 }
 
 #[test]

@@ -233,6 +233,12 @@ pub fn estimate_config(cfg: &Config) -> Result<EstimateConfig, Error> {
         oom_recovery: cfg.train.on_oom == crate::config::OnOom::Shrink,
         offload_delay: cfg.zero.offload_optimizer == Offload::Cpu && cfg.delay().is_some(),
         loss_chunk: cfg.train.loss_chunk(),
+        host_grads: zrun_shard::gradients_on_host(
+            cfg.zero.stage,
+            cfg.zero.offload_optimizer,
+            cfg.train.grad_accum == 1,
+            cfg.train.on_oom == crate::config::OnOom::Shrink,
+        ),
         cuda: match cfg.dist.device {
             DeviceChoice::Cuda => true,
             DeviceChoice::Cpu => false,

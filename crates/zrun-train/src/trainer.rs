@@ -212,6 +212,7 @@ impl Run {
                 offload_delay: cfg.delay(),
                 shard_group: (group < rank.world_size).then_some(group),
                 loss_chunk: t.loss_chunk(),
+                one_micro_step: t.grad_accum == 1,
             },
         )
         .map_err(|e| match e.out_of_memory() {

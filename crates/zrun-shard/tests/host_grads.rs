@@ -1,0 +1,154 @@
+//! Gradients on the host only (offload at stages 2-3, one micro-step a step): the engine
+//! trains as the one that keeps its gradient shard, and holds no gradient of its own.
+
+mod common;
+
+use common::{adamw, single, tokens};
+use std::sync::Arc;
+use tch::{Device, Tensor};
+use zrun_models::{Gpt, GptConfig, Model};
+use zrun_shard::{Engine, EngineConfig, Offload, Precision, Stage};
+
+const SEED: u64 = 13;
+
+fn model(tied: bool) -> Arc<dyn Model> {
+    let cfg = GptConfig {
+        vocab_size: 97,
+        seq_len: 24,
+        n_layer: 2,
+        n_head: 4,
+        d_model: 32,
+        init_std: 0.02,
+        tied,
+    };
+    Arc::new(Gpt::new(cfg).unwrap())
+}
+
+/// One setting of the offloaded engine.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    stage: Stage,
+    precision: Precision,
+    tied: bool,
+    delay: Option<u64>,
+    ckpt: bool,
+    /// 0: the update overlaps the backward; else the gradients are staged for it.
+    max_norm: f64,
+}
+
+fn engine(c: Case, one_micro_step: bool) -> Engine {
+    let cfg = EngineConfig {
+        precision: c.precision,
+        offload: Offload::Cpu,
+        offload_delay: c.delay,
+        activation_checkpointing: c.ckpt,
+        oom_recovery: false,
+        one_micro_step,
+        ..EngineConfig::fp32(c.stage, Device::Cpu, SEED, adamw())
+    };
+    Engine::new(model(c.tied), single(), cfg).unwrap()
+}
+
+/// Each step's loss and gradient norm, and the final parameters by name.
+type Trained = (Vec<(f64, f64)>, Vec<(String, Tensor)>);
+
+/// 4 steps of one announced micro-step each.
+fn run(mut e: Engine, max_norm: f64) -> Trained {
+    let mut out = Vec::new();
+    for t in 0..4 {
+        e.prepare_step(2e-3, max_norm);
+        let (x, y) = tokens(70 + t, 4, 24, 97);
+        let loss = e.forward_backward(&x, &y, 1.0).unwrap();
+        let s = e.step(2e-3, max_norm).unwrap();
+        assert!(s.applied);
+        out.push((loss, s.grad_norm));
+    }
+    (out, e.full_parameters().unwrap())
+}
+
+#[test]
+fn gradients_on_the_host_train_as_gradients_on_the_device() {
+    let mut cases = Vec::new();
+    for stage in [Stage::Zero2, Stage::Zero3] {
+        for (precision, tied, delay, ckpt) in [
+            (Precision::Fp32, false, None, false),
+            (Precision::Bf16, true, None, true),
+            (Precision::Bf16, false, Some(1), false),
+            (Precision::Fp32, true, Some(0), true),
+        ] {
+            for max_norm in [0.0, 0.05] {
+                cases.push(Case {
+                    stage,
+                    precision,
+                    tied,
+                    delay,
+                    ckpt,
+                    max_norm,
+                });
+            }
+        }
+    }
+    for c in cases {
+        let (want, want_p) = run(engine(c, false), c.max_norm);
+        let host = engine(c, true);
+        let m = host.memory();
+        assert_eq!(m.grads, 0, "{c:?}: no gradient buffer");
+        let (got, got_p) = run(host, c.max_norm);
+        // The norm is summed unit by unit instead of over the whole buffer: rounding.
+        for (t, ((l, n), (wl, wn))) in got.iter().zip(&want).enumerate() {
+            assert_eq!(l, wl, "{c:?}: loss of step {t}");
+            assert!((n - wn).abs() <= 1e-12 * wn, "{c:?}: norm {n} against {wn}");
+        }
+        assert!(got[3].0 < got[0].0, "{c:?}: trained {got:?}");
+        for ((n, a), (_, b)) in got_p.iter().zip(&want_p) {
+            if c.max_norm == 0.0 {
+                assert!(a.equal(b), "{c:?}: {n} differs");
+            } else {
+                // Clipped by a coefficient from that norm.
+                let d = (a - b).abs().max().double_value(&[]);
+                assert!(d <= 1e-6, "{c:?}: {n} off by {d:e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn gradients_stay_on_the_device_where_a_step_may_need_them_later() {
+    let c = Case {
+        stage: Stage::Zero3,
+        precision: Precision::Fp32,
+        tied: false,
+        delay: None,
+        ckpt: false,
+        max_norm: 0.0,
+    };
+    let shard = engine(c, false).memory().grads;
+    assert!(shard > 0);
+    // Micro-steps accumulate, a step out of memory is dropped with its gradients, stage 1
+    // reduces after backward: each keeps the gradient shard.
+    for (stage, one, recovery) in [
+        (Stage::Zero3, false, false),
+        (Stage::Zero3, true, true),
+        (Stage::Zero1, true, false),
+    ] {
+        let cfg = EngineConfig {
+            offload: Offload::Cpu,
+            oom_recovery: recovery,
+            one_micro_step: one,
+            ..EngineConfig::fp32(stage, Device::Cpu, SEED, adamw())
+        };
+        let e = Engine::new(model(false), single(), cfg).unwrap();
+        assert!(e.memory().grads > 0, "{stage} {one} {recovery}");
+    }
+    // With them on the host, a micro-step that is not announced has nowhere to go.
+    let mut e = engine(c, true);
+    let (x, y) = tokens(80, 2, 24, 97);
+    let err = e.forward_backward(&x, &y, 1.0).unwrap_err().to_string();
+    assert!(err.contains("prepare_step"), "{err}");
+    let err = e.step(2e-3, 0.0).unwrap_err().to_string();
+    assert!(err.contains("prepare_step"), "{err}");
+    // The engine goes on once it is.
+    e.prepare_step(2e-3, 0.0);
+    e.forward_backward(&x, &y, 1.0).unwrap();
+    assert!(e.step(2e-3, 0.0).unwrap().applied);
+}
