@@ -167,6 +167,8 @@ pub struct Engine {
     pub(crate) host_grads: bool,
     /// With host gradients, per unit: its gradient on the device while it is made.
     pub(crate) held: Vec<Option<Tensor>>,
+    /// Their dtype: the host's where that is bf16, else the reduce dtype.
+    pub(crate) held_kind: Kind,
     /// With host gradients: the squares of the units' gradients, summed as they go.
     pub(crate) squares: crate::host_grads::Squares,
     /// Stages 2-3: bytes reserved for the stand-in collectives of a micro-step that ran out
@@ -255,6 +257,16 @@ impl Engine {
         // for good: no host tensor of that size comes later on a GPU. Return them now.
         zrun_torch_ext::cpu_empty_cache();
         let host_grads = crate::host_grads::applies(&cfg);
+        let tied = model.units().iter().any(|u| u.tied().is_some());
+        let host_grad_kind = if host_grads {
+            crate::host_grads::host_grad_kind(&layout, cfg.precision, tied)
+        } else {
+            Kind::Float
+        };
+        let held_kind = match host_grad_kind {
+            Kind::BFloat16 => Kind::BFloat16,
+            _ => cfg.reduce_dtype.kind(),
+        };
         let grad_numel = match cfg.stage {
             _ if host_grads => 0,
             Stage::Zero0 | Stage::Zero1 => layout.full_numel(),
@@ -301,6 +313,7 @@ impl Engine {
                 precision: cfg.precision,
                 device: dev,
                 delayed: cfg.offload_delay.is_some(),
+                grad_kind: host_grad_kind,
             };
             let grads_in_place = in_place.then(|| grads.shallow_clone());
             let init_master = |master: &Tensor| {
@@ -327,6 +340,7 @@ impl Engine {
             stale: vec![false; n_units],
             host_grads,
             held: (0..n_units).map(|_| None).collect(),
+            held_kind,
             squares: Default::default(),
             reserve,
             optimizer,

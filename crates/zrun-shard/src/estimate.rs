@@ -45,6 +45,22 @@ pub struct EstimateConfig {
     /// Whether gradients live on the host only ([`crate::gradients_on_host`]): the device
     /// holds each unit's while it is made.
     pub host_grads: bool,
+    /// Whether the model has a tied parameter (its gradient is a sum).
+    pub tied: bool,
+}
+
+impl EstimateConfig {
+    /// Bytes per element of the gradients on the host (offloaded, staged or host only) and of
+    /// a unit's gradient held on the device while it is made (host only).
+    fn host_grad_bytes(&self, layout: &ShardLayout) -> (i64, i64) {
+        if !self.host_grads {
+            return (4, self.reduce_dtype.kind().elt_size_in_bytes() as i64);
+        }
+        match crate::host_grads::host_grad_kind(layout, self.precision, self.tied) {
+            tch::Kind::BFloat16 => (2, 2),
+            _ => (4, self.reduce_dtype.kind().elt_size_in_bytes() as i64),
+        }
+    }
 }
 
 /// What a CPU rank's resident memory gains in training outside its tensors, at the least:
@@ -175,10 +191,11 @@ impl MemoryLedger {
                 && !cfg.cuda
                 && !cfg.offload_delay
                 && cfg.reduce_dtype == ReduceDtype::Fp32;
-            let grads = if in_place { 0 } else { 4 * shard };
+            let (gb, _) = cfg.host_grad_bytes(layout);
+            let grads = if in_place { 0 } else { gb * shard };
             // A delayed update keeps unit 0's gradient in a pair of buffers (`offload`).
             let spare = match layout.units.first() {
-                Some(first) if cfg.offload_delay => 4 * first.shard_len(),
+                Some(first) if cfg.offload_delay => gb * first.shard_len(),
                 _ => 0,
             };
             let staging = if cfg.cuda && cfg.precision != Precision::Fp32 {
@@ -345,17 +362,18 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
     // which the copy to the host reads (with CUDA through an fp32 cast of it on the device
     // when the reduce dtype is narrower); a tied parameter's part waits from its reader's
     // backward to its owner's.
+    let (host_b, held_b) = cfg.host_grad_bytes(layout);
     let host_cast = |u: usize| -> i64 {
-        let cast = cfg.cuda && rb != 4;
+        let cast = cfg.cuda && held_b != host_b;
         if cfg.host_grads && cast {
-            layout.units[u].shard_len() * 4
+            layout.units[u].shard_len() * host_b
         } else {
             0
         }
     };
     let unit_grad = |u: usize| -> i64 {
         let own = if cfg.host_grads && layout.single_rank() {
-            layout.units[u].shard_len() * rb
+            layout.units[u].shard_len() * held_b
         } else {
             0
         };
@@ -373,7 +391,7 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
                 // Over several ranks the owner's shard is added into the part.
                 waiting || (made && t == u && !layout.single_rank())
             })
-            .map(|(_, t)| layout.units[t].shard_len() * rb)
+            .map(|(_, t)| layout.units[t].shard_len() * held_b)
             .sum()
     };
     // What a unit's forward keeps until its backward.
@@ -574,6 +592,7 @@ impl Engine {
             cuda: c.device.is_cuda(),
             loss_chunk: c.loss_chunk,
             host_grads: self.host_grads,
+            tied: self.model.units().iter().any(|u| u.tied().is_some()),
         }
     }
 }

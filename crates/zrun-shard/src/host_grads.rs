@@ -12,7 +12,7 @@
 //! runs out of memory is dropped with its gradients: both keep the device's gradient shard.
 
 use crate::engine::{EarlyStep, Engine, EngineConfig};
-use crate::{Context, Error, Offload, Result, Stage};
+use crate::{Context, Error, Offload, Precision, Result, ShardLayout, Stage};
 use tch::{Kind, Tensor};
 
 /// Whether gradients live on the host only for a run at `stage` with `offload`, every step
@@ -27,6 +27,18 @@ pub fn gradients_on_host(
         && one_micro_step
         && !oom_recovery
         && matches!(stage, Stage::Zero2 | Stage::Zero3)
+}
+
+/// The dtype of gradients on the host only: bf16 where every gradient is autograd's bf16
+/// values laid out once (a rank alone without replicas, bf16 compute, no tied parameter:
+/// nothing is summed), which bf16 holds exactly in half the bytes and half the copy; fp32
+/// otherwise.
+pub(crate) fn host_grad_kind(layout: &ShardLayout, precision: Precision, tied: bool) -> Kind {
+    if layout.single_rank() && precision == Precision::Bf16 && !tied {
+        Kind::BFloat16
+    } else {
+        Kind::Float
+    }
 }
 
 /// Whether the engine of `cfg` keeps its gradients on the host only.
@@ -93,11 +105,8 @@ impl Engine {
             return Ok((false, t.shallow_clone()));
         }
         let l = &self.mover.layout.units[u];
-        let t = Tensor::f_empty(
-            [l.shard_len()],
-            (self.cfg.reduce_dtype.kind(), self.cfg.device),
-        )
-        .ctx("allocate unit gradient", &l.unit)?;
+        let t = Tensor::f_empty([l.shard_len()], (self.held_kind, self.cfg.device))
+            .ctx("allocate unit gradient", &l.unit)?;
         self.stale[u] = false;
         self.held[u] = Some(t.shallow_clone());
         Ok((true, t))
@@ -138,11 +147,8 @@ impl Engine {
                 Some(part) => part,
                 None if self.stale[u] => {
                     let l = &self.mover.layout.units[u];
-                    Tensor::f_zeros(
-                        [l.shard_len()],
-                        (self.cfg.reduce_dtype.kind(), self.cfg.device),
-                    )
-                    .ctx("zero gradients of a unit without any", &l.unit)?
+                    Tensor::f_zeros([l.shard_len()], (self.held_kind, self.cfg.device))
+                        .ctx("zero gradients of a unit without any", &l.unit)?
                 }
                 None => continue,
             };

@@ -1,5 +1,6 @@
 //! Gradients on the host only (offload at stages 2-3, one micro-step a step): the engine
-//! trains as the one that keeps its gradient shard, and holds no gradient of its own.
+//! trains as the one that keeps its gradient shard, and holds no gradient of its own; bf16
+//! ones where they are exact.
 
 mod common;
 
@@ -93,6 +94,16 @@ fn gradients_on_the_host_train_as_gradients_on_the_device() {
         let host = engine(c, true);
         let m = host.memory();
         assert_eq!(m.grads, 0, "{c:?}: no gradient buffer");
+        // The host's copy is bf16 where it holds autograd's bf16 values exactly (nothing
+        // summed: no tied parameter), else fp32; a delayed update has a spare of unit 0's.
+        let bytes = if c.precision == Precision::Bf16 && !c.tied {
+            2
+        } else {
+            4
+        };
+        let l = host.layout();
+        let spare = c.delay.map_or(0, |_| l.units[0].shard_len());
+        assert_eq!(m.buffers, bytes * (l.shard_numel() + spare), "{c:?}");
         let (got, got_p) = run(host, c.max_norm);
         // The norm is summed unit by unit instead of over the whole buffer: rounding.
         for (t, ((l, n), (wl, wn))) in got.iter().zip(&want).enumerate() {

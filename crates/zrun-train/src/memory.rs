@@ -239,6 +239,7 @@ pub fn estimate_config(cfg: &Config) -> Result<EstimateConfig, Error> {
             cfg.train.grad_accum == 1,
             cfg.train.on_oom == crate::config::OnOom::Shrink,
         ),
+        tied: arch.tied(),
         cuda: match cfg.dist.device {
             DeviceChoice::Cuda => true,
             DeviceChoice::Cpu => false,

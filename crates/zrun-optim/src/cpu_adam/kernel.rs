@@ -30,6 +30,31 @@ pub(crate) struct Coeffs {
     pub seed: u32,
 }
 
+/// A gradient element the update reads: f32, or bf16 ([`Bf16`]), widened to f32 exactly.
+pub trait Grad: Copy + Send + Sync + 'static {
+    /// The value as f32 (exact).
+    fn to_f32(self) -> f32;
+}
+
+impl Grad for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+/// A bf16 value by its bits (the layout of a bf16 tensor's elements).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+
+impl Grad for Bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16_to_f32(self.0)
+    }
+}
+
 /// One element's AdamW update in f32; `keep` is 1 - lr * weight_decay (1.0 outside the
 /// decay ranges, where multiplying by it is exact).
 #[inline(always)]
@@ -104,11 +129,11 @@ pub(crate) enum MomentsMut<'a> {
 }
 
 /// Updates one block (at most [`BLOCK`] elements) and writes its half copy.
-pub(crate) fn update_block(
+pub(crate) fn update_block<G: Grad>(
     c: &Coeffs,
     keep: f32,
     p: &mut [f32],
-    g: &[f32],
+    g: &[G],
     moments: MomentsMut<'_>,
     half: Option<(&mut [u16], HalfKind)>,
 ) {
@@ -155,11 +180,11 @@ fn has_avx512() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn update_block_avx512(
+unsafe fn update_block_avx512<G: Grad>(
     c: &Coeffs,
     keep: f32,
     p: &mut [f32],
-    g: &[f32],
+    g: &[G],
     moments: MomentsMut<'_>,
     half: Option<(&mut [u16], HalfKind)>,
 ) {
@@ -230,11 +255,11 @@ pub(crate) fn store_fence() {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn update_block_avx2(
+unsafe fn update_block_avx2<G: Grad>(
     c: &Coeffs,
     keep: f32,
     p: &mut [f32],
-    g: &[f32],
+    g: &[G],
     moments: MomentsMut<'_>,
     half: Option<(&mut [u16], HalfKind)>,
 ) {
@@ -249,11 +274,11 @@ unsafe fn update_block_avx2(
     }
 }
 
-fn update_block_generic(
+fn update_block_generic<G: Grad>(
     c: &Coeffs,
     keep: f32,
     p: &mut [f32],
-    g: &[f32],
+    g: &[G],
     moments: MomentsMut<'_>,
     half: Option<(&mut [u16], HalfKind)>,
 ) {
@@ -302,7 +327,13 @@ fn prefetch_ahead<T>(x: &[T], i: usize) {
 /// They walk `STEP` elements at a time, prefetching `AHEAD` elements ahead (the next block's
 /// lines are in flight while this one computes).
 #[inline(always)]
-fn update_block_body(c: &Coeffs, keep: f32, p: &mut [f32], g: &[f32], moments: MomentsMut<'_>) {
+fn update_block_body<G: Grad>(
+    c: &Coeffs,
+    keep: f32,
+    p: &mut [f32],
+    g: &[G],
+    moments: MomentsMut<'_>,
+) {
     let n = p.len();
     let g = &g[..n];
     match moments {
@@ -317,7 +348,7 @@ fn update_block_body(c: &Coeffs, keep: f32, p: &mut [f32], g: &[f32], moments: M
                 prefetch_ahead(v, i);
                 let (p, g, m, v) = (&mut p[i..e], &g[i..e], &mut m[i..e], &mut v[i..e]);
                 for j in 0..p.len() {
-                    let (pj, mj, vj) = adam(c, keep, p[j], g[j], m[j], v[j]);
+                    let (pj, mj, vj) = adam(c, keep, p[j], g[j].to_f32(), m[j], v[j]);
                     p[j] = pj;
                     m[j] = mj;
                     v[j] = vj;
@@ -339,8 +370,8 @@ fn update_block_body(c: &Coeffs, keep: f32, p: &mut [f32], g: &[f32], moments: M
                 let (p, g, m, v) = (&mut p[i..e], &g[i..e], &mut m[i..e], &mut v[i..e]);
                 let lo = lo.wrapping_add(i as u32);
                 for j in 0..p.len() {
-                    let (pj, mj, vj) =
-                        adam(c, keep, p[j], g[j], bf16_to_f32(m[j]), bf16_to_f32(v[j]));
+                    let (m0, v0) = (bf16_to_f32(m[j]), bf16_to_f32(v[j]));
+                    let (pj, mj, vj) = adam(c, keep, p[j], g[j].to_f32(), m0, v0);
                     let r = element_bits(block_seed, lo.wrapping_add(j as u32));
                     p[j] = pj;
                     m[j] = bf16_stochastic(mj, r);

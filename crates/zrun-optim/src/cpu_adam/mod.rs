@@ -20,6 +20,7 @@
 mod kernel;
 
 use crate::{AdamWConfig, Error, Result};
+pub use kernel::{Bf16, Grad};
 use kernel::{Coeffs, MomentsMut, BLOCK};
 
 /// Storage type of the AdamW moments m and v (`optimizer_state_dtype`).
@@ -289,11 +290,12 @@ impl CpuAdamW {
     /// `lr`; `grad_scale` multiplies the gradient first (1.0 = none); writes the rounded
     /// compute-dtype copy into `half` when given (same length, u16 bits). Any sub-range may be
     /// updated in any order within a step. Takes `&mut self`: m and v are written in place.
-    pub fn update(
+    /// The gradients are f32 or bf16 ([`Bf16`]): the same values update bitwise alike.
+    pub fn update<G: Grad>(
         &mut self,
         off: usize,
         params: &mut [f32],
-        grads: &[f32],
+        grads: &[G],
         lr: f64,
         grad_scale: f32,
         half: Option<(&mut [u16], HalfKind)>,
@@ -409,11 +411,11 @@ struct Job<'a> {
 impl Job<'_> {
     /// Updates shard elements `[at, at + p.len())`, block by block, each block inside or
     /// outside the decay ranges.
-    fn run(
+    fn run<G: Grad>(
         &self,
         at: usize,
         p: &mut [f32],
-        g: &[f32],
+        g: &[G],
         mut mo: Moments<'_>,
         mut half: Option<&mut [u16]>,
         kind: Option<HalfKind>,

@@ -402,3 +402,41 @@ fn bf16_state_decays_v_without_bias() {
         "mean v {mean:e}, expected {want:e} (first value {v1:e})"
     );
 }
+
+#[test]
+fn bf16_gradients_update_bitwise_as_their_f32_values() {
+    // Gradients that are bf16 values (a bf16 model's, laid out once): read as bf16 they
+    // update exactly as the same values read as f32, with both state dtypes, on several
+    // threads and with a half copy.
+    let n = 2 * MIN_PER_THREAD + 777;
+    let ranges = vec![(100usize, BLOCK + 50)];
+    for state in [StateDtype::Fp32, StateDtype::Bf16] {
+        let mut seed = 9u64;
+        let p0 = randn32(n, &mut seed, 1.0);
+        let (mut a, mut b) = (p0.clone(), p0);
+        let mut opt_a = CpuAdamW::new(n, cfg(0.1), ranges.clone(), state, 2).unwrap();
+        let mut opt_b = CpuAdamW::new(n, cfg(0.1), ranges.clone(), state, 2).unwrap();
+        let (mut ha, mut hb) = (vec![0u16; n], vec![0u16; n]);
+        for step in 0..5 {
+            let g16: Vec<Bf16> = randn32(n, &mut seed, 0.3)
+                .into_iter()
+                .map(|x| Bf16(kernel::bf16_nearest_even(x)))
+                .collect();
+            let g32: Vec<f32> = g16.iter().map(|g| g.to_f32()).collect();
+            let lr = 1e-2 / (1.0 + step as f64);
+            opt_a.begin_step();
+            opt_b.begin_step();
+            let k = HalfKind::Bf16;
+            opt_a
+                .update(0, &mut a, &g32, lr, 0.5, Some((&mut ha[..], k)))
+                .unwrap();
+            opt_b
+                .update(0, &mut b, &g16, lr, 0.5, Some((&mut hb[..], k)))
+                .unwrap();
+        }
+        assert_eq!(bits(&a), bits(&b), "{state:?}: parameters");
+        assert_eq!(ha, hb, "{state:?}: half copies");
+        assert_eq!(opt_a.moments(), opt_b.moments(), "{state:?}: moments");
+        assert_ne!(bits(&a), bits(&randn32(n, &mut 9u64, 1.0)), "trained");
+    }
+}

@@ -137,6 +137,7 @@ mod tests {
             offload_delay: false,
             loss_chunk: 0,
             host_grads: false,
+            tied: false,
         };
         // fp32 master 4, bf16 m and v 2 + 2, fp32 gradient staging 4, bf16 staging 2.
         let e = estimate(&m, &layout, &cfg);

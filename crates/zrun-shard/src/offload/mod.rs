@@ -21,7 +21,7 @@ use crate::{Context, Error, Precision, Result, Stage};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 use tch::{Device, Kind, Tensor};
-use zrun_optim::{AdamWConfig, CpuAdamW, HalfKind, StateDtype};
+use zrun_optim::{AdamWConfig, Bf16, CpuAdamW, HalfKind, StateDtype};
 
 mod buffers;
 mod deferred;
@@ -41,6 +41,9 @@ pub(crate) struct HostSetup {
     pub device: Device,
     /// Updates are delayed (`zero.offload_delay`): unit 0's gradient gets a second buffer.
     pub delayed: bool,
+    /// dtype of the host gradients: fp32, or bf16 where they are bf16 values
+    /// (`host_grads::host_grad_kind`).
+    pub grad_kind: Kind,
 }
 
 /// The optimizer side of a rank whose optimizer state is offloaded to the host.
@@ -224,19 +227,16 @@ fn run(
         spare,
     } = job;
     wait_ready(ready, &unit)?;
-    // SAFETY: master and grads are contiguous fp32 host tensors of the shard size, and
+    // SAFETY: master (fp32) and grads (fp32 or bf16) are contiguous host tensors of the
+    // shard size, and
     // [off, off + len) is this job's unit, which nothing else touches while it runs (see
     // above); so is the spare of `len` elements holding its gradient instead; a 16-bit
     // target is the contiguous staging slice or the contiguous host slice `dst` of this unit
     // (`Route::Direct`), likewise untouched by others meanwhile.
-    let (m, g) = unsafe {
-        (
-            slice_mut::<f32>(master.data_ptr(), off, len),
-            match &spare {
-                Some(s) => slice_mut::<f32>(s.data_ptr(), 0, len),
-                None => slice_mut::<f32>(grads.data_ptr(), off, len),
-            },
-        )
+    let m = unsafe { slice_mut::<f32>(master.data_ptr(), off, len) };
+    let (g, g_off) = match &spare {
+        Some(s) => (s, 0),
+        None => (grads, off),
     };
     let out = match (half, &route, &dst) {
         (Some(kind), Route::Staged(st), _) => {
@@ -250,7 +250,18 @@ fn run(
         }
         _ => None,
     };
-    adam.update(off, m, g, lr, grad_scale, out)?;
+    match g.kind() {
+        Kind::BFloat16 => {
+            // SAFETY: as for the master above; a bf16 element is 16 bits, as `Bf16`.
+            let g = unsafe { slice_mut::<Bf16>(g.data_ptr(), g_off, len) };
+            adam.update(off, m, g, lr, grad_scale, out)?
+        }
+        _ => {
+            // SAFETY: as for the master above.
+            let g = unsafe { slice_mut::<f32>(g.data_ptr(), g_off, len) };
+            adam.update(off, m, g, lr, grad_scale, out)?
+        }
+    }
     let dst = match (route, dst) {
         (Route::Deferred(_), _) => return Ok(None),
         (route, Some(dst)) => (route, dst),
@@ -298,6 +309,7 @@ impl HostOptimizer {
             precision,
             device,
             delayed,
+            grad_kind,
         } = setup;
         let n = layout.shard_numel();
         let mut alloc = HostBuffers::default();
@@ -319,6 +331,7 @@ impl HostOptimizer {
         let adam = CpuAdamW::new(n as usize, cfg, decay, state, threads.max(1))?;
         let in_place = grads_in_place.filter(|g| {
             g.device() == Device::Cpu
+                && grad_kind == Kind::Float
                 && g.kind() == Kind::Float
                 && g.is_contiguous()
                 && g.numel() as i64 == n
@@ -326,11 +339,11 @@ impl HostOptimizer {
         let owns_grads = in_place.is_none();
         let (grads, grads_bytes) = match in_place {
             Some(g) => (g, 0),
-            None => alloc.zeros(n, Kind::Float, device)?,
+            None => alloc.zeros(n, grad_kind, device)?,
         };
         let (spare, spare_bytes) = match layout.units.first() {
             Some(first) if delayed => {
-                let (t, bytes) = alloc.zeros(first.shard_len(), Kind::Float, device)?;
+                let (t, bytes) = alloc.zeros(first.shard_len(), grad_kind, device)?;
                 (Some(t), bytes)
             }
             _ => (None, 0),

@@ -3,7 +3,7 @@
 use super::*;
 use zrun_models::{Gpt, GptConfig, Model};
 
-fn optimizer(delayed: bool) -> Result<(ShardLayout, HostOptimizer)> {
+fn optimizer(delayed: bool, grad_kind: Kind) -> Result<(ShardLayout, HostOptimizer)> {
     let m = Gpt::new(GptConfig {
         vocab_size: 64,
         seq_len: 8,
@@ -27,6 +27,7 @@ fn optimizer(delayed: bool) -> Result<(ShardLayout, HostOptimizer)> {
         precision: Precision::Fp32,
         device: Device::Cpu,
         delayed,
+        grad_kind,
     };
     // The master stays zero.
     let h = HostOptimizer::new(&layout, |_| Ok(()), setup, None)?;
@@ -37,10 +38,18 @@ fn optimizer(delayed: bool) -> Result<(ShardLayout, HostOptimizer)> {
 /// may still read the unit's host slice: staging waits for that unit's update, except
 /// unit 0's, which goes to the other buffer of its pair at once. The update runs its
 /// units last first, so unit 0 (the embedding) is its last; its gradient staged at once
-/// must not reach the update, and must reach the next one.
+/// must not reach the update, and must reach the next one. With fp32 and with bf16 host
+/// gradients (whose spare is bf16 too).
 #[test]
 fn staging_a_unit_leaves_its_running_delayed_update_alone() -> Result<()> {
-    let (layout, mut h) = optimizer(true)?;
+    for kind in [Kind::Float, Kind::BFloat16] {
+        staging_beside_a_delayed_update(kind)?;
+    }
+    Ok(())
+}
+
+fn staging_beside_a_delayed_update(kind: Kind) -> Result<()> {
+    let (layout, mut h) = optimizer(true, kind)?;
     let n = layout.shard_numel();
     let lr = 1e-3;
     let len = layout.units[0].shard_len();
@@ -67,7 +76,7 @@ fn staging_a_unit_leaves_its_running_delayed_update_alone() -> Result<()> {
     // without the delay's spare.
     h.submit_deferred(&layout, None, lr, 1.0)?;
     h.finish()?;
-    let (_, mut plain) = optimizer(false)?;
+    let (_, mut plain) = optimizer(false, kind)?;
     let ones = Tensor::ones([n], (Kind::Float, Device::Cpu));
     plain.submit_deferred(&layout, Some(&[ones]), lr, 1.0)?;
     plain.finish()?;
