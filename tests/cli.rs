@@ -343,3 +343,35 @@ fn bench_kernels_compares_the_fused_ops_with_pytorchs() {
         "{swiglu}"
     );
 }
+
+/// `zrun bench adam --grads fp32,bf16` times both gradient dtypes, one row each, and names
+/// a dtype it does not know.
+#[test]
+fn bench_adam_times_both_gradient_dtypes() {
+    let out = zrun(&[
+        "bench",
+        "adam",
+        "--params",
+        "100K",
+        "--threads",
+        "1",
+        "--iters",
+        "1",
+        "--grads",
+        "fp32,bf16",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rows: Vec<serde_json::Value> = stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let grads: Vec<_> = rows.iter().map(|r| r["grads"].as_str()).collect();
+    assert_eq!(grads, [Some("fp32"), Some("bf16")], "{rows:?}");
+    assert!(rows
+        .iter()
+        .all(|r| r["gparams_per_s"].as_f64().unwrap() > 0.0));
+    let bad = zrun(&["bench", "adam", "--grads", "fp16"]);
+    assert!(!bad.status.success());
+    assert!(stderr(&bad).contains("--grads: `fp16`"), "{}", stderr(&bad));
+}

@@ -2,16 +2,19 @@
 //!
 //!     zrun bench adam                                   # 10M and 50M params, 1 and 2 threads
 //!     zrun bench adam --params 50M --threads 2 --state-dtype bf16 --json
+//!     zrun bench adam --grads fp32,bf16                 # both gradient dtypes, interleaved
 //!
 //! Each row times whole steps (begin_step + one update over the shard, writing the bf16
 //! parameter copy unless `--half none`) and reports the best of `--iters` in Gparam/s.
 //! Bytes moved per element: 16 read + 12 written (+2 for the copy) with fp32 state,
-//! 12 read + 8 written (+2) with bf16 state.
+//! 12 read + 8 written (+2) with bf16 state; 2 fewer read with bf16 gradients (the host
+//! gradients of a bf16 rank alone, docs/memory.md). With several gradient dtypes each
+//! timed step runs every one in turn, on the same values.
 
 use std::time::Instant;
 
 use crate::bench::parse_counts;
-use zrun_optim::{AdamWConfig, CpuAdamW, HalfKind, StateDtype};
+use zrun_optim::{AdamWConfig, Bf16, CpuAdamW, Grad, HalfKind, StateDtype};
 
 /// Flags of `zrun bench adam`.
 #[derive(clap::Args, Debug, Clone)]
@@ -28,6 +31,9 @@ pub struct AdamArgs {
     /// Compute-dtype copy written with the update: bf16, fp16 or none.
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "fp16", "none"])]
     pub half: String,
+    /// Gradient dtypes, comma-separated: fp32, bf16 (the values are bf16 either way).
+    #[arg(long, default_value = "fp32")]
+    pub grads: String,
     /// Timed steps per row (the best is reported).
     #[arg(long, default_value_t = 10)]
     pub iters: usize,
@@ -55,50 +61,83 @@ pub fn run_adam(args: &AdamArgs) -> anyhow::Result<()> {
         eps: 1e-8,
         weight_decay: 0.1,
     };
+    let sides: Vec<bool> = args
+        .grads
+        .split(',')
+        .map(|g| match g.trim() {
+            "fp32" => Ok(false),
+            "bf16" => Ok(true),
+            other => anyhow::bail!("--grads: `{other}` is not fp32 or bf16"),
+        })
+        .collect::<anyhow::Result<_>>()?;
     if !args.json {
         println!(
-            "{:>12} {:>8} {:>12} {:>6} {:>10} {:>14}",
-            "params", "threads", "state_dtype", "half", "best_ms", "gparams_per_s"
+            "{:>12} {:>8} {:>12} {:>6} {:>6} {:>10} {:>14}",
+            "params", "threads", "state_dtype", "half", "grads", "best_ms", "gparams_per_s"
         );
     }
     for &n in &sizes {
-        // Values away from zero and denormals; contents do not change the work done.
+        // Values away from zero and denormals; contents do not change the work done. The
+        // gradients are bf16 values, so both dtypes hold the same ones.
         let mut params: Vec<f32> = (0..n).map(|i| ((i % 1013) as f32 - 506.0) * 1e-3).collect();
-        let grads: Vec<f32> = (0..n).map(|i| ((i % 997) as f32 - 498.0) * 1e-4).collect();
+        let g16: Vec<Bf16> = (0..n)
+            .map(|i| {
+                Bf16(
+                    (((i % 997) as f32 - 498.0) * 1e-4)
+                        .to_bits()
+                        .wrapping_shr(16) as u16,
+                )
+            })
+            .collect();
+        let g32: Vec<f32> = g16.iter().map(|g| g.to_f32()).collect();
         let mut half = vec![0u16; if kind.is_some() { n } else { 0 }];
         for &t in &threads {
-            let mut opt = CpuAdamW::new(n, cfg, vec![(0, n / 2)], state, t)?;
-            let mut best = f64::INFINITY;
+            let mut opts = Vec::new();
+            for _ in &sides {
+                opts.push(CpuAdamW::new(n, cfg, vec![(0, n / 2)], state, t)?);
+            }
+            let mut best = vec![f64::INFINITY; sides.len()];
             // One untimed step touches every page of the state first.
             for i in 0..args.iters + 1 {
-                let h = kind.map(|k| (&mut half[..], k));
-                let start = Instant::now();
-                opt.begin_step();
-                opt.update(0, &mut params, &grads, 1e-4, 1.0, h)?;
-                let dt = start.elapsed().as_secs_f64();
-                if i > 0 {
-                    best = best.min(dt);
+                for ((&bf16, opt), best) in sides.iter().zip(&mut opts).zip(&mut best) {
+                    let h = kind.map(|k| (&mut half[..], k));
+                    let start = Instant::now();
+                    opt.begin_step();
+                    if bf16 {
+                        opt.update(0, &mut params, &g16, 1e-4, 1.0, h)?;
+                    } else {
+                        opt.update(0, &mut params, &g32, 1e-4, 1.0, h)?;
+                    }
+                    let dt = start.elapsed().as_secs_f64();
+                    if i > 0 {
+                        *best = best.min(dt);
+                    }
                 }
             }
-            let gps = n as f64 / best / 1e9;
-            if args.json {
-                println!(
-                    "{}",
-                    serde_json::json!({
-                        "params": n, "threads": t, "state_dtype": state.to_string(),
-                        "half": args.half, "best_s": best, "gparams_per_s": gps,
-                    })
-                );
-            } else {
-                println!(
-                    "{:>12} {:>8} {:>12} {:>6} {:>10.2} {:>14.3}",
-                    n,
-                    t,
-                    state,
-                    args.half,
-                    best * 1e3,
-                    gps
-                );
+            for (&bf16, best) in sides.iter().zip(best) {
+                let grads = if bf16 { "bf16" } else { "fp32" };
+                let gps = n as f64 / best / 1e9;
+                if args.json {
+                    println!(
+                        "{}",
+                        serde_json::json!({
+                            "params": n, "threads": t, "state_dtype": state.to_string(),
+                            "half": args.half, "grads": grads, "best_s": best,
+                            "gparams_per_s": gps,
+                        })
+                    );
+                } else {
+                    println!(
+                        "{:>12} {:>8} {:>12} {:>6} {:>6} {:>10.2} {:>14.3}",
+                        n,
+                        t,
+                        state,
+                        args.half,
+                        grads,
+                        best * 1e3,
+                        gps
+                    );
+                }
             }
         }
     }
