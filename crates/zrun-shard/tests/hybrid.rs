@@ -73,6 +73,8 @@ struct Case {
     /// Announce each step's last micro-step (`last_micro_step`), as the trainer does: its
     /// backward all-reduces across the replicas; otherwise the step does.
     announce: bool,
+    /// Micro-steps a step; with offload, one keeps the gradients on the host only.
+    accum: usize,
 }
 
 impl Case {
@@ -95,6 +97,10 @@ impl Case {
         if self.delay {
             c.offload_delay = Some(1);
         }
+        if self.accum == 1 {
+            c.one_micro_step = true;
+            c.oom_recovery = false;
+        }
         c
     }
 }
@@ -115,17 +121,17 @@ fn train(e: &mut Engine, c: &Case, steps: &[usize], rank: Option<usize>) -> Trai
         params: Vec::new(),
     };
     for &s in steps {
-        for m in 0..ACCUM {
+        for m in 0..c.accum {
             let (x, y) = match rank {
                 Some(r) => rank_batch(s, m, r),
                 None => global_batch(s, m),
             };
-            if c.offload && m + 1 == ACCUM {
+            if c.offload && m + 1 == c.accum {
                 e.prepare_step(LR, c.max_norm);
-            } else if c.announce && m + 1 == ACCUM {
+            } else if c.announce && m + 1 == c.accum {
                 e.last_micro_step();
             }
-            let loss = e.forward_backward(&x, &y, 1.0 / ACCUM as f64).unwrap();
+            let loss = e.forward_backward(&x, &y, 1.0 / c.accum as f64).unwrap();
             t.losses.push(match rank {
                 Some(_) => world_mean(e.comm(), loss),
                 None => loss,
@@ -259,6 +265,7 @@ fn case(stage: Stage, group: usize) -> Case {
         tied: false,
         max_norm: 0.05,
         announce: true,
+        accum: ACCUM,
     }
 }
 
@@ -298,6 +305,20 @@ fn training_worker() {
             precision: Precision::Bf16,
             ..case(Stage::Zero3, 2)
         },
+        // One micro-step a step with offload: gradients on the host only, the tied part
+        // held until its owner's, reduced shards all-reduced across the replicas in place.
+        Case {
+            offload: true,
+            tied: true,
+            accum: 1,
+            ..case(Stage::Zero3, 2)
+        },
+        Case {
+            offload: true,
+            max_norm: 0.0,
+            accum: 1,
+            ..case(Stage::Zero2, 1)
+        },
     ];
     let steps: Vec<usize> = (0..STEPS).collect();
     for c in cases {
@@ -316,6 +337,8 @@ fn training_worker() {
             ),
             "{c:?}"
         );
+        let on_host = c.offload && c.accum == 1;
+        assert_eq!(e.memory().grads == 0, on_host, "{c:?}");
         let got = train(&mut e, &c, &steps, Some(rank));
         assert_replicas_equal(&e, &got.params, &format!("{c:?}"));
         let diff = max_diff(&got.params, &want.params);
