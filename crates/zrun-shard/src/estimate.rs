@@ -359,8 +359,8 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
         (l.padded + shard) * rb
     };
     // Gradients on the host only: a rank alone makes each unit's in a buffer of its own,
-    // which the copy to the host reads (with CUDA through an fp32 cast of it on the device
-    // when the reduce dtype is narrower); a tied parameter's part waits from its reader's
+    // which the copy to the host reads (with CUDA through a cast of it on the device where
+    // it is narrower than the host's); a tied parameter's part waits from its reader's
     // backward to its owner's.
     let (host_b, held_b) = cfg.host_grad_bytes(layout);
     let host_cast = |u: usize| -> i64 {

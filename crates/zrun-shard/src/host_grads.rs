@@ -2,11 +2,12 @@
 //! at stages 2-3, every step one micro-step announced by [`Engine::prepare_step`]
 //! ([`EngineConfig::one_micro_step`]) and no out-of-memory recovery, a unit's gradient shard
 //! is final as soon as its backward (and reduction) is done. It is made in a buffer of its
-//! own on the device, handed to the host optimizer (copied into the host's fp32 gradients,
+//! own on the device, handed to the host optimizer (copied into the host's gradients,
 //! asynchronously on CUDA, where the copy's stream keeps the buffer from reuse until it has
 //! read it) and dropped. The device keeps no gradient shard: for llama3.1-8b at W=1, 29.9 GiB
 //! of fp32 gradients. The gradient norm is summed unit by unit as each goes (on the device
-//! with CUDA, read back once at the step).
+//! with CUDA, read back once at the step). The host's gradients are fp32, or bf16 where they
+//! are exactly bf16 values ([`host_grad_kind`]), as is then the buffer on the device.
 //!
 //! With gradient accumulation the shards must be summed across micro-steps, and a step that
 //! runs out of memory is dropped with its gradients: both keep the device's gradient shard.
