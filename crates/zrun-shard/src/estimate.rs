@@ -363,9 +363,15 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
     // it is narrower than the host's); a tied parameter's part waits from its reader's
     // backward to its owner's.
     let (host_b, held_b) = cfg.host_grad_bytes(layout);
+    // Offloaded at stages 2-3, each unit's final gradient is copied to the host during the
+    // backward (the trainer announces the last micro-step; not with "shrink", whose copies
+    // wait for the step), from CUDA through a cast on the device where the device's dtype is
+    // narrower than the host's.
+    let offloaded = cfg.offload == Offload::Cpu;
+    let cast = offloaded && cfg.cuda && held_b != host_b;
+    let staged_in_backward = sharded_grads && (cfg.host_grads || !cfg.oom_recovery);
     let host_cast = |u: usize| -> i64 {
-        let cast = cfg.cuda && held_b != host_b;
-        if cfg.host_grads && cast {
+        if cast && staged_in_backward {
             layout.units[u].shard_len() * host_b
         } else {
             0
@@ -521,6 +527,14 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
     } else {
         0
     };
+    // Gradients staged for an offloaded update at the step go in pieces (stage 1's owned
+    // slices, or stages 2-3's shard with "shrink"), each cast on the device as above.
+    let staged_at_step = offloaded && !staged_in_backward && !cfg.host_grads;
+    let step_cast = if cast && staged_at_step {
+        host_b * owned_piece.min(crate::offload::STAGE_PIECE)
+    } else {
+        0
+    };
     walk.at(
         || "optimizer step".to_string(),
         &[
@@ -528,6 +542,7 @@ pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -
             ("allocator heap", heap),
             ("step buffers", step_buffers),
             ("gradient norm scratch", norm),
+            ("host copy's cast", step_cast),
         ],
     );
     // Evaluation: a forward without autograd at the evaluation batch.

@@ -201,6 +201,18 @@ unsafe fn slice_mut<'a, T>(base: *mut std::ffi::c_void, off: usize, len: usize) 
     unsafe { std::slice::from_raw_parts_mut((base as *mut T).add(off), len) }
 }
 
+/// Elements per piece of a gradient staged at the step ([`HostOptimizer::step`]): with CUDA
+/// and gradients narrower than the host's, the device casts each piece into a temporary of
+/// 4 bytes an element (256 MiB).
+pub(crate) const STAGE_PIECE: i64 = 1 << 26;
+
+/// `(offset, length)` of consecutive pieces of at most `piece` elements covering `n`.
+fn pieces(n: i64, piece: i64) -> impl Iterator<Item = (i64, i64)> {
+    (0..n)
+        .step_by(piece.max(1) as usize)
+        .map(move |off| (off, piece.min(n - off)))
+}
+
 /// Updates one unit's slice of the shard and writes its new parameters where they live in
 /// host memory; returns the copy still to make when they live on a device. Touches no
 /// libtorch state, only the memory of the buffers, so it may run on any thread.
@@ -426,14 +438,19 @@ impl HostOptimizer {
         let mut ready = self.staged.take();
         let mut first = self.staged_first.take();
         if let Some(segments) = segments {
-            // Every unit's gradient goes to its slice of the host gradients, unit 0's too.
+            // Every unit's gradient goes to its slice of the host gradients, unit 0's too, in
+            // pieces: from CUDA a copy into another dtype casts on the device first, into a
+            // temporary of the piece (of the whole gradient shard otherwise).
             self.in_spare = false;
             for g in segments {
-                let dst = self
-                    .grads
-                    .f_narrow(0, at, g.numel() as i64)
-                    .ctx("stage gradients", "-")?;
-                ready = self.stage_to(dst, g, "-")?.or(ready);
+                for (off, len) in pieces(g.numel() as i64, STAGE_PIECE) {
+                    let piece = g.f_narrow(0, off, len).ctx("stage gradients", "-")?;
+                    let dst = self
+                        .grads
+                        .f_narrow(0, at + off, len)
+                        .ctx("stage gradients", "-")?;
+                    ready = self.stage_to(dst, &piece, "-")?.or(ready);
+                }
                 at += g.numel() as i64;
             }
         }

@@ -96,3 +96,11 @@ fn staging_beside_a_delayed_update(kind: Kind) -> Result<()> {
     assert!(!unit0(&h).equal(&want), "the second update moved unit 0");
     Ok(())
 }
+
+#[test]
+fn staged_pieces_cover_a_gradient_exactly() {
+    assert_eq!(pieces(0, 4).count(), 0);
+    assert_eq!(pieces(8, 4).collect::<Vec<_>>(), [(0, 4), (4, 4)]);
+    assert_eq!(pieces(9, 4).collect::<Vec<_>>(), [(0, 4), (4, 4), (8, 1)]);
+    assert_eq!(pieces(3, 4).collect::<Vec<_>>(), [(0, 3)]);
+}
