@@ -3,11 +3,11 @@
 
 mod common;
 
-use common::{adamw, single, tokens};
+use common::{adamw, single, small_gpt, tokens};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
-use zrun_models::{forward_model, init_model_params, lm_loss, Gpt, GptConfig, Model};
+use zrun_models::{forward_model, init_model_params, lm_loss, Model};
 use zrun_optim::clip_coefficient;
 use zrun_shard::{Engine, EngineConfig, Offload, Stage};
 
@@ -19,16 +19,7 @@ const STEPS: u64 = 6;
 const TOL: f64 = 1e-5;
 
 fn model() -> Arc<dyn Model> {
-    let cfg = GptConfig {
-        vocab_size: 97,
-        seq_len: 24,
-        n_layer: 2,
-        n_head: 4,
-        d_model: 32,
-        init_std: 0.02,
-        tied: false,
-    };
-    Arc::new(Gpt::new(cfg).unwrap())
+    small_gpt(false)
 }
 
 /// Step `t`'s batch, from a local generator (libtorch's global one is shared by the tests).

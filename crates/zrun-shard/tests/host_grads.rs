@@ -4,25 +4,16 @@
 
 mod common;
 
-use common::{adamw, single, tokens};
+use common::{adamw, single, small_gpt, tokens};
 use std::sync::Arc;
 use tch::{Device, Tensor};
-use zrun_models::{Gpt, GptConfig, Model};
+use zrun_models::Model;
 use zrun_shard::{Engine, EngineConfig, Offload, Precision, Stage};
 
 const SEED: u64 = 13;
 
 fn model(tied: bool) -> Arc<dyn Model> {
-    let cfg = GptConfig {
-        vocab_size: 97,
-        seq_len: 24,
-        n_layer: 2,
-        n_head: 4,
-        d_model: 32,
-        init_std: 0.02,
-        tied,
-    };
-    Arc::new(Gpt::new(cfg).unwrap())
+    small_gpt(tied)
 }
 
 /// One setting of the offloaded engine.

@@ -17,6 +17,21 @@ pub fn single() -> Arc<dyn zrun_comm::Communicator> {
     Arc::from(comm.unwrap())
 }
 
+/// A GPT of 2 layers, width 32, 4 heads, 97 tokens of vocabulary and 24 positions;
+/// `tied`: its head reads the token embedding (GPT-2's tying).
+pub fn small_gpt(tied: bool) -> Arc<dyn zrun_models::Model> {
+    let cfg = zrun_models::GptConfig {
+        vocab_size: 97,
+        seq_len: 24,
+        n_layer: 2,
+        n_head: 4,
+        d_model: 32,
+        init_std: 0.02,
+        tied,
+    };
+    Arc::new(zrun_models::Gpt::new(cfg).unwrap())
+}
+
 /// The AdamW hyper-parameters of these tests (GPT-2's betas, decay 0.1).
 pub fn adamw() -> AdamWConfig {
     AdamWConfig {
