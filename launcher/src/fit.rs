@@ -230,14 +230,24 @@ fn print_rank(r: &RankEstimate, until: usize, limit: Option<i64>) {
         r.phase
     );
     let l = &r.ledger;
+    // With a GPU the offloaded optimizer's staging buffers are host memory too.
+    let host_buffers = (r.host_bytes - l.host).max(0);
+    let buffers = if host_buffers > 0 {
+        format!(
+            "{} on the device, {} on the host",
+            human(l.buffers - host_buffers),
+            human(host_buffers)
+        )
+    } else {
+        human(l.buffers)
+    };
     println!(
-        "  model states: parameters {}, gradients {}, fp32 master {}, AdamW m+v {}, on the host {}; fixed buffers {}",
+        "  model states: parameters {}, gradients {}, fp32 master {}, AdamW m+v {}, on the host {}; fixed buffers {buffers}",
         human(l.params),
         human(l.grads),
         human(l.master),
         human(l.optimizer),
         human(l.host),
-        human(l.buffers)
     );
     let terms: Vec<String> = r
         .terms
