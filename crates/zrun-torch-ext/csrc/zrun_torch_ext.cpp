@@ -502,7 +502,8 @@ int zrun_ext_sum_of_squares(const at::Tensor* const* tensors, size_t n, at::Tens
     for (size_t i = 0; i < n; ++i) {
       ts.push_back(*tensors[i]);
     }
-    at::Tensor norms = at::stack(at::_foreach_norm(ts, 2)).to(at::kDouble);
+    // fp32 norms whatever the dtype: a bf16 norm would round the sum to 2^-8.
+    at::Tensor norms = at::stack(at::_foreach_norm(ts, 2, at::kFloat)).to(at::kDouble);
     *out = new at::Tensor(norms.square().sum());
     return ZR_OK;
   });

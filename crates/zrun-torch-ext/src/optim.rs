@@ -144,6 +144,25 @@ mod tests {
     }
 
     #[test]
+    fn sum_of_squares_of_bf16_tensors_is_not_rounded_to_bf16() -> anyhow::Result<()> {
+        // A bf16 gradient's norm kept in fp32 (the gradients of a bf16 rank alone): its
+        // square within fp32 rounding of the exact sum, not bf16's 2^-8.
+        for seed in 0..4 {
+            let vals: Vec<f32> = (0..1000)
+                .map(|i| (((i * 7919 + seed * 104729) % 2003) as f32 - 1001.0) / 997.0)
+                .collect();
+            let b = Tensor::from_slice(&vals).to_kind(Kind::BFloat16);
+            let want: f64 = Vec::<f32>::try_from(b.to_kind(Kind::Float))?
+                .iter()
+                .map(|&v| f64::from(v) * f64::from(v))
+                .sum();
+            let got = sum_of_squares(&[b])?.double_value(&[]);
+            assert!((got - want).abs() <= 1e-6 * want, "{got} against {want}");
+        }
+        Ok(())
+    }
+
+    #[test]
     fn sum_of_squares_over_tensors_of_both_dtypes() -> anyhow::Result<()> {
         let a = Tensor::from_slice(&[3.0f32, 4.0]);
         let b = Tensor::from_slice(&[1.0f32, 2.0, 2.0]).to_kind(Kind::BFloat16);
