@@ -498,7 +498,8 @@ def check_8b(c):
                    if (e := estimate(c, "llama8b", [f"train.micro_batch={b}"])) and e["fits"]), 1)
     sets = [f"train.micro_batch={mb}"]
     # ZRUN_GPU_8B_SETS: more `--set` lines, separated by ";" (for example
-    # 'zero.reduce_dtype="bf16"', exact at one rank and one micro-step: docs/config.md).
+    # 'zero.offload_delay=1', or 'train.on_oom="shrink"', which keeps the gradients on the
+    # device: docs/memory.md).
     sets += [x for x in os.environ.get("ZRUN_GPU_8B_SETS", "").split(";") if x.strip()]
     e = estimate(c, "llama8b", sets)
     r = c.train("llama8b", "llama8b", 1, sets,
@@ -515,9 +516,12 @@ def check_8b(c):
     ms = [m for m in r["metrics"] if m.get("step", 0) > 5 and m.get("ranks")]
     parts = {k: statistics.median(m["ranks"][0][k] for m in ms)
              for k in ["forward_s", "backward_s", "comm_wait_s", "optimizer_s", "data_s"]} if ms else {}
+    mem = (summ.get("ranks") or [{}])[0].get("memory", {})
     out.update({
         "steady": s, "steps": summ["steps"], "step_parts_s": parts,
         "device_peak": dev, "host_peak": host,
+        # 0 where the gradients live on the host only (one micro-step a step, "stop")
+        "device_gradient_bytes": mem.get("grads"), "host_buffer_bytes": mem.get("buffers"),
         "device_estimate": e and e["peak_bytes"], "host_estimate": e and e["host_bytes"],
     })
     if e and dev:
