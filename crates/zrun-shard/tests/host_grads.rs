@@ -67,6 +67,7 @@ fn gradients_on_the_host_train_as_gradients_on_the_device() {
             (Precision::Bf16, true, None, true),
             (Precision::Bf16, false, Some(1), false),
             (Precision::Fp32, true, Some(0), true),
+            (Precision::Fp16, false, None, false),
         ] {
             for max_norm in [0.0, 0.05] {
                 cases.push(Case {
@@ -153,4 +154,45 @@ fn gradients_stay_on_the_device_where_a_step_may_need_them_later() {
     e.prepare_step(2e-3, 0.0);
     e.forward_backward(&x, &y, 1.0).unwrap();
     assert!(e.step(2e-3, 0.0).unwrap().applied);
+}
+
+#[test]
+fn an_fp16_overflow_is_skipped_on_the_host_as_on_the_device() {
+    // The gradients that overflowed went to the host before the step saw the norm: the
+    // step is skipped all the same, and the next ones apply.
+    let make = |one_micro_step| {
+        let cfg = EngineConfig {
+            precision: Precision::Fp16,
+            offload: Offload::Cpu,
+            oom_recovery: false,
+            one_micro_step,
+            initial_loss_scale: 2f64.powi(24), // overflows fp16 in backward
+            loss_scale_window: 20,
+            ..EngineConfig::fp32(Stage::Zero3, Device::Cpu, SEED, adamw())
+        };
+        Engine::new(model(false), single(), cfg).unwrap()
+    };
+    let run = |mut e: Engine| {
+        let mut out = Vec::new();
+        for t in 0..12 {
+            e.prepare_step(1e-2, 1.0);
+            let (x, y) = tokens(90 + t, 2, 24, 97);
+            let loss = e.forward_backward(&x, &y, 1.0).unwrap();
+            let s = e.step(1e-2, 1.0).unwrap();
+            out.push((loss, s.applied, s.loss_scale));
+        }
+        (out, e.full_parameters().unwrap())
+    };
+    let (want, want_p) = run(make(false));
+    let (got, got_p) = run(make(true));
+    assert!(
+        got.iter().any(|r| !r.1),
+        "the huge scale overflows: {got:?}"
+    );
+    assert!(got.iter().any(|r| r.1), "and then steps apply: {got:?}");
+    assert_eq!(got, want);
+    for ((n, a), (_, b)) in got_p.iter().zip(&want_p) {
+        let d = (a - b).abs().max().double_value(&[]);
+        assert!(d <= 1e-6, "{n} off by {d:e}");
+    }
 }
