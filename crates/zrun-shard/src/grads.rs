@@ -101,6 +101,28 @@ impl Engine {
         }
         Ok(acc)
     }
+
+    /// Gradients accumulated so far, by name (stages 0-1, before `step`: the unreduced sum
+    /// of this rank's micro-steps, times the loss scale).
+    pub fn local_gradients(&self) -> Result<Vec<(String, Tensor)>> {
+        if !matches!(self.cfg.stage, Stage::Zero0 | Stage::Zero1) {
+            return Err(Error::Unsupported(
+                "local_gradients needs full gradients (stage 0 or 1)".into(),
+            ));
+        }
+        let mut out = Vec::new();
+        for (u, l) in self.mover.layout.units.iter().enumerate() {
+            let flat = self.mover.unit_full(&self.grads, u)?;
+            // A stale region (no gradient yet this step) reads as zeros.
+            let flat = if self.stale[u] {
+                flat.f_zeros_like().ctx("zero gradients", &l.unit)?
+            } else {
+                flat
+            };
+            out.extend(l.views.iter().map(|v| v.name.clone()).zip(views(l, &flat)?));
+        }
+        Ok(out)
+    }
 }
 
 /// Lays each gradient `srcs[i]` into `dsts[i]`, copied over it or (`add`) added to it, cast to
