@@ -231,9 +231,17 @@ impl Engine {
         };
         let to_dev = |t: Tensor, kind: Kind| place(t, kind, dev);
         let init = |extent| init_buffer(model.as_ref(), &layout, cfg.seed, extent);
-        let params =
-            to_dev(init(param_extent)?, cfg.precision.kind()).ctx("place parameters", "-")?;
         let offloaded = cfg.offload == Offload::Cpu;
+        // Where the compute parameters hold the master's elements (the same extent, or a
+        // shard group of one, whose shard is every unit), they are the master's values cast,
+        // made from it instead of from a second pass of the initialiser.
+        let derived = (offloaded || cfg.precision != Precision::Fp32)
+            && (param_extent == master_extent || layout.world_size == 1);
+        let params = if derived {
+            None
+        } else {
+            Some(to_dev(init(param_extent)?, cfg.precision.kind()).ctx("place parameters", "-")?)
+        };
         if offloaded && !offload::supported(cfg.stage) {
             return Err(Error::Unsupported(
                 "zero.offload_optimizer = \"cpu\" needs a sharded optimizer: set zero.stage to 1, 2 or 3".into(),
@@ -250,6 +258,13 @@ impl Engine {
             _ => Some(
                 to_dev(init(master_extent)?, Kind::Float).ctx("place master parameters", "-")?,
             ),
+        };
+        let mut params = match (params, &master) {
+            (None, Some(m)) => Some(
+                m.f_to_kind(cfg.precision.kind())
+                    .ctx("place parameters", "-")?,
+            ),
+            (params, _) => params,
         };
         // The fp32 init buffers above were host temporaries of the rank's whole extent (on
         // CUDA 30 GiB each for an 8B model at W=1). The caching CPU allocator would keep
@@ -320,6 +335,16 @@ impl Engine {
                 init_into(model.as_ref(), &layout, cfg.seed, Extent::Shard, master)
             };
             let host = HostOptimizer::new(&layout, init_master, setup, grads_in_place)?;
+            if params.is_none() {
+                // A copy (or a cast), never an alias of the master.
+                let (m, kind) = (host.master(), cfg.precision.kind());
+                let p = if kind == Kind::Float && dev == Device::Cpu {
+                    m.f_empty_like().and_then(|mut p| p.f_copy_(m).map(|_| p))
+                } else {
+                    place(m.shallow_clone(), kind, dev)
+                };
+                params = Some(p.ctx("place parameters", "-")?);
+            }
             Optimizer::Host(Box::new(host))
         } else {
             Optimizer::Device(AdamW::new(opt_numel, dev, cfg.adamw, decay)?)
@@ -330,6 +355,8 @@ impl Engine {
             cfg.loss_scale_window,
         );
         let n_units = layout.units.len();
+        let params = params
+            .ok_or_else(|| Error::Unsupported("the compute parameters were not placed".into()))?;
         Ok(Engine {
             model,
             cfg,
