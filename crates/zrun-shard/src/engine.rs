@@ -12,7 +12,7 @@
 //! a separate contiguous fp32 buffer and the compute parameters are refreshed from it.
 //! The micro-step (forward and backward unit by unit) is in `micro.rs`.
 
-use crate::init::{init_buffer, init_into, place, Extent};
+use crate::init::{init_buffer, init_into, place, place_copy, Extent};
 use crate::layout::{ShardLayout, UnitLayout};
 use crate::offload::{self, HostOptimizer, HostSetup};
 use crate::scaler::LossScaler;
@@ -336,13 +336,7 @@ impl Engine {
             };
             let host = HostOptimizer::new(&layout, init_master, setup, grads_in_place)?;
             if params.is_none() {
-                // A copy (or a cast), never an alias of the master.
-                let (m, kind) = (host.master(), cfg.precision.kind());
-                let p = if kind == Kind::Float && dev == Device::Cpu {
-                    m.f_empty_like().and_then(|mut p| p.f_copy_(m).map(|_| p))
-                } else {
-                    place(m.shallow_clone(), kind, dev)
-                };
+                let p = place_copy(host.master(), cfg.precision.kind(), dev);
                 params = Some(p.ctx("place parameters", "-")?);
             }
             Optimizer::Host(Box::new(host))
@@ -703,51 +697,6 @@ impl Engine {
             applied,
             loss_scale,
         })
-    }
-
-    /// Every parameter by name as full fp32 tensors from the master copy (gathered from all
-    /// ranks where sharded: every rank must call). With a delayed update pending the master
-    /// includes it: these are the newest parameters, one update ahead of the compute ones.
-    pub fn full_parameters(&mut self) -> Result<Vec<(String, Tensor)>> {
-        let _guard = tch::no_grad_guard();
-        if let Optimizer::Host(h) = &mut self.optimizer {
-            h.finish()?;
-        }
-        // The fp32 source: the separate master, else the parameters themselves; it is a
-        // shard (to gather) except for stage 0's master and stages 0-2's fp32 parameters.
-        let (source, is_shard) = match (&self.optimizer, &self.master) {
-            (Optimizer::Host(h), _) => (
-                h.master()
-                    .f_to_device(self.cfg.device)
-                    .ctx("copy host master", "-")?,
-                true,
-            ),
-            (_, Some(m)) => (m.shallow_clone(), self.cfg.stage != Stage::Zero0),
-            (_, None) => (self.params.shallow_clone(), self.cfg.stage == Stage::Zero3),
-        };
-        let mut out = Vec::new();
-        for u in 0..self.units_len() {
-            let l = self.mover.layout.units[u].clone();
-            // A shard group of one holds each unit whole in its shard: copied as it is.
-            let flat = if is_shard && !self.mover.group_of_one() {
-                let p = self.mover.start_gather(&source, u)?;
-                let full = self.mover.finish_gather(p)?;
-                self.mover.untrack(&full);
-                full
-            } else {
-                self.mover
-                    .unit_full(&source, u)?
-                    .f_detach_copy()
-                    .ctx("copy parameters", &l.unit)?
-            };
-            out.extend(
-                l.views
-                    .iter()
-                    .map(|v| v.name.clone())
-                    .zip(views(&l, &flat)?),
-            );
-        }
-        Ok(out)
     }
 }
 

@@ -95,6 +95,18 @@ pub(crate) fn place(t: Tensor, kind: Kind, dev: Device) -> std::result::Result<T
     place_in_chunks(t, kind, dev, PLACE_CHUNK)
 }
 
+/// As [`place`], from a buffer that stays the caller's: a new tensor, never an alias of `t`.
+pub(crate) fn place_copy(
+    t: &Tensor,
+    kind: Kind,
+    dev: Device,
+) -> std::result::Result<Tensor, TchError> {
+    if t.kind() == kind && t.device() == dev {
+        return t.f_empty_like().and_then(|mut p| p.f_copy_(t).map(|_| p));
+    }
+    place(t.shallow_clone(), kind, dev)
+}
+
 fn place_in_chunks(
     t: Tensor,
     kind: Kind,
@@ -134,6 +146,16 @@ mod tests {
                 assert_eq!(got.kind(), kind);
                 assert!(got.equal(&want), "{kind:?} in chunks of {chunk}");
             }
+        }
+    }
+
+    #[test]
+    fn a_placed_copy_never_aliases_its_source() {
+        let t = Tensor::randn([100], (Kind::Float, Device::Cpu));
+        for kind in [Kind::Float, Kind::BFloat16] {
+            let got = place_copy(&t, kind, Device::Cpu).unwrap();
+            assert_ne!(got.data_ptr(), t.data_ptr(), "{kind:?}");
+            assert!(got.equal(&t.to_kind(kind)), "{kind:?}");
         }
     }
 }

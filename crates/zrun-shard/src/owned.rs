@@ -1,8 +1,8 @@
 //! What a rank's optimizer reads and writes: its owned slices of the gradients, of the fp32
 //! master and of the compute parameters, and the compute parameters brought up to date from
-//! the master after an update.
+//! the master after an update; and every parameter whole, from the master.
 
-use crate::engine::Engine;
+use crate::engine::{views, Engine, Optimizer};
 use crate::{Context, Result, Stage};
 use tch::Tensor;
 
@@ -74,5 +74,50 @@ impl Engine {
             }
         }
         Ok(())
+    }
+
+    /// Every parameter by name as full fp32 tensors from the master copy (gathered from all
+    /// ranks where sharded: every rank must call). With a delayed update pending the master
+    /// includes it: these are the newest parameters, one update ahead of the compute ones.
+    pub fn full_parameters(&mut self) -> Result<Vec<(String, Tensor)>> {
+        let _guard = tch::no_grad_guard();
+        if let Optimizer::Host(h) = &mut self.optimizer {
+            h.finish()?;
+        }
+        // The fp32 source: the separate master, else the parameters themselves; it is a
+        // shard (to gather) except for stage 0's master and stages 0-2's fp32 parameters.
+        let (source, is_shard) = match (&self.optimizer, &self.master) {
+            (Optimizer::Host(h), _) => (
+                h.master()
+                    .f_to_device(self.cfg.device)
+                    .ctx("copy host master", "-")?,
+                true,
+            ),
+            (_, Some(m)) => (m.shallow_clone(), self.cfg.stage != Stage::Zero0),
+            (_, None) => (self.params.shallow_clone(), self.cfg.stage == Stage::Zero3),
+        };
+        let mut out = Vec::new();
+        for u in 0..self.units_len() {
+            let l = self.mover.layout.units[u].clone();
+            // A shard group of one holds each unit whole in its shard: copied as it is.
+            let flat = if is_shard && !self.mover.group_of_one() {
+                let p = self.mover.start_gather(&source, u)?;
+                let full = self.mover.finish_gather(p)?;
+                self.mover.untrack(&full);
+                full
+            } else {
+                self.mover
+                    .unit_full(&source, u)?
+                    .f_detach_copy()
+                    .ctx("copy parameters", &l.unit)?
+            };
+            out.extend(
+                l.views
+                    .iter()
+                    .map(|v| v.name.clone())
+                    .zip(views(&l, &flat)?),
+            );
+        }
+        Ok(out)
     }
 }
