@@ -47,20 +47,20 @@ pub(crate) fn applies(cfg: &EngineConfig) -> bool {
     gradients_on_host(cfg.stage, cfg.offload, cfg.one_micro_step, cfg.oom_recovery)
 }
 
-/// The sum of the squares of the gradients handed to the host this step: in f64 on CPU, as
-/// 0-d tensors on a CUDA device (nothing read back until the step).
+/// The sum of the squares of the gradients handed to the host this step: in f64 on CPU; on
+/// a CUDA device each unit's fp32 norm, one reduction each, squared and summed in fp64 at the
+/// step (nothing read back until then).
 #[derive(Default)]
 pub(crate) struct Squares {
     host: f64,
-    device: Vec<Tensor>,
+    norms: Vec<Tensor>,
 }
 
 impl Squares {
     fn add(&mut self, g: &Tensor) -> Result<()> {
         if g.device().is_cuda() {
-            let s = zrun_torch_ext::sum_of_squares(&[g.shallow_clone()])
-                .map_err(|e| Error::Kernel("gradient norm", e))?;
-            self.device.push(s);
+            let n = zrun_torch_ext::norm_f32(g).map_err(|e| Error::Kernel("gradient norm", e))?;
+            self.norms.push(n);
         } else {
             self.host += crate::norm::sum_of_squares(g)?;
         }
@@ -70,11 +70,13 @@ impl Squares {
     /// The sum so far (one read of the device), and from now on zero.
     pub(crate) fn take(&mut self) -> Result<f64> {
         let host = std::mem::take(&mut self.host);
-        let parts = std::mem::take(&mut self.device);
-        if parts.is_empty() {
+        let norms = std::mem::take(&mut self.norms);
+        if norms.is_empty() {
             return Ok(host);
         }
-        let device = Tensor::f_stack(&parts, 0)
+        let device = Tensor::f_stack(&norms, 0)
+            .and_then(|t| t.f_to_kind(Kind::Double))
+            .and_then(|t| t.f_square())
             .and_then(|t| t.f_sum(Kind::Double))
             .and_then(|t| t.f_double_value(&[]))
             .ctx("gradient norm", "-")?;

@@ -13,6 +13,7 @@
 #include <ATen/ops/_foreach_norm.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linalg_vector_norm.h>
 #include <ATen/ops/stack.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/AllocatorConfig.h>
@@ -505,6 +506,16 @@ int zrun_ext_sum_of_squares(const at::Tensor* const* tensors, size_t n, at::Tens
     // fp32 norms whatever the dtype: a bf16 norm would round the sum to 2^-8.
     at::Tensor norms = at::stack(at::_foreach_norm(ts, 2, at::kFloat)).to(at::kDouble);
     *out = new at::Tensor(norms.square().sum());
+    return ZR_OK;
+  });
+}
+
+// The 2-norm of *t as a 0-d fp32 tensor on its device (fp32 accumulation whatever the
+// dtype): one reduction, nothing read back.
+int zrun_ext_norm_f32(const at::Tensor* t, at::Tensor** out, char** err) {
+  return guard(err, [&] {
+    *out = new at::Tensor(
+        at::linalg_vector_norm(*t, 2, at::OptionalIntArrayRef{}, false, at::kFloat));
     return ZR_OK;
   });
 }

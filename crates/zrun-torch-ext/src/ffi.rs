@@ -92,6 +92,11 @@ extern "C" {
         out: *mut *mut c_void,
         err: *mut *mut c_char,
     ) -> c_int;
+    pub(crate) fn zrun_ext_norm_f32(
+        t: *const c_void,
+        out: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
     pub(crate) fn zrun_ext_empty_pinned(
         like: *const c_void,
         numel: i64,

@@ -68,7 +68,7 @@ pub use error::Error;
 pub use kernels::optim::{adamw_pieces, cast_into, AdamCoeffs, AdamPiece, AdamPlan, CastPiece};
 pub use loss::{ce_rows, fused_linear_cross_entropy, linear_cross_entropy};
 pub use norm::rms_norm;
-pub use optim::{fused_adam, sum_of_squares, AdamStep};
+pub use optim::{fused_adam, norm_f32, sum_of_squares, AdamStep};
 pub use pinned::empty_pinned_exact;
 pub use profile::{profiler_start, profiler_stop};
 pub use rope::{rope, rope_raw};

@@ -100,6 +100,19 @@ pub fn sum_of_squares(tensors: &[Tensor]) -> Result<Tensor, Error> {
     }
 }
 
+/// The 2-norm of `t` as a 0-d fp32 tensor on its device, accumulated in fp32 whatever its
+/// dtype: one reduction, nothing read back.
+pub fn norm_f32(t: &Tensor) -> Result<Tensor, Error> {
+    let op = || format!("norm_f32({:?} {:?})", t.kind(), t.size());
+    // SAFETY: `t` is a live tensor borrowed for the call; the other pointers are
+    // `tensor_out`'s, and the shim writes a fresh tensor on success.
+    unsafe {
+        ffi::tensor_out(op, |out, err| {
+            ffi::zrun_ext_norm_f32(t.as_ptr().cast(), out, err)
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -159,6 +172,24 @@ mod tests {
             let got = sum_of_squares(&[b])?.double_value(&[]);
             assert!((got - want).abs() <= 1e-6 * want, "{got} against {want}");
         }
+        Ok(())
+    }
+
+    #[test]
+    fn the_norm_of_a_bf16_tensor_is_accumulated_and_kept_in_fp32() -> anyhow::Result<()> {
+        let vals: Vec<f32> = (0..1000)
+            .map(|i| ((i * 7919) % 2003) as f32 / 997.0 - 1.0)
+            .collect();
+        let b = Tensor::from_slice(&vals).to_kind(Kind::BFloat16);
+        let want: f64 = Vec::<f32>::try_from(b.to_kind(Kind::Float))?
+            .iter()
+            .map(|&v| f64::from(v) * f64::from(v))
+            .sum::<f64>()
+            .sqrt();
+        let n = norm_f32(&b)?;
+        assert_eq!((n.kind(), n.dim()), (Kind::Float, 0));
+        let got = n.double_value(&[]);
+        assert!((got - want).abs() <= 1e-6 * want, "{got} against {want}");
         Ok(())
     }
 
