@@ -477,6 +477,13 @@ impl Run {
                      each update overlaps the next step's forward and backward, which run on \
                      parameters one update stale"
                 );
+                // Measured (docs/config.md): gpt2-medium at lr 3e-4 stalls with it.
+                tracing::warn!(
+                    "zero.offload_delay = 1 lowers the largest learning rate that trains \
+                     (stale updates through AdamW's momentum): at lr {} compare the loss with \
+                     a run with zero.offload_delay = 0 (docs/config.md)",
+                    t.lr
+                );
             } else if self.engine.can_overlap_step(t.grad_clip) {
                 tracing::info!("CPU AdamW: each unit updates during backward, once its gradient shard is reduced");
             } else {
