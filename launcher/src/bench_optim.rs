@@ -55,8 +55,8 @@ impl State {
     /// ATen's step: the fused AdamW over the decayed pieces and over the rest, then the
     /// cast of the master into the bf16 parameters.
     fn aten(&self, decayed: &[bool], device: Device) -> anyhow::Result<()> {
-        let step = Tensor::f_full([1], COEFFS.step as f64, (Kind::Float, device))?;
-        let scale = Tensor::f_full([1], 1.0 / COEFFS.grad_factor, (Kind::Float, device))?;
+        let full = |v: f64| zrun_torch_ext::scalar::full(&[1], v, (Kind::Float, device));
+        let (step, scale) = (full(COEFFS.step as f64)?, full(1.0 / COEFFS.grad_factor)?);
         for decay in [true, false] {
             let pick = |ts: &[Tensor]| -> Vec<Tensor> {
                 ts.iter()

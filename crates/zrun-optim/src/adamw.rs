@@ -1,8 +1,9 @@
 //! AdamW (decoupled weight decay) over one flat fp32 buffer, as `torch.optim.AdamW`.
 
 use crate::segments::Segments;
-use crate::{inplace, torch, Error, Result};
+use crate::{inplace, scalar, torch, Error, Result};
 use tch::{Device, Kind, Tensor};
+use zrun_torch_ext::scalar as sc;
 
 /// Elements updated per kernel round: small enough that parameter, gradient, m, v and the
 /// scratch stay in cache between the few kernels of one round.
@@ -219,10 +220,7 @@ impl AdamW {
         }
         if grad_factor != 1.0 && !mixed {
             for t in grads {
-                inplace(
-                    "scale gradients",
-                    t.shallow_clone().f_mul_scalar_(grad_factor),
-                )?;
+                scalar("scale gradients", sc::mul_(t, grad_factor))?;
             }
         }
         let c = self.cfg;
@@ -230,7 +228,7 @@ impl AdamW {
             let keep = 1.0 - lr * c.weight_decay;
             for &(off, len) in &self.decay_ranges {
                 Segments::pieces(&[&p], off, len, |o, l| {
-                    inplace("weight decay", p.view(o, l)?.f_mul_scalar_(keep))
+                    scalar("weight decay", sc::mul_(&p.view(o, l)?, keep))
                 })?;
             }
         }
@@ -242,8 +240,8 @@ impl AdamW {
             let len = CHUNK.min(self.numel - off);
             Segments::pieces(&[&p, &g], off, len, |o, l| {
                 let (mut pv, gv) = (p.view(o, l)?, g.view(o, l)?);
-                let mut m = self.m.f_narrow(0, o, l)?;
-                let mut v = self.v.f_narrow(0, o, l)?;
+                let m = self.m.f_narrow(0, o, l)?;
+                let v = self.v.f_narrow(0, o, l)?;
                 let mut d = self.scratch.f_narrow(0, 0, l)?;
                 // m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2 (as lerps, no temporaries)
                 if mixed {
@@ -251,21 +249,21 @@ impl AdamW {
                     // would be: the same values as with fp32 gradients.
                     torch("AdamW gradient", d.f_copy_(&gv))?;
                     if grad_factor != 1.0 {
-                        inplace("scale gradients", d.f_mul_scalar_(grad_factor))?;
+                        scalar("scale gradients", sc::mul_(&d, grad_factor))?;
                     }
-                    inplace("AdamW m", m.f_lerp_(&d, 1.0 - c.beta1))?;
+                    scalar("AdamW m", sc::lerp_(&m, &d, 1.0 - c.beta1))?;
                     inplace("AdamW g^2", d.f_square_())?;
                 } else {
-                    inplace("AdamW m", m.f_lerp_(&gv, 1.0 - c.beta1))?;
+                    scalar("AdamW m", sc::lerp_(&m, &gv, 1.0 - c.beta1))?;
                     inplace("AdamW g^2", gv.f_mul_out(&d, &gv))?;
                 }
-                inplace("AdamW v", v.f_lerp_(&d, 1.0 - c.beta2))?;
+                scalar("AdamW v", sc::lerp_(&v, &d, 1.0 - c.beta2))?;
                 // d = m / (sqrt(v) / sqrt(bc2) + eps);  p -= lr / bc1 * d
                 inplace("AdamW denom", v.f_sqrt_out(&d))?;
-                inplace("AdamW denom", d.f_div_scalar_(bc2_sqrt))?;
-                inplace("AdamW denom", d.f_add_scalar_(c.eps))?;
+                scalar("AdamW denom", sc::div_(&d, bc2_sqrt))?;
+                scalar("AdamW denom", sc::add_(&d, c.eps))?;
                 inplace("AdamW ratio", m.f_div_out(&d, &d))?;
-                inplace("AdamW ratio", d.f_mul_scalar_(-step_size))?;
+                scalar("AdamW ratio", sc::mul_(&d, -step_size))?;
                 inplace("AdamW update", pv.f_add_(&d))
             })?;
             off += len;
@@ -393,9 +391,9 @@ impl AdamW {
         let Some([step, scale]) = self.fused.as_mut() else {
             unreachable!("fused_update without fused state")
         };
-        inplace("AdamW step count", step.f_fill_(self.step as f64))?;
+        scalar("AdamW step count", sc::fill_(step, self.step as f64))?;
         let scale = if grad_factor != 1.0 {
-            inplace("AdamW grad scale", scale.f_fill_(1.0 / grad_factor))?;
+            scalar("AdamW grad scale", sc::fill_(scale, 1.0 / grad_factor))?;
             Some(&*scale)
         } else {
             None

@@ -76,6 +76,18 @@ pub(crate) fn torch<T>(op: &'static str, r: std::result::Result<T, tch::TchError
     r.map_err(|source| Error::Torch { op, source })
 }
 
+/// An in-place op with a scalar through [`zrun_torch_ext::scalar`]: an error where tch's own
+/// would panic.
+pub(crate) fn scalar(
+    op: &'static str,
+    r: std::result::Result<(), zrun_torch_ext::Error>,
+) -> Result<()> {
+    r.map_err(|e| Error::Torch {
+        op,
+        source: tch::TchError::Torch(e.to_string()),
+    })
+}
+
 /// Runs an in-place libtorch op, dropping the returned handle to the same tensor.
 pub(crate) fn inplace(
     op: &'static str,

@@ -308,8 +308,12 @@ impl Engine {
             let (root, seed) = match upstream.take() {
                 Some(g) => (output, g),
                 None => {
-                    let seed = Tensor::f_full([], loss_seed, (output.kind(), output.device()))
-                        .ctx("loss seed", name)?;
+                    let seed = zrun_torch_ext::scalar::full(
+                        &[],
+                        loss_seed,
+                        (output.kind(), output.device()),
+                    )
+                    .map_err(|e| Error::Kernel("loss seed", e))?;
                     (output, seed)
                 }
             };

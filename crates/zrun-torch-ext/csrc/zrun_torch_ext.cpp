@@ -510,6 +510,27 @@ int zrun_ext_sum_of_squares(const at::Tensor* const* tensors, size_t n, at::Tens
   });
 }
 
+// In place on *t with the scalar v: 0 t *= v, 1 t /= v, 2 t += v, 3 t.fill_(v),
+// 4 t.lerp_(*other, v), 5 t.masked_fill_(*other, v). For callers that must get an error
+// and not a panic: tch frees the Scalar it makes for f_mul_scalar_ and the like before it
+// reads the call's error, and that free unwraps the pending error. Here the scalar is C++'s.
+int zrun_ext_scalar_op_(const at::Tensor* t, const at::Tensor* other, int32_t op, double v,
+                        char** err) {
+  return guard(err, [&] {
+    at::Tensor x = *t;
+    switch (op) {
+      case 0: x.mul_(v); break;
+      case 1: x.div_(v); break;
+      case 2: x.add_(v); break;
+      case 3: x.fill_(v); break;
+      case 4: x.lerp_(*other, v); break;
+      case 5: x.masked_fill_(*other, v); break;
+      default: return refuse(err, "unknown scalar op " + std::to_string(op));
+    }
+    return ZR_OK;
+  });
+}
+
 // The 2-norm of *t as a 0-d fp32 tensor on its device (fp32 accumulation whatever the
 // dtype): one reduction, nothing read back.
 int zrun_ext_norm_f32(const at::Tensor* t, at::Tensor** out, char** err) {

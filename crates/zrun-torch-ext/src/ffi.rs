@@ -92,6 +92,13 @@ extern "C" {
         out: *mut *mut c_void,
         err: *mut *mut c_char,
     ) -> c_int;
+    pub(crate) fn zrun_ext_scalar_op_(
+        t: *const c_void,
+        other: *const c_void,
+        op: i32,
+        v: f64,
+        err: *mut *mut c_char,
+    ) -> c_int;
     pub(crate) fn zrun_ext_norm_f32(
         t: *const c_void,
         out: *mut *mut c_void,

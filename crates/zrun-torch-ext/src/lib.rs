@@ -50,6 +50,7 @@ mod pinned;
 mod profile;
 pub mod rng;
 mod rope;
+pub mod scalar;
 mod storage;
 mod swiglu;
 

@@ -27,24 +27,32 @@ fn torch(op: &str) -> impl Fn(tch::TchError) -> Error + '_ {
     move |e| Error::Unsupported(format!("sample: libtorch op `{op}` failed: {e}"))
 }
 
+fn shim(op: &str) -> impl Fn(zrun_torch_ext::Error) -> Error + '_ {
+    move |e| Error::Unsupported(format!("sample: libtorch op `{op}` failed: {e}"))
+}
+
 /// The next token from the logits (V) of the last position.
 fn pick(logits: &Tensor, o: &SampleOptions) -> Result<i64, Error> {
-    let logits = logits.f_to_kind(Kind::Float).map_err(torch("to_kind"))?;
+    // A copy, even of fp32 logits: changed in place below.
+    let logits = logits
+        .f_to_dtype(Kind::Float, false, true)
+        .map_err(torch("to_kind"))?;
     if o.greedy {
         return logits
             .f_argmax(-1, false)
             .and_then(|t| t.f_int64_value(&[]))
             .map_err(torch("argmax"));
     }
-    let mut l = logits.f_div_scalar(o.temperature).map_err(torch("div"))?;
+    // In place on that fp32 copy (zrun_torch_ext::scalar: an error, not tch's panic).
+    let l = logits;
+    zrun_torch_ext::scalar::div_(&l, o.temperature).map_err(shim("div"))?;
     if let Some(k) = o.top_k {
         let k = k.min(l.size()[0]);
         let (top, _) = l.f_topk(k, -1, true, true).map_err(torch("topk"))?;
         let kth = top.f_select(0, k - 1).map_err(torch("select"))?;
         let below = l.f_lt_tensor(&kth).map_err(torch("lt"))?;
-        l = l
-            .f_masked_fill(&below, f64::NEG_INFINITY)
-            .map_err(torch("masked_fill"))?;
+        zrun_torch_ext::scalar::masked_fill_(&l, &below, f64::NEG_INFINITY)
+            .map_err(shim("masked_fill"))?;
     }
     l.f_softmax(-1, Kind::Float)
         .and_then(|p| p.f_multinomial(1, false))

@@ -276,9 +276,8 @@ fn adamw_against(device: Device, kernel: AdamSide) -> Result<(), Error> {
                 }
                 return Ok(());
             }
-            let step_t = Tensor::f_full([1], step as f64, (Kind::Float, device)).map_err(e)?;
-            let scale =
-                Tensor::f_full([1], 1.0 / c.grad_factor, (Kind::Float, device)).map_err(e)?;
+            let step_t = crate::scalar::full(&[1], step as f64, (Kind::Float, device))?;
+            let scale = crate::scalar::full(&[1], 1.0 / c.grad_factor, (Kind::Float, device))?;
             for &(at, n, decay) in &parts {
                 // ATen's kernel writes the unscaled gradient back: it gets a copy.
                 let gf = view(&g, at, n)?.to_kind(Kind::Float);
