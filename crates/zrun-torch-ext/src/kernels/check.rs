@@ -403,7 +403,7 @@ mod tests {
             let g = p.grad.to_kind(Kind::Float) * c.grad_factor;
             let mut master = p.param.shallow_clone();
             if p.decay {
-                let _ = master.f_mul_scalar_(1.0 - c.lr * c.weight_decay);
+                crate::scalar::mul_(&master, 1.0 - c.lr * c.weight_decay)?;
             }
             let m = &p.exp_avg * c.beta1 + &g * (1.0 - c.beta1);
             let v = &p.exp_avg_sq * c.beta2 + &g * &g * (1.0 - c.beta2);
