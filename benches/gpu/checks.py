@@ -784,6 +784,10 @@ def table(results):
             fig = (f"delayed step x{r['delayed_over_bound']:.2f} of max(no offload, CPU AdamW), "
                    + (f"loss gap {r['loss_gap']:.2%}" if r.get("loss_gap") is not None
                       else "loss gap not measured (check K)"))
+        elif key == "delay_loss" and "by_lr" in r:
+            fig = "  ".join(f"lr {lr}: loss {v['loss_last10']['offload']:.3f} undelayed, "
+                            f"{v['loss_last10']['offload delay 1']:.3f} delayed (gap {v['loss_gap']:.1%})"
+                            for lr, v in r["by_lr"].items())
         elif key == "nccl_kill":
             fig = f"exit {r.get('rc')} {r.get('exit_after_kill_s')} s after the kill, named {r.get('named')}"
         elif key == "nccl":
