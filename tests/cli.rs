@@ -226,6 +226,18 @@ fn offload_delay_without_offload_or_out_of_range_is_refused() {
         ],
         &["zero.offload_delay", "train.on_oom = \"shrink\""],
     );
+    rejects(
+        &[
+            c,
+            "--set",
+            "zero.stage=2",
+            "--set",
+            "zero.offload_optimizer=\"cpu\"",
+            "--set",
+            "zero.offload_delay_fresh=true",
+        ],
+        &["zero.offload_delay_fresh", "set zero.offload_delay = 1"],
+    );
 }
 
 #[test]

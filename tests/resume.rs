@@ -524,3 +524,33 @@ fn a_checkpoint_taken_with_a_delayed_update_pending_resumes_bitwise() {
         assert!((got[0].1 - want[0].1).abs() * 10.0 < off_by, "{name}");
     }
 }
+
+#[test]
+fn a_split_delayed_update_resumes_bitwise() {
+    // As above with zero.offload_delay_fresh: the resumed run rebuilds the base of update 6
+    // from the loaded state and step 6's learning rate, as the job of update 5 wrote it.
+    let fresh = ["zero.offload_delay_fresh=true"];
+    let with_fresh = |dir: &Path| {
+        let mut a = args(2, &delayed_sets(dir, 10, 5));
+        a.extend(set(fresh[0].to_string()));
+        a
+    };
+    let whole = scratch("rs-fresh-whole");
+    let o = run(&with_fresh(&whole), &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ckpt5 = whole.join("ckpt/step-00000005");
+    let m = common::read_json(&ckpt5.join("manifest.json"));
+    assert_eq!(m["delayed_params"], true);
+    let want = losses_after(&whole, 5);
+    let same = resume_delayed(&ckpt5, "rs-fresh-resumed", 2, &fresh);
+    assert_eq!(losses_after(&same, 5), want);
+    let files =
+        |d: &Path| common::read_json(&d.join("ckpt/step-00000010/manifest.json"))["files"].clone();
+    assert_eq!(files(&same), files(&whole));
+    // The split is in effect: the plain delay's run differs from step 4 on.
+    let plain = scratch("rs-fresh-plain");
+    let o = run(&args(2, &delayed_sets(&plain, 5, 5)), &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (p, f) = (losses_after(&plain, 3), losses_after(&whole, 3));
+    assert!((p[0].1 - f[0].1).abs() > 1e-6, "{p:?} {f:?}");
+}

@@ -14,7 +14,7 @@ mod segments;
 
 pub use adamw::{AdamW, AdamWConfig};
 pub use clip::clip_coefficient;
-pub use cpu_adam::{Bf16, CpuAdamW, Grad, HalfKind, MomentSlices, StateDtype};
+pub use cpu_adam::{BaseOut, Bf16, CpuAdamW, Grad, HalfKind, MomentSlices, Prediction, StateDtype};
 pub use schedule::LrSchedule;
 pub use segments::Segments;
 

@@ -61,6 +61,10 @@ pub(crate) struct Delay {
     /// Stale parameters read from a checkpoint (fp32, this rank's shard), until the load
     /// completes.
     pub loaded: Option<Tensor>,
+    /// The learning rate of the next update, for a split update's base (`fresh.rs`).
+    pub next_lr: Option<f64>,
+    /// A split update's v on the device (bf16, shard layout; allocated at its first step).
+    pub v: Option<Tensor>,
 }
 
 /// Queues the copy of unit `u`'s slice of `src` (the shard-layout buffer a finished delayed
@@ -134,7 +138,16 @@ impl Engine {
                     "zero.offload_delay needs zero.offload_optimizer = \"cpu\"".into(),
                 ));
             };
-            h.finish_each(units, |u| refresh_unit(mover, params, stage, &src, u))?;
+            let v = h.split_v().map(Tensor::shallow_clone);
+            let dev_v = self.delay.v.as_ref();
+            h.finish_each(units, |u| {
+                refresh_unit(mover, params, stage, &src, u)?;
+                // A split update's v too (`fresh.rs`), before a step that is not delayed.
+                match (&v, dev_v) {
+                    (Some(v), Some(d)) => crate::fresh::copy_v(mover, d, v, u),
+                    _ => Ok(()),
+                }
+            })?;
             h.refreshed_queued()?;
             if matches!(stage, Stage::Zero1 | Stage::Zero2) {
                 self.mover.all_gather_units(&self.params)?;
@@ -156,6 +169,9 @@ impl Engine {
         grad_scale: f64,
         applied: bool,
     ) -> Result<()> {
+        if self.cfg.fresh() {
+            return self.fresh_step(segments, lr, grad_scale, applied);
+        }
         self.catch_up()?;
         if !applied {
             return Ok(());
@@ -166,7 +182,7 @@ impl Engine {
                 "zero.offload_delay needs zero.offload_optimizer = \"cpu\"".into(),
             ));
         };
-        h.submit_deferred(&self.mover.layout, segments, lr, grad_scale)?;
+        h.submit_deferred(&self.mover.layout, segments, lr, grad_scale, lr)?;
         self.delay.behind = true;
         self.delay.submitted = true;
         Ok(())

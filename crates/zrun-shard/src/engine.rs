@@ -60,6 +60,11 @@ pub struct EngineConfig {
     /// ZeRO-Offload's delayed parameter update (offload only; `delay.rs`): `Some(w)` applies
     /// every update after the first `w` one step late; `None`: off.
     pub offload_delay: Option<u64>,
+    /// The delayed update split (`zero.offload_delay_fresh`, `fresh.rs`): the device applies
+    /// each gradient's own share of its update at once and the CPU the rest one step ahead,
+    /// so the next forward runs on nearly the undelayed model. Needs `offload_delay`; the
+    /// device then keeps its gradient shard and v (bf16) until the step's end.
+    pub offload_delay_fresh: bool,
     /// Hybrid sharding (`zero.shard_group`, stages 1-3): `Some(g)` shards the model states
     /// over groups of `g` consecutive ranks (`g` divides the world size) and replicates them
     /// across the groups; `None`: one group of all ranks. Ignored at stage 0.
@@ -75,6 +80,11 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
+    /// Whether delayed updates are split (`offload_delay_fresh` with a delay).
+    pub(crate) fn fresh(&self) -> bool {
+        self.offload_delay_fresh && self.offload_delay.is_some()
+    }
+
     /// fp32 at `stage` with the defaults for everything else.
     pub fn fp32(stage: Stage, device: Device, seed: u64, adamw: AdamWConfig) -> EngineConfig {
         EngineConfig {
@@ -93,6 +103,7 @@ impl EngineConfig {
             adamw,
             oom_recovery: true,
             offload_delay: None,
+            offload_delay_fresh: false,
             shard_group: None,
             loss_chunk: zrun_models::LOSS_CHUNK,
             one_micro_step: false,
@@ -289,6 +300,14 @@ impl Engine {
         };
         let grads = Tensor::f_zeros([grad_numel], (cfg.reduce_dtype.kind(), dev))
             .ctx("allocate gradients", "-")?;
+        // A split delayed update's v on the device, bf16 in shard layout (`fresh.rs`).
+        let fresh_v = match offloaded && cfg.fresh() {
+            true => Some(
+                Tensor::f_zeros([layout.shard_numel()], (Kind::BFloat16, dev))
+                    .ctx("allocate v on the device", "-")?,
+            ),
+            false => None,
+        };
         let reserve_bytes = crate::recover::reserve_bytes(
             &layout,
             cfg.stage,
@@ -328,6 +347,7 @@ impl Engine {
                 precision: cfg.precision,
                 device: dev,
                 delayed: cfg.offload_delay.is_some(),
+                fresh: cfg.fresh(),
                 grad_kind: host_grad_kind,
             };
             let grads_in_place = in_place.then(|| grads.shallow_clone());
@@ -370,6 +390,7 @@ impl Engine {
             last_announced: false,
             delay: crate::delay::Delay {
                 warmup: cfg.offload_delay,
+                v: fresh_v,
                 ..Default::default()
             },
             times: StepTimes::default(),
@@ -470,6 +491,8 @@ impl Engine {
             Optimizer::Device(a) => (a.state_bytes(), 0, 0, a.scratch_bytes()),
             Optimizer::Host(h) => (0, h.state_bytes(), h.buffer_bytes(), 0),
         };
+        // A split delayed update's v on the device (`fresh.rs`).
+        let optimizer = optimizer + self.delay.v.as_ref().map_or(0, bytes);
         MemoryLedger {
             params: bytes(&self.params),
             grads: bytes(&self.grads),

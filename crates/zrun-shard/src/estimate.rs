@@ -40,6 +40,9 @@ pub struct EstimateConfig {
     /// Whether updates are delayed (`zero.offload_delay`): the host then keeps a gradient
     /// copy of its own.
     pub offload_delay: bool,
+    /// Whether delayed updates are split (`zero.offload_delay_fresh`): v (bf16) on the
+    /// device, v and (without a 16-bit staging buffer) an fp32 base on the host.
+    pub offload_delay_fresh: bool,
     /// Logits per chunk of the head's matmul and the loss (0: all logits at once).
     pub loss_chunk: i64,
     /// Whether gradients live on the host only ([`crate::gradients_on_host`]): the device
@@ -203,7 +206,15 @@ impl MemoryLedger {
             } else {
                 0
             };
-            m.buffers = grads + spare + staging + reserve;
+            // A split delayed update: v on the device (bf16, counted as optimizer state on
+            // it), and on the host v and the base where no staging buffer holds it.
+            let split = if cfg.offload_delay && cfg.offload_delay_fresh {
+                m.optimizer = 2 * shard;
+                2 * shard + if staging == 0 { 4 * shard } else { 0 }
+            } else {
+                0
+            };
+            m.buffers = grads + spare + staging + split + reserve;
         } else {
             let owned = if cfg.stage == Stage::Zero0 {
                 layout.full_numel()
@@ -604,6 +615,7 @@ impl Engine {
             eval_batch: micro_batch,
             oom_recovery: c.oom_recovery,
             offload_delay: c.offload_delay.is_some(),
+            offload_delay_fresh: c.fresh(),
             cuda: c.device.is_cuda(),
             loss_chunk: c.loss_chunk,
             host_grads: self.host_grads,

@@ -44,7 +44,8 @@ pub(crate) fn host_grad_kind(layout: &ShardLayout, precision: Precision, tied: b
 
 /// Whether the engine of `cfg` keeps its gradients on the host only.
 pub(crate) fn applies(cfg: &EngineConfig) -> bool {
-    gradients_on_host(cfg.stage, cfg.offload, cfg.one_micro_step, cfg.oom_recovery)
+    // A split delayed update reads the gradients on the device at the step's end.
+    gradients_on_host(cfg.stage, cfg.offload, cfg.one_micro_step, cfg.oom_recovery) && !cfg.fresh()
 }
 
 /// The sum of the squares of the gradients handed to the host this step: in f64 on CPU; on

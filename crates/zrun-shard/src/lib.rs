@@ -8,6 +8,7 @@
 mod delay;
 mod engine;
 mod estimate;
+mod fresh;
 mod grads;
 mod host_grads;
 mod init;

@@ -463,6 +463,10 @@ impl Engine {
                     for done in h.take_finished() {
                         let src = h.refreshed();
                         refresh_unit(&self.mover, &self.params, self.cfg.stage, src, done)?;
+                        // A split update's v too (`fresh.rs`).
+                        if let (Some(v), Some(d)) = (h.split_v(), &self.delay.v) {
+                            crate::fresh::copy_v(&self.mover, d, v, done)?;
+                        }
                     }
                 }
             }

@@ -219,6 +219,9 @@ pub struct Fit {
 /// The estimator's configuration for `cfg`.
 pub fn estimate_config(cfg: &Config) -> Result<EstimateConfig, Error> {
     let arch = cfg.arch()?;
+    let fresh = cfg.zero.offload_optimizer == Offload::Cpu
+        && cfg.delay().is_some()
+        && cfg.zero.offload_delay_fresh;
     Ok(EstimateConfig {
         stage: cfg.zero.stage,
         precision: cfg.zero.precision,
@@ -232,13 +235,15 @@ pub fn estimate_config(cfg: &Config) -> Result<EstimateConfig, Error> {
         eval_batch: cfg.train.micro_batch as i64,
         oom_recovery: cfg.train.on_oom == crate::config::OnOom::Shrink,
         offload_delay: cfg.zero.offload_optimizer == Offload::Cpu && cfg.delay().is_some(),
+        offload_delay_fresh: fresh,
         loss_chunk: cfg.train.loss_chunk(),
+        // A split delayed update reads the gradients on the device at the step's end.
         host_grads: zrun_shard::gradients_on_host(
             cfg.zero.stage,
             cfg.zero.offload_optimizer,
             cfg.train.grad_accum == 1,
             cfg.train.on_oom == crate::config::OnOom::Shrink,
-        ),
+        ) && !fresh,
         tied: arch.tied(),
         cuda: match cfg.dist.device {
             DeviceChoice::Cuda => true,

@@ -210,6 +210,7 @@ impl Run {
                 },
                 oom_recovery: t.on_oom == crate::config::OnOom::Shrink,
                 offload_delay: cfg.delay(),
+                offload_delay_fresh: cfg.zero.offload_delay_fresh,
                 shard_group: (group < rank.world_size).then_some(group),
                 loss_chunk: t.loss_chunk(),
                 one_micro_step: t.grad_accum == 1,
@@ -478,12 +479,21 @@ impl Run {
                      parameters one update stale"
                 );
                 // Measured (docs/config.md): gpt2-medium at lr 3e-4 stalls with it.
-                tracing::warn!(
-                    "zero.offload_delay = 1 lowers the largest learning rate that trains \
+                if self.cfg.zero.offload_delay_fresh {
+                    tracing::info!(
+                        "zero.offload_delay_fresh: the device applies each gradient's own \
+                         share of its update at once, so the next forward runs on nearly the \
+                         undelayed model"
+                    );
+                } else {
+                    tracing::warn!(
+                        "zero.offload_delay = 1 lowers the largest learning rate that trains \
                      (stale updates through AdamW's momentum): at lr {} compare the loss with \
-                     a run with zero.offload_delay = 0 (docs/config.md)",
-                    t.lr
-                );
+                     a run with zero.offload_delay = 0, or set zero.offload_delay_fresh = true \
+                     (docs/config.md)",
+                        t.lr
+                    );
+                }
             } else if self.engine.can_overlap_step(t.grad_clip) {
                 tracing::info!("CPU AdamW: each unit updates during backward, once its gradient shard is reduced");
             } else {
@@ -530,6 +540,8 @@ impl Run {
                     }
                 }
             };
+            // A split delayed update prepares the next update's base at its rate.
+            self.engine.set_next_lr(schedule.at(step + 1));
             let stats = self.engine.step(lr, t.grad_clip)?;
             if profile == step + 1 {
                 self.write_profile(step + 1)?;

@@ -18,10 +18,12 @@
 //! is below bf16's 2^-8 resolution) and still bitwise independent of threads and call order.
 
 mod kernel;
+mod predict;
 
 use crate::{AdamWConfig, Error, Result};
 pub use kernel::{Bf16, Grad};
 use kernel::{Coeffs, MomentsMut, BLOCK};
+pub use predict::{BaseOut, Prediction};
 
 /// Storage type of the AdamW moments m and v (`optimizer_state_dtype`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -440,3 +440,71 @@ fn bf16_gradients_update_bitwise_as_their_f32_values() {
         assert_ne!(bits(&a), bits(&randn32(n, &mut 9u64, 1.0)), "trained");
     }
 }
+
+#[test]
+fn predict_writes_the_next_updates_base_and_v_from_the_stored_state() {
+    // Several threads and blocks, a decay range cutting both.
+    let n = 3 * MIN_PER_THREAD + 777;
+    let ranges = vec![(BLOCK - 3, MIN_PER_THREAD)];
+    let in_range = |i: usize| (BLOCK - 3..BLOCK - 3 + MIN_PER_THREAD).contains(&i);
+    let c = cfg(0.1);
+    for state in [StateDtype::Fp32, StateDtype::Bf16] {
+        let mut seed = 11u64;
+        let mut params = randn32(n, &mut seed, 1.0);
+        let mut opt = CpuAdamW::new(n, c, ranges.clone(), state, 3).unwrap();
+        let one = CpuAdamW::new(n, c, ranges.clone(), state, 1).unwrap();
+        let (lr, next) = (1e-2, 7e-3);
+        for _ in 0..3 {
+            let g = randn32(n, &mut seed, 0.2);
+            opt.begin_step();
+            opt.update(0, &mut params, &g, lr, 1.0, None).unwrap();
+        }
+        let (mut base, mut v) = (vec![0f32; n], vec![0u16; n]);
+        let out = Prediction {
+            base: BaseOut::F32(&mut base),
+            v: &mut v,
+        };
+        opt.predict(0, &params, next, out).unwrap();
+        // In f64 from the stored moments: p (1 - lr wd) - lr b1 / (1 - b1^4) m / D_3.
+        let (m, vv) = opt.moments();
+        let t = opt.steps() as i32;
+        let mut worst = 0f64;
+        for i in 0..n {
+            let keep = if in_range(i) {
+                1.0 - next * c.weight_decay
+            } else {
+                1.0
+            };
+            let d = (vv[i] as f64 / (1.0 - c.beta2.powi(t))).sqrt() + c.eps;
+            let want = params[i] as f64 * keep
+                - next * c.beta1 / (1.0 - c.beta1.powi(t + 1)) * m[i] as f64 / d;
+            worst = worst.max((base[i] as f64 - want).abs() / want.abs().max(1e-3));
+            assert_eq!(v[i], kernel::bf16_nearest_even(vv[i]), "{state} v {i}");
+        }
+        assert!(worst < 1e-6, "{state}: base off by {worst:e} relative");
+        // One thread writes the same bits; a bf16 base is the f32 one rounded.
+        let mut one = one;
+        one.set_steps(opt.steps());
+        match opt.moments_range(0, n).unwrap() {
+            MomentSlices::F32(a, b) => one.load_range(0, a, b).unwrap(),
+            MomentSlices::Bf16(..) => {
+                let (a, b) = opt.moments();
+                one.load_range(0, &a, &b).unwrap();
+            }
+        }
+        let (mut half, mut v1) = (vec![0u16; n], vec![0u16; n]);
+        let out = Prediction {
+            base: BaseOut::Half(&mut half, HalfKind::Bf16),
+            v: &mut v1,
+        };
+        one.predict(0, &params, next, out).unwrap();
+        assert_eq!(v1, v, "{state}");
+        for i in 0..n {
+            assert_eq!(
+                half[i],
+                kernel::bf16_nearest_even(base[i]),
+                "{state} base {i}"
+            );
+        }
+    }
+}

@@ -134,6 +134,7 @@ mod tests {
             eval_batch: 1,
             cuda: true,
             oom_recovery: false,
+            offload_delay_fresh: false,
             offload_delay: false,
             loss_chunk: 0,
             host_grads: false,

@@ -32,6 +32,7 @@ impl HostOptimizer {
         segments: Option<&[Tensor]>,
         lr: f64,
         grad_scale: f64,
+        next_lr: f64,
     ) -> Result<()> {
         if !self.owns_grads {
             return Err(Error::Unsupported(
@@ -51,6 +52,7 @@ impl HostOptimizer {
         let late = self.refreshed_late.take();
         for u in (0..layout.units.len()).rev() {
             let mut job = self.job(layout, u, lr, grad_scale, None)?;
+            job.split = self.split_out(layout, u, next_lr)?;
             if late.is_none_or(|l| u <= l) {
                 job.ready.extend(refreshed.take());
             }
@@ -125,8 +127,12 @@ impl HostOptimizer {
 
     /// What a finished delayed update left for the compute parameters, in shard layout:
     /// the pinned 16-bit staging buffer (16-bit parameters on a device: copied as they are,
-    /// by DMA) or else the fp32 master.
+    /// by DMA) or else the fp32 master; split (`zero.offload_delay_fresh`), the base of the
+    /// next update, in the staging buffer or else the split's fp32 one.
     pub(crate) fn refreshed(&self) -> &Tensor {
-        self.staging.as_ref().unwrap_or(&self.master)
+        self.staging
+            .as_ref()
+            .or(self.split_base())
+            .unwrap_or(&self.master)
     }
 }

@@ -25,6 +25,7 @@ use zrun_optim::{AdamWConfig, Bf16, CpuAdamW, HalfKind, StateDtype};
 
 mod buffers;
 mod deferred;
+mod split;
 
 use buffers::HostBuffers;
 
@@ -41,6 +42,9 @@ pub(crate) struct HostSetup {
     pub device: Device,
     /// Updates are delayed (`zero.offload_delay`): unit 0's gradient gets a second buffer.
     pub delayed: bool,
+    /// Delayed updates are split (`zero.offload_delay_fresh`): their jobs also write the
+    /// base of the next update and v ([`split::Split`]).
+    pub fresh: bool,
     /// dtype of the host gradients: fp32, or bf16 where they are bf16 values
     /// (`host_grads::host_grad_kind`).
     pub grad_kind: Kind,
@@ -59,6 +63,8 @@ pub(crate) struct HostOptimizer {
     owns_grads: bool,
     /// 16-bit copy of the new parameters when they must travel to a device.
     staging: Option<Tensor>,
+    /// The split's buffers (`zero.offload_delay_fresh`).
+    split: Option<split::Split>,
     /// The event after the last gradient copy staged during backward for the step (CUDA),
     /// unit 0's aside when it has a spare.
     staged: Option<zrun_torch_ext::CudaEvent>,
@@ -117,6 +123,8 @@ struct Job {
     /// The spare holding the unit's gradient (unit 0, delayed), else its slice of the host
     /// gradients.
     spare: Option<Tensor>,
+    /// Where a split delayed update writes its prediction of the next update.
+    split: Option<split::SplitOut>,
 }
 
 /// How a job's new parameters reach the compute parameters.
@@ -237,6 +245,7 @@ fn run(
         route,
         ready,
         spare,
+        split,
     } = job;
     wait_ready(ready, &unit)?;
     // SAFETY: master (fp32) and grads (fp32 or bf16) are contiguous host tensors of the
@@ -257,7 +266,8 @@ fn run(
         (Some(kind), Route::Direct, Some(dst)) => {
             Some((unsafe { slice_mut::<u16>(dst.data_ptr(), 0, len) }, kind))
         }
-        (Some(kind), Route::Deferred(Some(st)), _) => {
+        // (A split update writes the base of the next update there instead, below.)
+        (Some(kind), Route::Deferred(Some(st)), _) if split.is_none() => {
             Some((unsafe { slice_mut::<u16>(st.data_ptr(), 0, len) }, kind))
         }
         _ => None,
@@ -273,6 +283,9 @@ fn run(
             let g = unsafe { slice_mut::<f32>(g.data_ptr(), g_off, len) };
             adam.update(off, m, g, lr, grad_scale, out)?
         }
+    }
+    if let Some(s) = &split {
+        split::predict_job(adam, off, m, s)?;
     }
     let dst = match (route, dst) {
         (Route::Deferred(_), _) => return Ok(None),
@@ -321,6 +334,7 @@ impl HostOptimizer {
             precision,
             device,
             delayed,
+            fresh,
             grad_kind,
         } = setup;
         let n = layout.shard_numel();
@@ -360,15 +374,22 @@ impl HostOptimizer {
             }
             _ => (None, 0),
         };
+        let (split, split_bytes) = if fresh {
+            let (s, b) = split::Split::new(&mut alloc, n, staging.is_some(), device)?;
+            (Some(s), b)
+        } else {
+            (None, 0)
+        };
         alloc.warn_if_rounded();
         Ok(HostOptimizer {
             state_bytes: master_bytes + adam.state_bytes() as i64,
-            buffer_bytes: grads_bytes + staging_bytes + spare_bytes,
+            buffer_bytes: grads_bytes + staging_bytes + spare_bytes + split_bytes,
             adam: Some(adam),
             master,
             grads,
             owns_grads,
             staging,
+            split,
             staged: None,
             spare,
             in_spare: false,
@@ -547,6 +568,7 @@ impl HostOptimizer {
                 Some(s) if u == 0 && self.in_spare => Some(s.shallow_clone()),
                 _ => None,
             },
+            split: None,
         })
     }
 

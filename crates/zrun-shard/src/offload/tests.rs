@@ -27,6 +27,7 @@ fn optimizer(delayed: bool, grad_kind: Kind) -> Result<(ShardLayout, HostOptimiz
         precision: Precision::Fp32,
         device: Device::Cpu,
         delayed,
+        fresh: false,
         grad_kind,
     };
     // The master stays zero.
@@ -56,7 +57,7 @@ fn staging_beside_a_delayed_update(kind: Kind) -> Result<()> {
     let unit0 = |h: &HostOptimizer| h.master().narrow(0, layout.shard_offsets[0], len);
     // The delayed update: gradient +1 everywhere.
     let ones = Tensor::ones([n], (Kind::Float, Device::Cpu));
-    h.submit_deferred(&layout, Some(&[ones]), lr, 1.0)?;
+    h.submit_deferred(&layout, Some(&[ones]), lr, 1.0, lr)?;
     // The next backward's final gradients of units 1 and 0: -1.
     for u in [1, 0] {
         let l = layout.units[u].shard_len();
@@ -74,11 +75,11 @@ fn staging_beside_a_delayed_update(kind: Kind) -> Result<()> {
     );
     // ... and the staged gradients are what the next update reads: the same update as
     // without the delay's spare.
-    h.submit_deferred(&layout, None, lr, 1.0)?;
+    h.submit_deferred(&layout, None, lr, 1.0, lr)?;
     h.finish()?;
     let (_, mut plain) = optimizer(false, kind)?;
     let ones = Tensor::ones([n], (Kind::Float, Device::Cpu));
-    plain.submit_deferred(&layout, Some(&[ones]), lr, 1.0)?;
+    plain.submit_deferred(&layout, Some(&[ones]), lr, 1.0, lr)?;
     plain.finish()?;
     let minus = Tensor::full([n], -1.0, (Kind::Float, Device::Cpu));
     let ones = Tensor::ones([n], (Kind::Float, Device::Cpu));
@@ -87,7 +88,7 @@ fn staging_beside_a_delayed_update(kind: Kind) -> Result<()> {
         &[minus.narrow(0, 0, rest), ones.narrow(0, rest, n - rest)],
         0,
     );
-    plain.submit_deferred(&layout, Some(&[second]), lr, 1.0)?;
+    plain.submit_deferred(&layout, Some(&[second]), lr, 1.0, lr)?;
     plain.finish()?;
     assert!(
         h.master().equal(plain.master()),

@@ -269,6 +269,11 @@ pub struct ZeroConfig {
     /// and `train.warmup_steps` ([`Config::delay`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub offload_delay_warmup: Option<u64>,
+    /// Splits each delayed update (`offload_delay = 1`): the device applies the newest
+    /// gradient's share at once and the CPU the rest, so the next forward runs on nearly the
+    /// undelayed model (zrun-shard's `fresh.rs`); costs the device its gradient shard and v
+    /// (bf16) beside the parameters.
+    pub offload_delay_fresh: bool,
     /// Ranks one copy of the model states is sharded over (hybrid sharding): `"all"`
     /// (default), `"node"` or a divisor of the world size; replicated across the groups.
     pub shard_group: ShardGroup,
@@ -327,6 +332,7 @@ impl Default for ZeroConfig {
             optimizer_state_dtype: StateDtype::Fp32,
             offload_delay: 0,
             offload_delay_warmup: None,
+            offload_delay_fresh: false,
             shard_group: ShardGroup::All,
         }
     }

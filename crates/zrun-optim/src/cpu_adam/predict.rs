@@ -1,0 +1,222 @@
+//! The base of the next update, for the delayed update's split (`zero.offload_delay_fresh`).
+//!
+//! AdamW's update t is `p_t = p_{t-1} (1 - lr wd) - lr / (1 - b1^t) (b1 m_{t-1} + (1 - b1) g_t)
+//! / D_t`. Everything in it but the newest gradient's share is known one update ahead: the
+//! base `p_{t-1} (1 - lr wd) - lr b1 / (1 - b1^t) m_{t-1} / D_{t-1}`, with
+//! `D_{t-1} = sqrt(v_{t-1} / (1 - b2^(t-1))) + eps`. [`CpuAdamW::predict`] writes that base (in
+//! the compute dtype) and v (bf16) from the stored state after update t-1; the device then
+//! subtracts the fresh share of g_t as soon as it has g_t, and the CPU's exact update runs
+//! beside the next step. The values are a function of the stored state only (plain f32
+//! operations, no fused multiply-add), so writing them right after an update and writing them
+//! again from a checkpoint's state give the same bits.
+
+use super::kernel::{bf16_nearest_even, BLOCK};
+use super::{CpuAdamW, HalfKind, State, MIN_PER_THREAD};
+use crate::Result;
+
+/// Where the base of the next update goes: the compute dtype's copy (u16 bits) or f32.
+pub enum BaseOut<'a> {
+    /// bf16 or fp16 bits, rounded to nearest even.
+    Half(&'a mut [u16], HalfKind),
+    /// fp32.
+    F32(&'a mut [f32]),
+}
+
+/// What [`CpuAdamW::predict`] writes for a range: the base and v as bf16 bits.
+pub struct Prediction<'a> {
+    /// The base of the next update.
+    pub base: BaseOut<'a>,
+    /// v, rounded to nearest even (bf16 state: its bits).
+    pub v: &'a mut [u16],
+}
+
+impl<'a> Prediction<'a> {
+    fn len(&self) -> usize {
+        self.v.len()
+    }
+
+    fn split_at(self, k: usize) -> (Prediction<'a>, Prediction<'a>) {
+        let (v0, v1) = self.v.split_at_mut(k);
+        let (b0, b1) = match self.base {
+            BaseOut::Half(h, kind) => {
+                let (a, b) = h.split_at_mut(k);
+                (BaseOut::Half(a, kind), BaseOut::Half(b, kind))
+            }
+            BaseOut::F32(f) => {
+                let (a, b) = f.split_at_mut(k);
+                (BaseOut::F32(a), BaseOut::F32(b))
+            }
+        };
+        (
+            Prediction { base: b0, v: v0 },
+            Prediction { base: b1, v: v1 },
+        )
+    }
+}
+
+/// The scalars of a prediction, in f32.
+#[derive(Clone, Copy)]
+struct Coeffs {
+    /// 1 - lr * weight_decay, inside the decay ranges.
+    keep: f32,
+    /// lr * b1 / (1 - b1^(t+1)), 0 before the first update (m is zero then).
+    step_size: f32,
+    /// 1 / sqrt(1 - b2^t).
+    inv_bc2_sqrt: f32,
+    eps: f32,
+}
+
+/// Moments of a range, read only.
+#[derive(Clone, Copy)]
+enum Moments<'a> {
+    F32(&'a [f32], &'a [f32]),
+    Bf16(&'a [u16], &'a [u16]),
+}
+
+impl<'a> Moments<'a> {
+    fn split_at(self, k: usize) -> (Moments<'a>, Moments<'a>) {
+        match self {
+            Moments::F32(m, v) => {
+                let ((m0, m1), (v0, v1)) = (m.split_at(k), v.split_at(k));
+                (Moments::F32(m0, v0), Moments::F32(m1, v1))
+            }
+            Moments::Bf16(m, v) => {
+                let ((m0, m1), (v0, v1)) = (m.split_at(k), v.split_at(k));
+                (Moments::Bf16(m0, v0), Moments::Bf16(m1, v1))
+            }
+        }
+    }
+}
+
+/// One element's base from its stored state.
+#[inline(always)]
+fn base(c: &Coeffs, keep: f32, p: f32, m: f32, v: f32) -> f32 {
+    let d = v.sqrt() * c.inv_bc2_sqrt + c.eps;
+    p * keep - c.step_size * (m / d)
+}
+
+#[inline(always)]
+fn bits_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+/// Writes the prediction of elements `[at, at + p.len())`, block by block.
+fn run(c: &Coeffs, decay: &[(usize, usize)], at: usize, p: &[f32], mo: Moments, out: Prediction) {
+    let Prediction {
+        base: mut out_base,
+        v: out_v,
+    } = out;
+    let end = at + p.len();
+    let mut i = at;
+    while i < end {
+        let next = decay.partition_point(|&(_, e)| e <= i);
+        let (decayed, stop) = match decay.get(next) {
+            Some(&(s, e)) if s <= i => (true, e),
+            Some(&(s, _)) => (false, s),
+            None => (false, end),
+        };
+        let stop = stop.min(end).min(i + BLOCK);
+        let (lo, hi) = (i - at, stop - at);
+        let keep = if decayed { c.keep } else { 1.0 };
+        let ps = &p[lo..hi];
+        // The bases of the block in f32, then stored.
+        let mut b = [0f32; BLOCK];
+        let b = &mut b[..hi - lo];
+        match mo {
+            Moments::F32(m, v) => {
+                for (j, o) in b.iter_mut().enumerate() {
+                    *o = base(c, keep, ps[j], m[lo + j], v[lo + j]);
+                }
+                for (o, &x) in out_v[lo..hi].iter_mut().zip(&v[lo..hi]) {
+                    *o = bf16_nearest_even(x);
+                }
+            }
+            Moments::Bf16(m, v) => {
+                for (j, o) in b.iter_mut().enumerate() {
+                    let (mj, vj) = (bits_to_f32(m[lo + j]), bits_to_f32(v[lo + j]));
+                    *o = base(c, keep, ps[j], mj, vj);
+                }
+                out_v[lo..hi].copy_from_slice(&v[lo..hi]);
+            }
+        }
+        match &mut out_base {
+            BaseOut::F32(f) => f[lo..hi].copy_from_slice(b),
+            BaseOut::Half(h, HalfKind::Bf16) => {
+                for (o, &x) in h[lo..hi].iter_mut().zip(b.iter()) {
+                    *o = bf16_nearest_even(x);
+                }
+            }
+            BaseOut::Half(h, HalfKind::Fp16) => {
+                for (o, &x) in h[lo..hi].iter_mut().zip(b.iter()) {
+                    *o = half::f16::from_f32(x).to_bits();
+                }
+            }
+        }
+        i = stop;
+    }
+}
+
+impl CpuAdamW {
+    /// Writes the base of the next update (update `steps() + 1` at `lr`) and v of elements
+    /// `[off, off + params.len())` from the stored state (see the module's documentation);
+    /// `params` is the fp32 master of the range.
+    pub fn predict(&self, off: usize, params: &[f32], lr: f64, out: Prediction<'_>) -> Result<()> {
+        let n = params.len();
+        self.check("predicted v", out.len(), n)?;
+        if let BaseOut::Half(h, _) = &out.base {
+            self.check("predicted base", h.len(), n)?;
+        }
+        if let BaseOut::F32(f) = &out.base {
+            self.check("predicted base", f.len(), n)?;
+        }
+        self.range(off, n)?;
+        let c = &self.cfg;
+        let t = self.step as i32;
+        let step_size = if self.step == 0 {
+            0.0
+        } else {
+            lr * c.beta1 / (1.0 - c.beta1.powi(t + 1))
+        };
+        let inv_bc2_sqrt = if self.step == 0 {
+            1.0
+        } else {
+            1.0 / (1.0 - c.beta2.powi(t)).sqrt()
+        };
+        let coeffs = Coeffs {
+            keep: (1.0 - lr * c.weight_decay) as f32,
+            step_size: step_size as f32,
+            inv_bc2_sqrt: inv_bc2_sqrt as f32,
+            eps: c.eps as f32,
+        };
+        let mo = match &self.state {
+            State::F32 { m, v } => Moments::F32(&m[off..off + n], &v[off..off + n]),
+            State::Bf16 { m, v } => Moments::Bf16(&m[off..off + n], &v[off..off + n]),
+        };
+        let decay = &self.decay;
+        let threads = self.threads.min(n / MIN_PER_THREAD).max(1);
+        let Some(pool) = self.pool.as_ref().filter(|_| threads > 1) else {
+            run(&coeffs, decay, off, params, mo, out);
+            return Ok(());
+        };
+        let piece = n.div_ceil(threads).div_ceil(64) * 64;
+        pool.in_place_scope(|s| {
+            let (mut p, mut mo, mut out) = (params, mo, out);
+            let mut at = off;
+            while !p.is_empty() {
+                let len = piece.min(p.len());
+                let (p0, p1) = p.split_at(len);
+                let (m0, m1) = mo.split_at(len);
+                let (o0, o1) = out.split_at(len);
+                let c = &coeffs;
+                if p1.is_empty() {
+                    run(c, decay, at, p0, m0, o0);
+                } else {
+                    s.spawn(move |_| run(c, decay, at, p0, m0, o0));
+                }
+                (p, mo, out) = (p1, m1, o1);
+                at += len;
+            }
+        });
+        Ok(())
+    }
+}

@@ -1,0 +1,273 @@
+//! The split delayed update (`zero.offload_delay_fresh`) against a plain loop in f64 whose
+//! forward runs on the base of each update minus its fresh gradient's share, and whose master
+//! is torch's AdamW on the gradients taken there.
+
+mod common;
+
+use common::{adamw, single, small_gpt, tokens};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use tch::{Device, Kind, Tensor};
+use zrun_models::{forward_model, init_model_params, lm_loss, Model};
+use zrun_optim::clip_coefficient;
+use zrun_shard::{Engine, EngineConfig, Offload, Stage};
+
+const SEED: u64 = 5;
+const LR: f64 = 2e-3;
+const STEPS: u64 = 8;
+/// The fp32 engine (bf16 v on the device) against the f64 reference, absolute.
+const TOL: f64 = 2e-5;
+
+fn model() -> Arc<dyn Model> {
+    small_gpt(false)
+}
+
+fn batch(t: u64) -> (Tensor, Tensor) {
+    tokens(t + 100, 4, 24, 97)
+}
+
+struct Run {
+    losses: Vec<f64>,
+    newest: BTreeMap<String, Tensor>,
+    compute: BTreeMap<String, Tensor>,
+}
+
+fn names(m: &dyn Model) -> Vec<String> {
+    m.units()
+        .iter()
+        .flat_map(|u| u.params().iter().map(|p| p.name.clone()))
+        .collect()
+}
+
+fn named(m: &dyn Model, ps: &[Tensor]) -> BTreeMap<String, Tensor> {
+    names(m)
+        .into_iter()
+        .zip(ps.iter().map(|p| p.to_kind(Kind::Float)))
+        .collect()
+}
+
+/// Updates after the first `warmup` split: the forward runs on the base minus the fresh share.
+fn reference(m: &dyn Model, warmup: u64, max_norm: f64) -> Run {
+    let c = adamw();
+    let mut w: Vec<Tensor> = init_model_params(m, SEED, Kind::Float, Device::Cpu)
+        .unwrap()
+        .into_iter()
+        .flatten()
+        .map(|p| p.to_kind(Kind::Double))
+        .collect();
+    let decay: Vec<bool> = m
+        .units()
+        .iter()
+        .flat_map(|u| u.params().iter().map(|p| p.decay))
+        .collect();
+    let shapes: Vec<usize> = m.units().iter().map(|u| u.params().len()).collect();
+    let mut mom: Vec<Tensor> = w.iter().map(Tensor::zeros_like).collect();
+    let mut var: Vec<Tensor> = w.iter().map(Tensor::zeros_like).collect();
+    let mut compute: Vec<Tensor> = w.iter().map(Tensor::copy).collect();
+    let mut losses = Vec::new();
+    for t in 1..=STEPS {
+        let mut flat = compute
+            .iter()
+            .map(|p| p.to_kind(Kind::Float).set_requires_grad(true));
+        let leaves: Vec<Vec<Tensor>> = shapes
+            .iter()
+            .map(|&n| flat.by_ref().take(n).collect())
+            .collect();
+        let (x, y) = batch(t);
+        let loss = lm_loss(&forward_model(m, &leaves, &x).unwrap(), &y).unwrap();
+        losses.push(loss.double_value(&[]));
+        loss.backward();
+        let grads: Vec<Tensor> = leaves
+            .iter()
+            .flatten()
+            .map(|p| p.grad().to_kind(Kind::Double))
+            .collect();
+        let norm = grads
+            .iter()
+            .map(|g| g.square().sum(Kind::Double).double_value(&[]))
+            .sum::<f64>()
+            .sqrt();
+        let coef = clip_coefficient(norm, max_norm);
+        let split = t > warmup;
+        let (s, k) = ((t - 1) as i32, t as i32);
+        let (bc1, bc2) = (1.0 - c.beta1.powi(k), 1.0 - c.beta2.powi(k));
+        for i in 0..w.len() {
+            let g = &grads[i] * coef;
+            let keep = if decay[i] {
+                1.0 - LR * c.weight_decay
+            } else {
+                1.0
+            };
+            let v_new = &var[i] * c.beta2 + g.square() * (1.0 - c.beta2);
+            let d_new = v_new.sqrt() / bc2.sqrt() + c.eps;
+            if split {
+                // The base from the state before update t, then the fresh share.
+                let base = if s == 0 {
+                    &w[i] * keep
+                } else {
+                    let d_old = var[i].sqrt() / (1.0 - c.beta2.powi(s)).sqrt() + c.eps;
+                    &w[i] * keep - &mom[i] / d_old * (LR * c.beta1 / bc1)
+                };
+                compute[i] = base - &g / &d_new * (LR * (1.0 - c.beta1) / bc1);
+            }
+            mom[i] = &mom[i] * c.beta1 + &g * (1.0 - c.beta1);
+            var[i] = v_new;
+            w[i] = &w[i] * keep - &mom[i] / &d_new * (LR / bc1);
+            if !split {
+                compute[i] = w[i].copy();
+            }
+        }
+    }
+    Run {
+        losses,
+        newest: named(m, &w),
+        compute: named(m, &compute),
+    }
+}
+
+fn engine(m: Arc<dyn Model>, stage: Stage, delay: Option<u64>, fresh: bool) -> Engine {
+    let cfg = EngineConfig {
+        offload: Offload::Cpu,
+        offload_delay: delay,
+        offload_delay_fresh: fresh,
+        ..EngineConfig::fp32(stage, Device::Cpu, SEED, adamw())
+    };
+    Engine::new(m, single(), cfg).unwrap()
+}
+
+/// The engine's compute parameters by name, as a checkpoint saves them while behind.
+fn compute_params(e: &mut Engine) -> BTreeMap<String, Tensor> {
+    let mut out = BTreeMap::new();
+    for u in 0..e.layout().units.len() {
+        let mut vals = Vec::new();
+        e.visit_delayed_params(u, |b: &[u8]| -> Result<(), zrun_shard::Error> {
+            vals.extend(
+                b.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap())),
+            );
+            Ok(())
+        })
+        .unwrap();
+        let flat = Tensor::from_slice(&vals);
+        for v in &e.layout().units[u].views {
+            let t = flat.narrow(0, v.offset, v.numel).view(v.shape.as_slice());
+            out.insert(v.name.clone(), t);
+        }
+    }
+    out
+}
+
+fn trained(mut e: Engine, max_norm: f64) -> Run {
+    let mut losses = Vec::new();
+    for t in 1..=STEPS {
+        let (x, y) = batch(t);
+        losses.push(e.forward_backward(&x, &y, 1.0).unwrap());
+        e.set_next_lr(LR);
+        assert!(e.step(LR, max_norm).unwrap().applied);
+    }
+    let compute = compute_params(&mut e);
+    let newest = e.full_parameters().unwrap().into_iter().collect();
+    Run {
+        losses,
+        newest,
+        compute,
+    }
+}
+
+fn max_abs(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    a.iter()
+        .map(|(k, x)| (x - &b[k]).abs().max().double_value(&[]))
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn a_split_delayed_run_equals_the_loop_that_applies_the_fresh_share_at_once() {
+    let m = model();
+    for (stage, warmup, max_norm) in [
+        (Stage::Zero1, 0, 0.0),
+        (Stage::Zero2, 2, 1.0),
+        (Stage::Zero3, 3, 0.05),
+    ] {
+        let what = format!("stage {stage}, warm-up {warmup}, max_norm {max_norm}");
+        let want = reference(m.as_ref(), warmup, max_norm);
+        let got = trained(engine(m.clone(), stage, Some(warmup), true), max_norm);
+        for (t, (g, w)) in got.losses.iter().zip(&want.losses).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-5 * w.abs(),
+                "{what}: loss of step {} is {g}, the reference {w}",
+                t + 1
+            );
+        }
+        let newest = max_abs(&got.newest, &want.newest);
+        assert!(newest <= TOL, "{what}: newest parameters off by {newest:e}");
+        let compute = max_abs(&got.compute, &want.compute);
+        assert!(
+            compute <= TOL,
+            "{what}: compute parameters off by {compute:e}"
+        );
+    }
+}
+
+/// The mean loss of steps 21-30 at `lr = 2e-2` (the plain delay's staleness shows there).
+fn late_loss(stage: Stage, delay: Option<u64>, fresh: bool) -> f64 {
+    let (lr, steps) = (2e-2, 30);
+    let mut e = engine(model(), stage, delay, fresh);
+    let mut late = 0.0;
+    for t in 1..=steps {
+        let (x, y) = batch(t);
+        let loss = e.forward_backward(&x, &y, 1.0).unwrap();
+        if t > steps - 10 {
+            late += loss / 10.0;
+        }
+        e.set_next_lr(lr);
+        e.step(lr, 1.0).unwrap();
+    }
+    late
+}
+
+#[test]
+fn the_split_trains_like_the_undelayed_run_where_the_plain_delay_does_not() {
+    for stage in [Stage::Zero2, Stage::Zero3] {
+        let undelayed = late_loss(stage, None, false);
+        let plain = late_loss(stage, Some(3), false);
+        let fresh = late_loss(stage, Some(3), true);
+        assert!(
+            (fresh - undelayed).abs() * 5.0 < (plain - undelayed).abs(),
+            "stage {stage}: late loss split {fresh}, plain delay {plain}, undelayed {undelayed}"
+        );
+    }
+}
+
+#[test]
+fn the_split_keeps_the_gradients_on_the_device_and_counts_v() {
+    for stage in [Stage::Zero2, Stage::Zero3] {
+        let cfg = |fresh| EngineConfig {
+            one_micro_step: true,
+            oom_recovery: false,
+            offload: Offload::Cpu,
+            offload_delay: Some(0),
+            offload_delay_fresh: fresh,
+            ..EngineConfig::fp32(stage, Device::Cpu, SEED, adamw())
+        };
+        let (mut e, plain) = (
+            Engine::new(model(), single(), cfg(true)).unwrap(),
+            Engine::new(model(), single(), cfg(false)).unwrap(),
+        );
+        let ec = e.estimate_config(2, 24);
+        assert!(ec.offload_delay_fresh && !ec.host_grads, "stage {stage}");
+        let planned = zrun_shard::MemoryLedger::planned(e.layout(), &ec);
+        let s = e.layout().shard_numel();
+        // Gradients on the device (fp32) where the plain delay keeps them on the host only.
+        assert_eq!(
+            e.memory().grads - plain.memory().grads,
+            4 * s,
+            "stage {stage}"
+        );
+        // Host: v (bf16) and the fp32 base.
+        let (x, y) = batch(1);
+        e.forward_backward(&x, &y, 1.0).unwrap();
+        e.step(LR, 1.0).unwrap();
+        assert_eq!(planned, e.memory(), "stage {stage}");
+    }
+}
