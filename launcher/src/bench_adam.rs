@@ -3,18 +3,22 @@
 //!     zrun bench adam                                   # 10M and 50M params, 1 and 2 threads
 //!     zrun bench adam --params 50M --threads 2 --state-dtype bf16 --json
 //!     zrun bench adam --grads fp32,bf16                 # both gradient dtypes, interleaved
+//!     zrun bench adam --predict                         # and the split delayed update's job
 //!
 //! Each row times whole steps (begin_step + one update over the shard, writing the bf16
 //! parameter copy unless `--half none`) and reports the best of `--iters` in Gparam/s.
 //! Bytes moved per element: 16 read + 12 written (+2 for the copy) with fp32 state,
 //! 12 read + 8 written (+2) with bf16 state; 2 fewer read with bf16 gradients (the host
 //! gradients of a bf16 rank alone, docs/memory.md). With several gradient dtypes each
-//! timed step runs every one in turn, on the same values.
+//! timed step runs every one in turn, on the same values. With `--predict` each also runs
+//! the job of a split delayed update (`zero.offload_delay_fresh`): the update writing the
+//! next update's base (bf16 unless `--half fp16`) and v (bf16) instead of the copy, 2 bytes
+//! more written an element.
 
 use std::time::Instant;
 
 use crate::bench::parse_counts;
-use zrun_optim::{AdamWConfig, Bf16, CpuAdamW, Grad, HalfKind, StateDtype};
+use zrun_optim::{AdamWConfig, BaseOut, Bf16, CpuAdamW, Grad, HalfKind, Prediction, StateDtype};
 
 /// Flags of `zrun bench adam`.
 #[derive(clap::Args, Debug, Clone)]
@@ -37,6 +41,10 @@ pub struct AdamArgs {
     /// Timed steps per row (the best is reported).
     #[arg(long, default_value_t = 10)]
     pub iters: usize,
+    /// Also time the split delayed update's job (the update with the next update's base and
+    /// v), interleaved with the plain update.
+    #[arg(long)]
+    pub predict: bool,
     /// Print one JSON object per row instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -70,10 +78,16 @@ pub fn run_adam(args: &AdamArgs) -> anyhow::Result<()> {
             other => anyhow::bail!("--grads: `{other}` is not fp32 or bf16"),
         })
         .collect::<anyhow::Result<_>>()?;
+    // (bf16 gradients, the split's job) of every row, interleaved.
+    let sides: Vec<(bool, bool)> = sides
+        .into_iter()
+        .flat_map(|g| [(g, false), (g, true)])
+        .filter(|&(_, p)| !p || args.predict)
+        .collect();
     if !args.json {
         println!(
-            "{:>12} {:>8} {:>12} {:>6} {:>6} {:>10} {:>14}",
-            "params", "threads", "state_dtype", "half", "grads", "best_ms", "gparams_per_s"
+            "{:>12} {:>8} {:>12} {:>6} {:>6} {:>8} {:>10} {:>14}",
+            "params", "threads", "state_dtype", "half", "grads", "job", "best_ms", "gparams_per_s"
         );
     }
     for &n in &sizes {
@@ -91,6 +105,8 @@ pub fn run_adam(args: &AdamArgs) -> anyhow::Result<()> {
             .collect();
         let g32: Vec<f32> = g16.iter().map(|g| g.to_f32()).collect();
         let mut half = vec![0u16; if kind.is_some() { n } else { 0 }];
+        let (mut base, mut v) = (vec![0u16; n], vec![0u16; n]);
+        let base_kind = kind.unwrap_or(HalfKind::Bf16);
         for &t in &threads {
             let mut opts = Vec::new();
             for _ in &sides {
@@ -99,14 +115,23 @@ pub fn run_adam(args: &AdamArgs) -> anyhow::Result<()> {
             let mut best = vec![f64::INFINITY; sides.len()];
             // One untimed step touches every page of the state first.
             for i in 0..args.iters + 1 {
-                for ((&bf16, opt), best) in sides.iter().zip(&mut opts).zip(&mut best) {
+                for ((&(bf16, split), opt), best) in sides.iter().zip(&mut opts).zip(&mut best) {
                     let h = kind.map(|k| (&mut half[..], k));
+                    let out = Prediction {
+                        base: BaseOut::Half(&mut base, base_kind),
+                        v: &mut v,
+                    };
                     let start = Instant::now();
                     opt.begin_step();
-                    if bf16 {
-                        opt.update(0, &mut params, &g16, 1e-4, 1.0, h)?;
-                    } else {
-                        opt.update(0, &mut params, &g32, 1e-4, 1.0, h)?;
+                    match (bf16, split) {
+                        (true, false) => opt.update(0, &mut params, &g16, 1e-4, 1.0, h)?,
+                        (false, false) => opt.update(0, &mut params, &g32, 1e-4, 1.0, h)?,
+                        (true, true) => {
+                            opt.update_predict(0, &mut params, &g16, 1e-4, 1.0, 1e-4, out)?
+                        }
+                        (false, true) => {
+                            opt.update_predict(0, &mut params, &g32, 1e-4, 1.0, 1e-4, out)?
+                        }
                     }
                     let dt = start.elapsed().as_secs_f64();
                     if i > 0 {
@@ -114,26 +139,28 @@ pub fn run_adam(args: &AdamArgs) -> anyhow::Result<()> {
                     }
                 }
             }
-            for (&bf16, best) in sides.iter().zip(best) {
+            for (&(bf16, split), best) in sides.iter().zip(best) {
                 let grads = if bf16 { "bf16" } else { "fp32" };
+                let job = if split { "predict" } else { "update" };
                 let gps = n as f64 / best / 1e9;
                 if args.json {
                     println!(
                         "{}",
                         serde_json::json!({
                             "params": n, "threads": t, "state_dtype": state.to_string(),
-                            "half": args.half, "grads": grads, "best_s": best,
+                            "half": args.half, "grads": grads, "job": job, "best_s": best,
                             "gparams_per_s": gps,
                         })
                     );
                 } else {
                     println!(
-                        "{:>12} {:>8} {:>12} {:>6} {:>6} {:>10.2} {:>14.3}",
+                        "{:>12} {:>8} {:>12} {:>6} {:>6} {:>8} {:>10.2} {:>14.3}",
                         n,
                         t,
                         state,
                         args.half,
                         grads,
+                        job,
                         best * 1e3,
                         gps
                     );

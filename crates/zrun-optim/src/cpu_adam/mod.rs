@@ -302,8 +302,29 @@ impl CpuAdamW {
         grad_scale: f32,
         half: Option<(&mut [u16], HalfKind)>,
     ) -> Result<()> {
+        self.update_inner(off, params, grads, lr, grad_scale, half, None)
+    }
+
+    /// [`CpuAdamW::update`] with, instead of the compute-dtype copy, the prediction of the
+    /// next update (`predict` the scalars, `out` where it goes), written block by block
+    /// right after each block's update, from its stored state, exactly as
+    /// [`CpuAdamW::predict`] writes it.
+    #[allow(clippy::too_many_arguments)]
+    fn update_inner<G: Grad>(
+        &mut self,
+        off: usize,
+        params: &mut [f32],
+        grads: &[G],
+        lr: f64,
+        grad_scale: f32,
+        half: Option<(&mut [u16], HalfKind)>,
+        prediction: Option<(predict::Coeffs, Prediction<'_>)>,
+    ) -> Result<()> {
         let n = params.len();
         self.check("gradient sub-range", grads.len(), n)?;
+        if let Some((_, out)) = &prediction {
+            self.check_prediction(n, out)?;
+        }
         if let Some((h, _)) = &half {
             self.check("half-precision copy", h.len(), n)?;
         }
@@ -313,10 +334,15 @@ impl CpuAdamW {
         }
         let coeffs = self.coeffs(lr, grad_scale);
         let keep = (1.0 - lr * self.cfg.weight_decay) as f32;
+        let (predict, mut pred) = match prediction {
+            Some((c, out)) => (Some(c), Some(out)),
+            None => (None, None),
+        };
         let job = Job {
             coeffs: &coeffs,
             keep,
             decay: &self.decay,
+            predict: predict.as_ref(),
         };
         let (kind, mut half) = match half {
             Some((h, k)) => (Some(k), Some(h)),
@@ -328,13 +354,21 @@ impl CpuAdamW {
         };
         let threads = self.threads.min(n / MIN_PER_THREAD).max(1);
         let Some(pool) = self.pool.as_ref().filter(|_| threads > 1) else {
-            job.run(off, params, grads, moments, half.as_deref_mut(), kind);
+            job.run(
+                off,
+                params,
+                grads,
+                moments,
+                half.as_deref_mut(),
+                kind,
+                pred.take(),
+            );
             return Ok(());
         };
         // Contiguous pieces, multiples of 64 elements (whole cache lines) except the last.
         let piece = n.div_ceil(threads).div_ceil(64) * 64;
         pool.in_place_scope(|s| {
-            let (mut p, mut g, mut mo, mut h) = (params, grads, moments, half);
+            let (mut p, mut g, mut mo, mut h, mut o) = (params, grads, moments, half, pred);
             let mut at = off;
             while !p.is_empty() {
                 let len = piece.min(p.len());
@@ -348,14 +382,21 @@ impl CpuAdamW {
                     }
                     None => (None, None),
                 };
+                let (o0, o1) = match o {
+                    Some(o) => {
+                        let (a, b) = o.split_at(len);
+                        (Some(a), Some(b))
+                    }
+                    None => (None, None),
+                };
                 let job = &job;
                 if p1.is_empty() {
                     // The last piece runs on the calling thread.
-                    job.run(at, p0, g0, m0, h0, kind);
+                    job.run(at, p0, g0, m0, h0, kind, o0);
                 } else {
-                    s.spawn(move |_| job.run(at, p0, g0, m0, h0, kind));
+                    s.spawn(move |_| job.run(at, p0, g0, m0, h0, kind, o0));
                 }
-                (p, g, mo, h) = (p1, g1, m1, h1);
+                (p, g, mo, h, o) = (p1, g1, m1, h1, o1);
                 at += len;
             }
         });
@@ -408,6 +449,8 @@ struct Job<'a> {
     coeffs: &'a Coeffs,
     keep: f32,
     decay: &'a [(usize, usize)],
+    /// The scalars of the next update's prediction, written after each block's update.
+    predict: Option<&'a predict::Coeffs>,
 }
 
 impl Job<'_> {
@@ -421,6 +464,7 @@ impl Job<'_> {
         mut mo: Moments<'_>,
         mut half: Option<&mut [u16]>,
         kind: Option<HalfKind>,
+        mut pred: Option<Prediction<'_>>,
     ) {
         let end = at + p.len();
         let mut i = at;
@@ -452,6 +496,14 @@ impl Job<'_> {
                 _ => None,
             };
             kernel::update_block(self.coeffs, keep, &mut p[lo..hi], &g[lo..hi], moments, h);
+            if let (Some(c), Some(out)) = (self.predict, pred.as_mut()) {
+                // From the block's state as just stored (m and v rounded), while in cache.
+                let stored = match &mo {
+                    Moments::F32(m, v) => predict::Moments::F32(&m[lo..hi], &v[lo..hi]),
+                    Moments::Bf16(m, v) => predict::Moments::Bf16(&m[lo..hi], &v[lo..hi]),
+                };
+                predict::block(c, decayed, &p[lo..hi], stored, out.sub(lo, hi));
+            }
             i = stop;
         }
         // The half copy may have gone out with non-temporal stores.

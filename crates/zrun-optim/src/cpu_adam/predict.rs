@@ -11,7 +11,7 @@
 //! again from a checkpoint's state give the same bits.
 
 use super::kernel::{bf16_nearest_even, BLOCK};
-use super::{CpuAdamW, HalfKind, State, MIN_PER_THREAD};
+use super::{CpuAdamW, Grad, HalfKind, State, MIN_PER_THREAD};
 use crate::Result;
 
 /// Where the base of the next update goes: the compute dtype's copy (u16 bits) or f32.
@@ -35,7 +35,19 @@ impl<'a> Prediction<'a> {
         self.v.len()
     }
 
-    fn split_at(self, k: usize) -> (Prediction<'a>, Prediction<'a>) {
+    /// Elements `[lo, hi)`, reborrowed.
+    pub(super) fn sub(&mut self, lo: usize, hi: usize) -> Prediction<'_> {
+        let base = match &mut self.base {
+            BaseOut::Half(h, kind) => BaseOut::Half(&mut h[lo..hi], *kind),
+            BaseOut::F32(f) => BaseOut::F32(&mut f[lo..hi]),
+        };
+        Prediction {
+            base,
+            v: &mut self.v[lo..hi],
+        }
+    }
+
+    pub(super) fn split_at(self, k: usize) -> (Prediction<'a>, Prediction<'a>) {
         let (v0, v1) = self.v.split_at_mut(k);
         let (b0, b1) = match self.base {
             BaseOut::Half(h, kind) => {
@@ -56,7 +68,7 @@ impl<'a> Prediction<'a> {
 
 /// The scalars of a prediction, in f32.
 #[derive(Clone, Copy)]
-struct Coeffs {
+pub(super) struct Coeffs {
     /// 1 - lr * weight_decay, inside the decay ranges.
     keep: f32,
     /// lr * b1 / (1 - b1^(t+1)), 0 before the first update (m is zero then).
@@ -68,7 +80,7 @@ struct Coeffs {
 
 /// Moments of a range, read only.
 #[derive(Clone, Copy)]
-enum Moments<'a> {
+pub(super) enum Moments<'a> {
     F32(&'a [f32], &'a [f32]),
     Bf16(&'a [u16], &'a [u16]),
 }
@@ -100,12 +112,54 @@ fn bits_to_f32(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
 }
 
+/// Writes the prediction of one block (at most [`BLOCK`] elements) inside or outside the
+/// decay ranges from its stored state: `p` the master, `mo` m and v.
+pub(super) fn block(c: &Coeffs, decayed: bool, p: &[f32], mo: Moments, mut out: Prediction) {
+    let n = p.len();
+    let keep = if decayed { c.keep } else { 1.0 };
+    // The bases in f32, then stored.
+    let mut b = [0f32; BLOCK];
+    let b = &mut b[..n];
+    match mo {
+        Moments::F32(m, v) => {
+            for (j, o) in b.iter_mut().enumerate() {
+                *o = base(c, keep, p[j], m[j], v[j]);
+            }
+            for (o, &x) in out.v.iter_mut().zip(&v[..n]) {
+                *o = bf16_nearest_even(x);
+            }
+        }
+        Moments::Bf16(m, v) => {
+            for (j, o) in b.iter_mut().enumerate() {
+                *o = base(c, keep, p[j], bits_to_f32(m[j]), bits_to_f32(v[j]));
+            }
+            out.v[..n].copy_from_slice(&v[..n]);
+        }
+    }
+    match &mut out.base {
+        BaseOut::F32(f) => f[..n].copy_from_slice(b),
+        BaseOut::Half(h, HalfKind::Bf16) => {
+            for (o, &x) in h.iter_mut().zip(b.iter()) {
+                *o = bf16_nearest_even(x);
+            }
+        }
+        BaseOut::Half(h, HalfKind::Fp16) => {
+            for (o, &x) in h.iter_mut().zip(b.iter()) {
+                *o = half::f16::from_f32(x).to_bits();
+            }
+        }
+    }
+}
+
 /// Writes the prediction of elements `[at, at + p.len())`, block by block.
-fn run(c: &Coeffs, decay: &[(usize, usize)], at: usize, p: &[f32], mo: Moments, out: Prediction) {
-    let Prediction {
-        base: mut out_base,
-        v: out_v,
-    } = out;
+fn run(
+    c: &Coeffs,
+    decay: &[(usize, usize)],
+    at: usize,
+    p: &[f32],
+    mo: Moments,
+    mut out: Prediction,
+) {
     let end = at + p.len();
     let mut i = at;
     while i < end {
@@ -117,77 +171,72 @@ fn run(c: &Coeffs, decay: &[(usize, usize)], at: usize, p: &[f32], mo: Moments, 
         };
         let stop = stop.min(end).min(i + BLOCK);
         let (lo, hi) = (i - at, stop - at);
-        let keep = if decayed { c.keep } else { 1.0 };
-        let ps = &p[lo..hi];
-        // The bases of the block in f32, then stored.
-        let mut b = [0f32; BLOCK];
-        let b = &mut b[..hi - lo];
-        match mo {
-            Moments::F32(m, v) => {
-                for (j, o) in b.iter_mut().enumerate() {
-                    *o = base(c, keep, ps[j], m[lo + j], v[lo + j]);
-                }
-                for (o, &x) in out_v[lo..hi].iter_mut().zip(&v[lo..hi]) {
-                    *o = bf16_nearest_even(x);
-                }
-            }
-            Moments::Bf16(m, v) => {
-                for (j, o) in b.iter_mut().enumerate() {
-                    let (mj, vj) = (bits_to_f32(m[lo + j]), bits_to_f32(v[lo + j]));
-                    *o = base(c, keep, ps[j], mj, vj);
-                }
-                out_v[lo..hi].copy_from_slice(&v[lo..hi]);
-            }
-        }
-        match &mut out_base {
-            BaseOut::F32(f) => f[lo..hi].copy_from_slice(b),
-            BaseOut::Half(h, HalfKind::Bf16) => {
-                for (o, &x) in h[lo..hi].iter_mut().zip(b.iter()) {
-                    *o = bf16_nearest_even(x);
-                }
-            }
-            BaseOut::Half(h, HalfKind::Fp16) => {
-                for (o, &x) in h[lo..hi].iter_mut().zip(b.iter()) {
-                    *o = half::f16::from_f32(x).to_bits();
-                }
-            }
-        }
+        let mo = match mo {
+            Moments::F32(m, v) => Moments::F32(&m[lo..hi], &v[lo..hi]),
+            Moments::Bf16(m, v) => Moments::Bf16(&m[lo..hi], &v[lo..hi]),
+        };
+        block(c, decayed, &p[lo..hi], mo, out.sub(lo, hi));
         i = stop;
     }
 }
 
 impl CpuAdamW {
+    /// [`CpuAdamW::update`] that writes, instead of the compute-dtype copy, the prediction of
+    /// the next update at `next_lr` into `out`: block by block right after each block's
+    /// update, from its state as stored, the same bits [`CpuAdamW::predict`] writes later.
+    #[allow(clippy::too_many_arguments)]
+    pub fn update_predict<G: Grad>(
+        &mut self,
+        off: usize,
+        params: &mut [f32],
+        grads: &[G],
+        lr: f64,
+        grad_scale: f32,
+        next_lr: f64,
+        out: Prediction<'_>,
+    ) -> Result<()> {
+        // This update's step has begun: the prediction is of the one after it.
+        let c = self.predict_coeffs(next_lr);
+        self.update_inner(off, params, grads, lr, grad_scale, None, Some((c, out)))
+    }
+
+    /// Checks the lengths of a prediction of `n` elements.
+    pub(super) fn check_prediction(&self, n: usize, out: &Prediction) -> Result<()> {
+        self.check("predicted v", out.len(), n)?;
+        match &out.base {
+            BaseOut::Half(h, _) => self.check("predicted base", h.len(), n),
+            BaseOut::F32(f) => self.check("predicted base", f.len(), n),
+        }
+    }
+
+    /// The scalars of the prediction of update `steps() + 1` at `lr`.
+    pub(super) fn predict_coeffs(&self, lr: f64) -> Coeffs {
+        let c = &self.cfg;
+        let t = self.step as i32;
+        let (step_size, inv_bc2_sqrt) = if self.step == 0 {
+            (0.0, 1.0)
+        } else {
+            (
+                lr * c.beta1 / (1.0 - c.beta1.powi(t + 1)),
+                1.0 / (1.0 - c.beta2.powi(t)).sqrt(),
+            )
+        };
+        Coeffs {
+            keep: (1.0 - lr * c.weight_decay) as f32,
+            step_size: step_size as f32,
+            inv_bc2_sqrt: inv_bc2_sqrt as f32,
+            eps: c.eps as f32,
+        }
+    }
+
     /// Writes the base of the next update (update `steps() + 1` at `lr`) and v of elements
     /// `[off, off + params.len())` from the stored state (see the module's documentation);
     /// `params` is the fp32 master of the range.
     pub fn predict(&self, off: usize, params: &[f32], lr: f64, out: Prediction<'_>) -> Result<()> {
         let n = params.len();
-        self.check("predicted v", out.len(), n)?;
-        if let BaseOut::Half(h, _) = &out.base {
-            self.check("predicted base", h.len(), n)?;
-        }
-        if let BaseOut::F32(f) = &out.base {
-            self.check("predicted base", f.len(), n)?;
-        }
+        self.check_prediction(n, &out)?;
         self.range(off, n)?;
-        let c = &self.cfg;
-        let t = self.step as i32;
-        let step_size = if self.step == 0 {
-            0.0
-        } else {
-            lr * c.beta1 / (1.0 - c.beta1.powi(t + 1))
-        };
-        let inv_bc2_sqrt = if self.step == 0 {
-            1.0
-        } else {
-            1.0 / (1.0 - c.beta2.powi(t)).sqrt()
-        };
-        let coeffs = Coeffs {
-            keep: (1.0 - lr * c.weight_decay) as f32,
-            step_size: step_size as f32,
-            inv_bc2_sqrt: inv_bc2_sqrt as f32,
-            eps: c.eps as f32,
-        };
+        let coeffs = self.predict_coeffs(lr);
         let mo = match &self.state {
             State::F32 { m, v } => Moments::F32(&m[off..off + n], &v[off..off + n]),
             State::Bf16 { m, v } => Moments::Bf16(&m[off..off + n], &v[off..off + n]),

@@ -272,20 +272,26 @@ fn run(
         }
         _ => None,
     };
-    match g.kind() {
-        Kind::BFloat16 => {
+    // A split delayed update writes the next update's prediction instead of `out`.
+    // SAFETY: the prediction's slices are as `SplitOut::prediction` requires.
+    let pred = split.as_ref().map(|s| unsafe { s.prediction(len) });
+    match (g.kind(), pred) {
+        (Kind::BFloat16, pred) => {
             // SAFETY: as for the master above; a bf16 element is 16 bits, as `Bf16`.
             let g = unsafe { slice_mut::<Bf16>(g.data_ptr(), g_off, len) };
-            adam.update(off, m, g, lr, grad_scale, out)?
+            match pred {
+                Some((next_lr, o)) => adam.update_predict(off, m, g, lr, grad_scale, next_lr, o)?,
+                None => adam.update(off, m, g, lr, grad_scale, out)?,
+            }
         }
-        _ => {
+        (_, pred) => {
             // SAFETY: as for the master above.
             let g = unsafe { slice_mut::<f32>(g.data_ptr(), g_off, len) };
-            adam.update(off, m, g, lr, grad_scale, out)?
+            match pred {
+                Some((next_lr, o)) => adam.update_predict(off, m, g, lr, grad_scale, next_lr, o)?,
+                None => adam.update(off, m, g, lr, grad_scale, out)?,
+            }
         }
-    }
-    if let Some(s) = &split {
-        split::predict_job(adam, off, m, s)?;
     }
     let dst = match (route, dst) {
         (Route::Deferred(_), _) => return Ok(None),

@@ -6,7 +6,7 @@ use super::{slice_mut, HostBuffers, HostOptimizer};
 use crate::layout::ShardLayout;
 use crate::{Context, Error, Result};
 use tch::{Device, Kind, Tensor};
-use zrun_optim::{BaseOut, CpuAdamW, HalfKind, Prediction};
+use zrun_optim::{BaseOut, HalfKind, Prediction};
 
 /// The buffers of the split: the base where no 16-bit staging buffer holds it, and v.
 pub(crate) struct Split {
@@ -47,20 +47,26 @@ pub(super) struct SplitOut {
     pub v: Tensor,
 }
 
-/// Writes the prediction `s` of elements `[off, off + master.len())` from the state `adam`
-/// has right after updating them.
-pub(super) fn predict_job(adam: &CpuAdamW, off: usize, master: &[f32], s: &SplitOut) -> Result<()> {
-    let len = master.len();
-    // SAFETY: `s.base` and `s.v` are this job's unit slices of contiguous host buffers of the
-    // base's dtype (16-bit where `half` is set, else fp32) and bf16, `len` elements each;
-    // nothing else touches them while the job runs (the device read them before it started).
-    let base = match s.half {
-        Some(kind) => BaseOut::Half(unsafe { slice_mut::<u16>(s.base.data_ptr(), 0, len) }, kind),
-        None => BaseOut::F32(unsafe { slice_mut::<f32>(s.base.data_ptr(), 0, len) }),
-    };
-    let v = unsafe { slice_mut::<u16>(s.v.data_ptr(), 0, len) };
-    adam.predict(off, master, s.lr, Prediction { base, v })
-        .map_err(|e| Error::Unsupported(format!("predict the next update: {e}")))
+impl SplitOut {
+    /// The learning rate and the slices the prediction of `len` elements goes to.
+    ///
+    /// # Safety
+    /// `base` and `v` are this job's unit slices of contiguous host buffers of the base's
+    /// dtype (16-bit where `half` is set, else fp32) and bf16, `len` elements each; nothing
+    /// else touches them while the returned slices live (the device read them before the job
+    /// started).
+    pub(super) unsafe fn prediction(&self, len: usize) -> (f64, Prediction<'_>) {
+        // SAFETY: guaranteed by the caller (see above).
+        let base = match self.half {
+            Some(kind) => BaseOut::Half(
+                unsafe { slice_mut::<u16>(self.base.data_ptr(), 0, len) },
+                kind,
+            ),
+            None => BaseOut::F32(unsafe { slice_mut::<f32>(self.base.data_ptr(), 0, len) }),
+        };
+        let v = unsafe { slice_mut::<u16>(self.v.data_ptr(), 0, len) };
+        (self.lr, Prediction { base, v })
+    }
 }
 
 impl HostOptimizer {
@@ -117,16 +123,26 @@ impl HostOptimizer {
     /// step after a skipped one): the same values a job that had just updated it writes.
     pub(crate) fn predict_now(&mut self, layout: &ShardLayout, lr: f64) -> Result<()> {
         self.finish()?;
+        // The device may still read these buffers (copies queued on its stream): wait.
+        if let Device::Cuda(i) = self.device {
+            zrun_torch_ext::CudaEvent::record_current(i)
+                .and_then(|e| e.synchronize())
+                .map_err(|e| Error::Unsupported(format!("wait for the device's copies: {e}")))?;
+        }
         let master = self.master.shallow_clone();
         for u in 0..layout.units.len() {
             let Some(s) = self.split_out(layout, u, lr)? else {
                 return Ok(());
             };
             let (off, len) = (layout.shard_offsets[u] as usize, s.v.numel());
-            // SAFETY: the master is a contiguous fp32 host tensor of the shard size and no
-            // update runs (finished above).
+            // SAFETY: the master is a contiguous fp32 host tensor of the shard size, and the
+            // split's buffers are as `SplitOut::prediction` requires: no update runs
+            // (finished above) and the device's copies from them were waited for.
             let m = unsafe { slice_mut::<f32>(master.data_ptr(), off, len) };
-            predict_job(self.adam()?, off, m, &s)?;
+            let (lr, out) = unsafe { s.prediction(len) };
+            self.adam()?
+                .predict(off, m, lr, out)
+                .map_err(|e| Error::Unsupported(format!("predict the next update: {e}")))?;
         }
         Ok(())
     }
