@@ -455,7 +455,8 @@ struct Job<'a> {
 
 impl Job<'_> {
     /// Updates shard elements `[at, at + p.len())`, block by block, each block inside or
-    /// outside the decay ranges.
+    /// outside the decay ranges; with `pred`, writes each block's prediction after it.
+    #[allow(clippy::too_many_arguments)]
     fn run<G: Grad>(
         &self,
         at: usize,
