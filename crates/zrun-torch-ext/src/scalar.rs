@@ -20,9 +20,11 @@ enum Op {
 }
 
 fn run(name: &str, t: &Tensor, other: Option<&Tensor>, op: Op, v: f64) -> Result<(), Error> {
-    let mut inputs = vec![("self", t)];
-    inputs.extend(other.map(|o| ("other", o)));
-    ffi::require_defined(name, &inputs)?;
+    // (No list built: this runs per chunk in the CPU ranks' AdamW.)
+    match other {
+        Some(o) => ffi::require_defined(name, &[("self", t), ("other", o)])?,
+        None => ffi::require_defined(name, &[("self", t)])?,
+    }
     let other = other.map_or(std::ptr::null(), |o| o.as_ptr().cast());
     let mut err = std::ptr::null_mut();
     // SAFETY: `t` (and `other` where the op reads it, else null, which the shim does not
