@@ -58,14 +58,21 @@ impl Grad for Bf16 {
 /// One element's AdamW update in f32; `keep` is 1 - lr * weight_decay (1.0 outside the
 /// decay ranges, where multiplying by it is exact).
 #[inline(always)]
-fn adam(c: &Coeffs, keep: f32, p: f32, g: f32, m: f32, v: f32) -> (f32, f32, f32) {
+fn adam(c: &Coeffs, keep: f32, p: f32, g: f32, m: f32, v: f32) -> (f32, f32, f32, f32) {
     let g = g * c.grad_scale;
     let p = p * keep;
     let m = c.b1.mul_add(m, c.omb1 * g);
     let v = c.b2.mul_add(v, (c.omb2 * g) * g);
-    let denom = v.sqrt().mul_add(c.inv_bc2_sqrt, c.eps);
-    let p = (-c.step_size).mul_add(m / denom, p);
-    (p, m, v)
+    let ratio = m / ratio_denom(v, c.inv_bc2_sqrt, c.eps);
+    let p = (-c.step_size).mul_add(ratio, p);
+    (p, m, v, ratio)
+}
+
+/// AdamW's denominator `sqrt(v) / sqrt(1 - b2^t) + eps`, as the update computes it (the
+/// split's prediction divides by the same, `predict.rs`).
+#[inline(always)]
+pub(crate) fn ratio_denom(v: f32, inv_bc2_sqrt: f32, eps: f32) -> f32 {
+    v.sqrt().mul_add(inv_bc2_sqrt, eps)
 }
 
 /// A 32-bit integer hash (lowbias32): full avalanche, a few vectorisable integer ops.
@@ -117,8 +124,9 @@ pub(crate) const BLOCK: usize = 2048;
 
 /// The moments of one block, in their storage type.
 pub(crate) enum MomentsMut<'a> {
-    /// fp32 state.
-    F32(&'a mut [f32], &'a mut [f32]),
+    /// fp32 state, and where the update's `m / denom` of each element goes (the split's
+    /// prediction reads it, `predict.rs`).
+    F32(&'a mut [f32], &'a mut [f32], Option<&'a mut [f32]>),
     /// bf16 state (bits), stochastically rounded; `base` is the block's first element index
     /// in the shard, the key of its random bits (a block never crosses a multiple of 2^32).
     Bf16 {
@@ -155,7 +163,7 @@ pub(crate) fn update_block<G: Grad>(
 }
 
 #[cfg(target_arch = "x86_64")]
-fn has_avx2() -> bool {
+pub(crate) fn has_avx2() -> bool {
     use std::sync::OnceLock;
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
@@ -166,7 +174,7 @@ fn has_avx2() -> bool {
 }
 
 #[cfg(target_arch = "x86_64")]
-fn has_avx512() -> bool {
+pub(crate) fn has_avx512() -> bool {
     use std::sync::OnceLock;
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
@@ -208,7 +216,7 @@ unsafe fn update_block_avx512<G: Grad>(
 /// The caller orders the stores with [`store_fence`] before the copy is used.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-unsafe fn bf16_stream_avx512(p: &[f32], out: &mut [u16]) {
+pub(crate) unsafe fn bf16_stream_avx512(p: &[f32], out: &mut [u16]) {
     use std::arch::x86_64::*;
     let out = &mut out[..p.len()];
     // Scalar head up to a 32-byte aligned output address.
@@ -337,7 +345,7 @@ fn update_block_body<G: Grad>(
     let n = p.len();
     let g = &g[..n];
     match moments {
-        MomentsMut::F32(m, v) => {
+        MomentsMut::F32(m, v, None) => {
             let (m, v) = (&mut m[..n], &mut v[..n]);
             let mut i = 0;
             while i < n {
@@ -348,10 +356,31 @@ fn update_block_body<G: Grad>(
                 prefetch_ahead(v, i);
                 let (p, g, m, v) = (&mut p[i..e], &g[i..e], &mut m[i..e], &mut v[i..e]);
                 for j in 0..p.len() {
-                    let (pj, mj, vj) = adam(c, keep, p[j], g[j].to_f32(), m[j], v[j]);
+                    let (pj, mj, vj, _) = adam(c, keep, p[j], g[j].to_f32(), m[j], v[j]);
                     p[j] = pj;
                     m[j] = mj;
                     v[j] = vj;
+                }
+                i = e;
+            }
+        }
+        MomentsMut::F32(m, v, Some(r)) => {
+            let (m, v, r) = (&mut m[..n], &mut v[..n], &mut r[..n]);
+            let mut i = 0;
+            while i < n {
+                let e = (i + STEP).min(n);
+                prefetch_ahead(p, i);
+                prefetch_ahead(g, i);
+                prefetch_ahead(m, i);
+                prefetch_ahead(v, i);
+                let (p, g, m, v) = (&mut p[i..e], &g[i..e], &mut m[i..e], &mut v[i..e]);
+                let r = &mut r[i..e];
+                for j in 0..p.len() {
+                    let (pj, mj, vj, rj) = adam(c, keep, p[j], g[j].to_f32(), m[j], v[j]);
+                    p[j] = pj;
+                    m[j] = mj;
+                    v[j] = vj;
+                    r[j] = rj;
                 }
                 i = e;
             }
@@ -371,7 +400,7 @@ fn update_block_body<G: Grad>(
                 let lo = lo.wrapping_add(i as u32);
                 for j in 0..p.len() {
                     let (m0, v0) = (bf16_to_f32(m[j]), bf16_to_f32(v[j]));
-                    let (pj, mj, vj) = adam(c, keep, p[j], g[j].to_f32(), m0, v0);
+                    let (pj, mj, vj, _) = adam(c, keep, p[j], g[j].to_f32(), m0, v0);
                     let r = element_bits(block_seed, lo.wrapping_add(j as u32));
                     p[j] = pj;
                     m[j] = bf16_stochastic(mj, r);

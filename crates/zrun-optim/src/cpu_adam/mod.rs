@@ -468,6 +468,7 @@ impl Job<'_> {
         mut pred: Option<Prediction<'_>>,
     ) {
         let end = at + p.len();
+        let mut ratio = [0f32; BLOCK];
         let mut i = at;
         while i < end {
             // The next boundary: a block end or a decay-range edge.
@@ -484,8 +485,11 @@ impl Job<'_> {
                 .min((i | 0xffff_ffff).saturating_add(1));
             let (lo, hi) = (i - at, stop - at);
             let keep = if decayed { self.keep } else { 1.0 };
+            // With fp32 state a prediction reuses the update's own ratios.
+            let split_f32 = self.predict.is_some() && matches!(mo, Moments::F32(..));
+            let r = split_f32.then_some(&mut ratio[..hi - lo]);
             let moments = match &mut mo {
-                Moments::F32(m, v) => MomentsMut::F32(&mut m[lo..hi], &mut v[lo..hi]),
+                Moments::F32(m, v) => MomentsMut::F32(&mut m[lo..hi], &mut v[lo..hi], r),
                 Moments::Bf16(m, v) => MomentsMut::Bf16 {
                     m: &mut m[lo..hi],
                     v: &mut v[lo..hi],
@@ -499,11 +503,23 @@ impl Job<'_> {
             kernel::update_block(self.coeffs, keep, &mut p[lo..hi], &g[lo..hi], moments, h);
             if let (Some(c), Some(out)) = (self.predict, pred.as_mut()) {
                 // From the block's state as just stored (m and v rounded), while in cache.
-                let stored = match &mo {
-                    Moments::F32(m, v) => predict::Moments::F32(&m[lo..hi], &v[lo..hi]),
-                    Moments::Bf16(m, v) => predict::Moments::Bf16(&m[lo..hi], &v[lo..hi]),
-                };
-                predict::block(c, decayed, &p[lo..hi], stored, out.sub(lo, hi));
+                match &mo {
+                    Moments::F32(_, v) => {
+                        let r = &ratio[..hi - lo];
+                        predict::block_with_ratio(
+                            c,
+                            decayed,
+                            &p[lo..hi],
+                            r,
+                            &v[lo..hi],
+                            out.sub(lo, hi),
+                        )
+                    }
+                    Moments::Bf16(m, v) => {
+                        let stored = predict::Moments::Bf16(&m[lo..hi], &v[lo..hi]);
+                        predict::block(c, decayed, &p[lo..hi], stored, out.sub(lo, hi))
+                    }
+                }
             }
             i = stop;
         }

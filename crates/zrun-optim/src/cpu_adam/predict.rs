@@ -10,7 +10,7 @@
 //! operations, no fused multiply-add), so writing them right after an update and writing them
 //! again from a checkpoint's state give the same bits.
 
-use super::kernel::{bf16_nearest_even, BLOCK};
+use super::kernel::{bf16_nearest_even, ratio_denom, BLOCK};
 use super::{CpuAdamW, Grad, HalfKind, State, MIN_PER_THREAD};
 use crate::Result;
 
@@ -100,11 +100,16 @@ impl<'a> Moments<'a> {
     }
 }
 
-/// One element's base from its stored state.
+/// One element's base from its stored master `p` and the ratio `m / denom` of the update,
+/// as [`super::kernel`] computes it (so that a job can hand over its update's own).
 #[inline(always)]
-fn base(c: &Coeffs, keep: f32, p: f32, m: f32, v: f32) -> f32 {
-    let d = v.sqrt() * c.inv_bc2_sqrt + c.eps;
-    p * keep - c.step_size * (m / d)
+fn base(c: &Coeffs, keep: f32, p: f32, ratio: f32) -> f32 {
+    p * keep - c.step_size * ratio
+}
+
+#[inline(always)]
+fn ratio(c: &Coeffs, m: f32, v: f32) -> f32 {
+    m / ratio_denom(v, c.inv_bc2_sqrt, c.eps)
 }
 
 #[inline(always)]
@@ -113,38 +118,154 @@ fn bits_to_f32(b: u16) -> f32 {
 }
 
 /// Writes the prediction of one block (at most [`BLOCK`] elements) inside or outside the
-/// decay ranges from its stored state: `p` the master, `mo` m and v.
-pub(super) fn block(c: &Coeffs, decayed: bool, p: &[f32], mo: Moments, mut out: Prediction) {
+/// decay ranges from its stored state: `p` the master, `mo` m and v. Compiled like the
+/// update's kernels, for the widest instruction set the CPU has; plain IEEE operations (no
+/// fused multiply-add) give the same bits in every copy.
+pub(super) fn block(c: &Coeffs, decayed: bool, p: &[f32], mo: Moments, out: Prediction) {
+    #[cfg(target_arch = "x86_64")]
+    if super::kernel::has_avx512() {
+        // SAFETY: the CPU supports AVX-512 F/BW/VL, AVX2 and F16C (checked at run time), the
+        // only requirement of this `target_feature` function.
+        unsafe { block_avx512(c, decayed, p, mo, out) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if super::kernel::has_avx2() {
+        // SAFETY: the CPU supports AVX2, FMA and F16C (checked at run time).
+        unsafe { block_avx2(c, decayed, p, mo, out) };
+        return;
+    }
+    block_body(c, decayed, p, mo, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn block_avx512(c: &Coeffs, decayed: bool, p: &[f32], mo: Moments, out: Prediction) {
+    block_body(c, decayed, p, mo, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_avx2(c: &Coeffs, decayed: bool, p: &[f32], mo: Moments, out: Prediction) {
+    block_body(c, decayed, p, mo, out);
+}
+
+/// [`block`] for fp32 state, with the ratios `r = m / denom` the update of the block just
+/// computed (bitwise what [`block`] computes from the stored m and v).
+pub(super) fn block_with_ratio(
+    c: &Coeffs,
+    decayed: bool,
+    p: &[f32],
+    r: &[f32],
+    v: &[f32],
+    out: Prediction,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if super::kernel::has_avx512() {
+        // SAFETY: as in `block`.
+        unsafe { ratio_avx512(c, decayed, p, r, v, out) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if super::kernel::has_avx2() {
+        // SAFETY: as in `block`.
+        unsafe { ratio_avx2(c, decayed, p, r, v, out) };
+        return;
+    }
+    ratio_body(c, decayed, p, r, v, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn ratio_avx512(
+    c: &Coeffs,
+    decayed: bool,
+    p: &[f32],
+    r: &[f32],
+    v: &[f32],
+    out: Prediction,
+) {
+    // As `ratio_body`, the bf16 stores non-temporal: nothing here reads them again, so their
+    // cache lines are not fetched first (the caller fences them, as the update's copy).
     let n = p.len();
     let keep = if decayed { c.keep } else { 1.0 };
-    // The bases in f32, then stored.
     let mut b = [0f32; BLOCK];
     let b = &mut b[..n];
+    for ((o, &pj), &rj) in b.iter_mut().zip(p).zip(&r[..n]) {
+        *o = base(c, keep, pj, rj);
+    }
+    let Prediction {
+        base: mut out_base,
+        v: out_v,
+    } = out;
+    // SAFETY: this function runs only where AVX-512 F/BW is present (see `block_with_ratio`).
+    unsafe { super::kernel::bf16_stream_avx512(&v[..n], out_v) };
+    match &mut out_base {
+        // SAFETY: as above.
+        BaseOut::Half(h, HalfKind::Bf16) => unsafe { super::kernel::bf16_stream_avx512(b, h) },
+        other => store_base(other, b),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn ratio_avx2(c: &Coeffs, decayed: bool, p: &[f32], r: &[f32], v: &[f32], out: Prediction) {
+    ratio_body(c, decayed, p, r, v, out);
+}
+
+#[inline(always)]
+fn block_body(c: &Coeffs, decayed: bool, p: &[f32], mo: Moments, mut out: Prediction) {
+    let n = p.len();
     match mo {
         Moments::F32(m, v) => {
-            for (j, o) in b.iter_mut().enumerate() {
-                *o = base(c, keep, p[j], m[j], v[j]);
+            let mut r = [0f32; BLOCK];
+            let r = &mut r[..n];
+            for ((o, &mj), &vj) in r.iter_mut().zip(&m[..n]).zip(&v[..n]) {
+                *o = ratio(c, mj, vj);
             }
-            for (o, &x) in out.v.iter_mut().zip(&v[..n]) {
-                *o = bf16_nearest_even(x);
-            }
+            ratio_body(c, decayed, p, r, v, out);
         }
         Moments::Bf16(m, v) => {
-            for (j, o) in b.iter_mut().enumerate() {
-                *o = base(c, keep, p[j], bits_to_f32(m[j]), bits_to_f32(v[j]));
+            let keep = if decayed { c.keep } else { 1.0 };
+            let (m, v) = (&m[..n], &v[..n]);
+            let mut b = [0f32; BLOCK];
+            let b = &mut b[..n];
+            for (((o, &pj), &mj), &vj) in b.iter_mut().zip(p).zip(m).zip(v) {
+                *o = base(c, keep, pj, ratio(c, bits_to_f32(mj), bits_to_f32(vj)));
             }
-            out.v[..n].copy_from_slice(&v[..n]);
+            out.v[..n].copy_from_slice(v);
+            store_base(&mut out.base, b);
         }
     }
-    match &mut out.base {
+}
+
+#[inline(always)]
+fn ratio_body(c: &Coeffs, decayed: bool, p: &[f32], r: &[f32], v: &[f32], mut out: Prediction) {
+    let n = p.len();
+    let keep = if decayed { c.keep } else { 1.0 };
+    let mut b = [0f32; BLOCK];
+    let b = &mut b[..n];
+    for ((o, &pj), &rj) in b.iter_mut().zip(p).zip(&r[..n]) {
+        *o = base(c, keep, pj, rj);
+    }
+    for (o, &x) in out.v[..n].iter_mut().zip(&v[..n]) {
+        *o = bf16_nearest_even(x);
+    }
+    store_base(&mut out.base, b);
+}
+
+#[inline(always)]
+fn store_base(out: &mut BaseOut, b: &[f32]) {
+    let n = b.len();
+    match out {
         BaseOut::F32(f) => f[..n].copy_from_slice(b),
         BaseOut::Half(h, HalfKind::Bf16) => {
-            for (o, &x) in h.iter_mut().zip(b.iter()) {
+            for (o, &x) in h[..n].iter_mut().zip(b) {
                 *o = bf16_nearest_even(x);
             }
         }
         BaseOut::Half(h, HalfKind::Fp16) => {
-            for (o, &x) in h.iter_mut().zip(b.iter()) {
+            for (o, &x) in h[..n].iter_mut().zip(b) {
                 *o = half::f16::from_f32(x).to_bits();
             }
         }
@@ -178,6 +299,8 @@ fn run(
         block(c, decayed, &p[lo..hi], mo, out.sub(lo, hi));
         i = stop;
     }
+    // Some stores may have been non-temporal.
+    super::kernel::store_fence();
 }
 
 impl CpuAdamW {
