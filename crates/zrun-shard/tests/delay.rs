@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{adamw, single, small_gpt, tokens};
+use common::{adamw, compute_params, max_abs, named, single, small_gpt, tokens};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
@@ -33,22 +33,6 @@ struct Run {
     losses: Vec<f64>,
     newest: BTreeMap<String, Tensor>,
     compute: BTreeMap<String, Tensor>,
-}
-
-/// The model's parameter names, unit by unit.
-fn names(m: &dyn Model) -> Vec<String> {
-    m.units()
-        .iter()
-        .flat_map(|u| u.params().iter().map(|p| p.name.clone()))
-        .collect()
-}
-
-/// Named fp32 tensors from f64 ones in the model's order.
-fn named(m: &dyn Model, ps: &[Tensor]) -> BTreeMap<String, Tensor> {
-    names(m)
-        .into_iter()
-        .zip(ps.iter().map(|p| p.to_kind(Kind::Float)))
-        .collect()
 }
 
 /// The reference: update k (1-based) is delayed when `delay` is `Some(w)` and k > w; the
@@ -137,29 +121,6 @@ fn engine(m: Arc<dyn Model>, stage: Stage, delay: Option<u64>) -> Engine {
     Engine::new(m, single(), cfg).unwrap()
 }
 
-/// The engine's compute parameters by name, fp32, read as a checkpoint saves them (one
-/// rank: every unit's elements `[0, numel)`).
-fn compute_params(e: &mut Engine) -> BTreeMap<String, Tensor> {
-    let mut out = BTreeMap::new();
-    for u in 0..e.layout().units.len() {
-        let mut vals = Vec::new();
-        e.visit_delayed_params(u, |b: &[u8]| -> Result<(), zrun_shard::Error> {
-            vals.extend(
-                b.chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap())),
-            );
-            Ok(())
-        })
-        .unwrap();
-        let flat = Tensor::from_slice(&vals);
-        for v in &e.layout().units[u].views {
-            let t = flat.narrow(0, v.offset, v.numel).view(v.shape.as_slice());
-            out.insert(v.name.clone(), t);
-        }
-    }
-    out
-}
-
 fn trained(m: Arc<dyn Model>, stage: Stage, delay: Option<u64>, max_norm: f64) -> (Run, bool) {
     let mut e = engine(m, stage, delay);
     let mut losses = Vec::new();
@@ -183,14 +144,6 @@ fn trained(m: Arc<dyn Model>, stage: Stage, delay: Option<u64>, max_norm: f64) -
         compute,
     };
     (run, behind)
-}
-
-/// The largest absolute difference between two sets of named tensors (the same names).
-fn max_abs(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {
-    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-    a.iter()
-        .map(|(k, x)| (x - &b[k]).abs().max().double_value(&[]))
-        .fold(0.0, f64::max)
 }
 
 /// Losses within 1e-6 relative, parameters within `tol` absolute of the reference.

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{adamw, single, small_gpt, tokens};
+use common::{adamw, compute_params, max_abs, named, single, small_gpt, tokens};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
@@ -30,20 +30,6 @@ struct Run {
     losses: Vec<f64>,
     newest: BTreeMap<String, Tensor>,
     compute: BTreeMap<String, Tensor>,
-}
-
-fn names(m: &dyn Model) -> Vec<String> {
-    m.units()
-        .iter()
-        .flat_map(|u| u.params().iter().map(|p| p.name.clone()))
-        .collect()
-}
-
-fn named(m: &dyn Model, ps: &[Tensor]) -> BTreeMap<String, Tensor> {
-    names(m)
-        .into_iter()
-        .zip(ps.iter().map(|p| p.to_kind(Kind::Float)))
-        .collect()
 }
 
 /// Updates after the first `warmup` split: the forward runs on the base minus the fresh share.
@@ -135,28 +121,6 @@ fn engine(m: Arc<dyn Model>, stage: Stage, delay: Option<u64>, fresh: bool) -> E
     Engine::new(m, single(), cfg).unwrap()
 }
 
-/// The engine's compute parameters by name, as a checkpoint saves them while behind.
-fn compute_params(e: &mut Engine) -> BTreeMap<String, Tensor> {
-    let mut out = BTreeMap::new();
-    for u in 0..e.layout().units.len() {
-        let mut vals = Vec::new();
-        e.visit_delayed_params(u, |b: &[u8]| -> Result<(), zrun_shard::Error> {
-            vals.extend(
-                b.chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap())),
-            );
-            Ok(())
-        })
-        .unwrap();
-        let flat = Tensor::from_slice(&vals);
-        for v in &e.layout().units[u].views {
-            let t = flat.narrow(0, v.offset, v.numel).view(v.shape.as_slice());
-            out.insert(v.name.clone(), t);
-        }
-    }
-    out
-}
-
 fn trained(mut e: Engine, max_norm: f64) -> Run {
     let mut losses = Vec::new();
     for t in 1..=STEPS {
@@ -172,13 +136,6 @@ fn trained(mut e: Engine, max_norm: f64) -> Run {
         newest,
         compute,
     }
-}
-
-fn max_abs(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {
-    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-    a.iter()
-        .map(|(k, x)| (x - &b[k]).abs().max().double_value(&[]))
-        .fold(0.0, f64::max)
 }
 
 #[test]

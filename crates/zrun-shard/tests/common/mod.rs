@@ -1,10 +1,13 @@
 //! Helpers shared by the engine's integration tests.
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use tch::Tensor;
+use tch::{Kind, Tensor};
+use zrun_models::Model;
 use zrun_optim::AdamWConfig;
+use zrun_shard::Engine;
 
 /// One rank's communicator (no peers, no store).
 pub fn single() -> Arc<dyn zrun_comm::Communicator> {
@@ -57,4 +60,51 @@ pub fn tokens(seed: u64, b: i64, t: i64, v: i64) -> (Tensor, Tensor) {
         .collect();
     let all = Tensor::from_slice(&ids).view([b, t + 1]);
     (all.narrow(1, 0, t), all.narrow(1, 1, t))
+}
+
+/// The model's parameter names, unit by unit.
+pub fn names(m: &dyn Model) -> Vec<String> {
+    m.units()
+        .iter()
+        .flat_map(|u| u.params().iter().map(|p| p.name.clone()))
+        .collect()
+}
+
+/// Named fp32 tensors from f64 ones in the model's order.
+pub fn named(m: &dyn Model, ps: &[Tensor]) -> BTreeMap<String, Tensor> {
+    names(m)
+        .into_iter()
+        .zip(ps.iter().map(|p| p.to_kind(Kind::Float)))
+        .collect()
+}
+
+/// The engine's compute parameters by name, fp32, read as a checkpoint saves them (one
+/// rank: every unit's elements `[0, numel)`).
+pub fn compute_params(e: &mut Engine) -> BTreeMap<String, Tensor> {
+    let mut out = BTreeMap::new();
+    for u in 0..e.layout().units.len() {
+        let mut vals = Vec::new();
+        e.visit_delayed_params(u, |b: &[u8]| -> Result<(), zrun_shard::Error> {
+            vals.extend(
+                b.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap())),
+            );
+            Ok(())
+        })
+        .unwrap();
+        let flat = Tensor::from_slice(&vals);
+        for v in &e.layout().units[u].views {
+            let t = flat.narrow(0, v.offset, v.numel).view(v.shape.as_slice());
+            out.insert(v.name.clone(), t);
+        }
+    }
+    out
+}
+
+/// The largest absolute difference between two sets of named tensors (the same names).
+pub fn max_abs(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f64 {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    a.iter()
+        .map(|(k, x)| (x - &b[k]).abs().max().double_value(&[]))
+        .fold(0.0, f64::max)
 }
