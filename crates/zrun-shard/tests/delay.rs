@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{adamw, compute_params, max_abs, named, single, small_gpt, tokens};
+use common::{adamw, compute_params, loss_and_grads, max_abs, named, single, small_gpt, tokens};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
@@ -51,7 +51,6 @@ fn reference(m: &dyn Model, delay: Option<u64>, max_norm: f64) -> Run {
         .iter()
         .flat_map(|u| u.params().iter().map(|p| p.decay))
         .collect();
-    let shapes: Vec<usize> = m.units().iter().map(|u| u.params().len()).collect();
     let mut hist = vec![p0.iter().map(Tensor::copy).collect::<Vec<_>>()];
     let mut mom: Vec<Tensor> = p0.iter().map(Tensor::zeros_like).collect();
     let mut var: Vec<Tensor> = p0.iter().map(Tensor::zeros_like).collect();
@@ -60,27 +59,9 @@ fn reference(m: &dyn Model, delay: Option<u64>, max_norm: f64) -> Run {
     for t in 1..=STEPS {
         let at = if delayed(t - 1) { t - 2 } else { t - 1 };
         // The parameters of the forward as fp32 leaves, split into units.
-        let mut flat = hist[at as usize]
-            .iter()
-            .map(|p| p.to_kind(Kind::Float).set_requires_grad(true));
-        let leaves: Vec<Vec<Tensor>> = shapes
-            .iter()
-            .map(|&n| flat.by_ref().take(n).collect())
-            .collect();
         let (x, y) = batch(t);
-        let loss = lm_loss(&forward_model(m, &leaves, &x).unwrap(), &y).unwrap();
-        losses.push(loss.double_value(&[]));
-        loss.backward();
-        let grads: Vec<Tensor> = leaves
-            .iter()
-            .flatten()
-            .map(|p| p.grad().to_kind(Kind::Double))
-            .collect();
-        let norm = grads
-            .iter()
-            .map(|g| g.square().sum(Kind::Double).double_value(&[]))
-            .sum::<f64>()
-            .sqrt();
+        let (loss, grads, norm) = loss_and_grads(m, &hist[at as usize], &x, &y);
+        losses.push(loss);
         let coef = clip_coefficient(norm, max_norm);
         // torch.optim.AdamW on P_{t-1}.
         let step = t as i32;

@@ -4,11 +4,11 @@
 
 mod common;
 
-use common::{adamw, compute_params, max_abs, named, single, small_gpt, tokens};
+use common::{adamw, compute_params, loss_and_grads, max_abs, named, single, small_gpt, tokens};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
-use zrun_models::{forward_model, init_model_params, lm_loss, Model};
+use zrun_models::{init_model_params, Model};
 use zrun_optim::clip_coefficient;
 use zrun_shard::{Engine, EngineConfig, Offload, Stage};
 
@@ -46,33 +46,14 @@ fn reference(m: &dyn Model, warmup: u64, max_norm: f64) -> Run {
         .iter()
         .flat_map(|u| u.params().iter().map(|p| p.decay))
         .collect();
-    let shapes: Vec<usize> = m.units().iter().map(|u| u.params().len()).collect();
     let mut mom: Vec<Tensor> = w.iter().map(Tensor::zeros_like).collect();
     let mut var: Vec<Tensor> = w.iter().map(Tensor::zeros_like).collect();
     let mut compute: Vec<Tensor> = w.iter().map(Tensor::copy).collect();
     let mut losses = Vec::new();
     for t in 1..=STEPS {
-        let mut flat = compute
-            .iter()
-            .map(|p| p.to_kind(Kind::Float).set_requires_grad(true));
-        let leaves: Vec<Vec<Tensor>> = shapes
-            .iter()
-            .map(|&n| flat.by_ref().take(n).collect())
-            .collect();
         let (x, y) = batch(t);
-        let loss = lm_loss(&forward_model(m, &leaves, &x).unwrap(), &y).unwrap();
-        losses.push(loss.double_value(&[]));
-        loss.backward();
-        let grads: Vec<Tensor> = leaves
-            .iter()
-            .flatten()
-            .map(|p| p.grad().to_kind(Kind::Double))
-            .collect();
-        let norm = grads
-            .iter()
-            .map(|g| g.square().sum(Kind::Double).double_value(&[]))
-            .sum::<f64>()
-            .sqrt();
+        let (loss, grads, norm) = loss_and_grads(m, &compute, &x, &y);
+        losses.push(loss);
         let coef = clip_coefficient(norm, max_norm);
         let split = t > warmup;
         let (s, k) = ((t - 1) as i32, t as i32);

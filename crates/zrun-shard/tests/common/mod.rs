@@ -108,3 +108,35 @@ pub fn max_abs(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> f6
         .map(|(k, x)| (x - &b[k]).abs().max().double_value(&[]))
         .fold(0.0, f64::max)
 }
+
+/// The loss of `params` (f64, in the model's order) on `(x, y)`, its gradients in f64 and
+/// their global norm: the reference loops' whole-model autograd.
+pub fn loss_and_grads(
+    m: &dyn Model,
+    params: &[Tensor],
+    x: &Tensor,
+    y: &Tensor,
+) -> (f64, Vec<Tensor>, f64) {
+    let mut flat = params
+        .iter()
+        .map(|p| p.to_kind(Kind::Float).set_requires_grad(true));
+    let leaves: Vec<Vec<Tensor>> = m
+        .units()
+        .iter()
+        .map(|u| flat.by_ref().take(u.params().len()).collect())
+        .collect();
+    let loss =
+        zrun_models::lm_loss(&zrun_models::forward_model(m, &leaves, x).unwrap(), y).unwrap();
+    loss.backward();
+    let grads: Vec<Tensor> = leaves
+        .iter()
+        .flatten()
+        .map(|p| p.grad().to_kind(Kind::Double))
+        .collect();
+    let norm = grads
+        .iter()
+        .map(|g| g.square().sum(Kind::Double).double_value(&[]))
+        .sum::<f64>()
+        .sqrt();
+    (loss.double_value(&[]), grads, norm)
+}
