@@ -63,7 +63,7 @@ pub(crate) struct Delay {
     pub loaded: Option<Tensor>,
     /// The learning rate of the next update, for a split update's base (`fresh.rs`).
     pub next_lr: Option<f64>,
-    /// A split update's v on the device (bf16, shard layout; allocated at its first step).
+    /// A split update's v on the device (bf16, shard layout; allocated with the engine).
     pub v: Option<Tensor>,
 }
 
