@@ -176,13 +176,26 @@ impl Engine {
         if !applied {
             return Ok(());
         }
+        self.submit_delayed(segments, lr, grad_scale, lr)
+    }
+
+    /// Hands this step's update to the CPU AdamW's thread without waiting (`next_lr`: the
+    /// rate a split update prepares the next base at, `fresh.rs`); the compute parameters are
+    /// then one update behind.
+    pub(crate) fn submit_delayed(
+        &mut self,
+        segments: Option<&[Tensor]>,
+        lr: f64,
+        grad_scale: f64,
+        next_lr: f64,
+    ) -> Result<()> {
         // Borrowing the two fields apart: no copy of the layout every step.
         let Optimizer::Host(h) = &mut self.optimizer else {
             return Err(Error::Unsupported(
                 "zero.offload_delay needs zero.offload_optimizer = \"cpu\"".into(),
             ));
         };
-        h.submit_deferred(&self.mover.layout, segments, lr, grad_scale, lr)?;
+        h.submit_deferred(&self.mover.layout, segments, lr, grad_scale, next_lr)?;
         self.delay.behind = true;
         self.delay.submitted = true;
         Ok(())

@@ -50,6 +50,10 @@ pub(crate) fn copy_v(mover: &Mover, dev: &Tensor, host: &Tensor, u: usize) -> Re
     })
 }
 
+fn no_host() -> Error {
+    Error::Unsupported("zero.offload_delay needs zero.offload_optimizer = \"cpu\"".into())
+}
+
 fn kernel(e: zrun_torch_ext::Error) -> Error {
     Error::Kernel("the fresh share of a delayed update", e)
 }
@@ -85,15 +89,7 @@ impl Engine {
         if !applied {
             return Ok(());
         }
-        let Optimizer::Host(h) = &mut self.optimizer else {
-            return Err(Error::Unsupported(
-                "zero.offload_delay needs zero.offload_optimizer = \"cpu\"".into(),
-            ));
-        };
-        h.submit_deferred(&self.mover.layout, segments, lr, grad_scale, next_lr)?;
-        self.delay.behind = true;
-        self.delay.submitted = true;
-        Ok(())
+        self.submit_delayed(segments, lr, grad_scale, next_lr)
     }
 
     /// This rank's compute parameters from the base of the update at `lr` and the device's v
@@ -102,20 +98,12 @@ impl Engine {
     /// same written now from the state.
     fn fresh_base(&mut self, lr: f64) -> Result<()> {
         let stage = self.cfg.stage;
-        if self.delay.v.is_none() {
-            let n = self.mover.layout.shard_numel();
-            let v = Tensor::f_zeros([n], (Kind::BFloat16, self.cfg.device))
-                .ctx("allocate v on the device", "-")?;
-            self.delay.v = Some(v);
-        }
         let dev_v = self.delay.v.as_ref().map(Tensor::shallow_clone);
         let running = self.delay.behind && self.delay.submitted;
         let units = self.units_len();
         let (mover, params) = (&self.mover, &self.params);
         let Optimizer::Host(h) = &mut self.optimizer else {
-            return Err(Error::Unsupported(
-                "zero.offload_delay needs zero.offload_optimizer = \"cpu\"".into(),
-            ));
+            return Err(no_host());
         };
         if !running {
             h.predict_now(&mover.layout, lr)?;
@@ -148,59 +136,61 @@ impl Engine {
         let c = self.cfg.adamw;
         let t = match &mut self.optimizer {
             Optimizer::Host(h) => h.steps()? + 1,
-            Optimizer::Device(_) => return Ok(()),
+            Optimizer::Device(_) => return Err(no_host()),
         };
         let t = i32::try_from(t).unwrap_or(i32::MAX);
         let (bc1, bc2) = (1.0 - c.beta1.powi(t), 1.0 - c.beta2.powi(t));
         let step_size = lr * (1.0 - c.beta1) / bc1;
-        let Some(dev_v) = self.delay.v.as_ref().map(Tensor::shallow_clone) else {
-            return Ok(());
+        let Some(dev_v) = self.delay.v.as_ref() else {
+            return Err(Error::Unsupported(
+                "a split delayed update without its v on the device".into(),
+            ));
         };
         let stage = self.cfg.stage;
         for u in 0..self.units_len() {
-            let unit = self.mover.layout.units[u].unit.clone();
+            let unit = &self.mover.layout.units[u].unit;
             let p = self.mover.owned_params(&self.params, u, stage)?.data();
             let g = match stage {
                 Stage::Zero0 | Stage::Zero1 => self.mover.owned(&self.grads, u)?,
                 Stage::Zero2 | Stage::Zero3 => self.mover.shard_of(&self.grads, u)?,
             };
-            let v = self.mover.shard_of(&dev_v, u)?;
+            let v = self.mover.shard_of(dev_v, u)?;
             let n = p.numel() as i64;
             for off in (0..n).step_by(PIECE as usize) {
                 let len = PIECE.min(n - off);
                 let piece = |t: &Tensor| t.f_narrow(0, off, len);
                 let (p, g, v) = (piece(&p), piece(&g), piece(&v));
                 let (p, g, v) = (
-                    p.ctx("slice", &unit)?,
-                    g.ctx("slice", &unit)?,
-                    v.ctx("slice", &unit)?,
+                    p.ctx("slice", unit)?,
+                    g.ctx("slice", unit)?,
+                    v.ctx("slice", unit)?,
                 );
                 // g in fp32 (a copy, whatever its dtype), unscaled and clipped.
                 let mut g = g
                     .f_to_dtype(Kind::Float, false, true)
-                    .ctx("fresh share", &unit)?;
+                    .ctx("fresh share", unit)?;
                 scalar::mul_(&g, grad_scale).map_err(kernel)?;
                 // D_t = sqrt((b2 v + (1 - b2) g^2) / bc2) + eps
                 let mut d = v
                     .f_to_dtype(Kind::Float, false, true)
-                    .ctx("fresh share", &unit)?;
+                    .ctx("fresh share", unit)?;
                 scalar::mul_(&d, c.beta2).map_err(kernel)?;
-                let sq = g.f_square().ctx("fresh share", &unit)?;
+                let sq = g.f_square().ctx("fresh share", unit)?;
                 scalar::mul_(&sq, 1.0 - c.beta2).map_err(kernel)?;
-                d.f_add_(&sq).map(drop).ctx("fresh share", &unit)?;
+                d.f_add_(&sq).map(drop).ctx("fresh share", unit)?;
                 drop(sq);
-                d.f_sqrt_().map(drop).ctx("fresh share", &unit)?;
+                d.f_sqrt_().map(drop).ctx("fresh share", unit)?;
                 scalar::mul_(&d, 1.0 / bc2.sqrt()).map_err(kernel)?;
                 scalar::add_(&d, c.eps).map_err(kernel)?;
-                g.f_div_(&d).map(drop).ctx("fresh share", &unit)?;
+                g.f_div_(&d).map(drop).ctx("fresh share", unit)?;
                 scalar::mul_(&g, step_size).map_err(kernel)?;
                 let mut p = p;
                 if p.kind() == Kind::Float {
-                    p.f_sub_(&g).map(drop).ctx("fresh share", &unit)?;
+                    p.f_sub_(&g).map(drop).ctx("fresh share", unit)?;
                 } else {
-                    let mut wide = p.f_to_kind(Kind::Float).ctx("fresh share", &unit)?;
-                    wide.f_sub_(&g).map(drop).ctx("fresh share", &unit)?;
-                    p.f_copy_(&wide).ctx("fresh share", &unit)?;
+                    let mut wide = p.f_to_kind(Kind::Float).ctx("fresh share", unit)?;
+                    wide.f_sub_(&g).map(drop).ctx("fresh share", unit)?;
+                    p.f_copy_(&wide).ctx("fresh share", unit)?;
                 }
             }
         }

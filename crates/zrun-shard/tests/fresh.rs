@@ -211,7 +211,7 @@ fn the_split_keeps_the_gradients_on_the_device_and_counts_v() {
 }
 
 #[test]
-fn skipped_fp16_steps_leave_the_split_on_its_base() {
+fn a_split_run_with_skipped_fp16_steps_submits_nothing_on_a_skip_and_trains() {
     use zrun_shard::Precision;
     // A scale that doubles after every clean step overflows again soon after each halving.
     let cfg = EngineConfig {
