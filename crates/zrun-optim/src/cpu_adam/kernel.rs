@@ -7,6 +7,7 @@
 //! everywhere; `sqrt` and `/` are correctly rounded), so results are bitwise identical across
 //! machines, instruction sets and thread counts.
 
+use super::predict::{self, BaseOut, Prediction};
 use super::HalfKind;
 
 /// Per-step scalars of the update, already in f32.
@@ -124,16 +125,26 @@ pub(crate) const BLOCK: usize = 2048;
 
 /// The moments of one block, in their storage type.
 pub(crate) enum MomentsMut<'a> {
-    /// fp32 state, and where the update's `m / denom` of each element goes (the split's
-    /// prediction reads it, `predict.rs`).
-    F32(&'a mut [f32], &'a mut [f32], Option<&'a mut [f32]>),
+    /// fp32 state, and the split's prediction of the next update, if any.
+    F32(&'a mut [f32], &'a mut [f32], Option<Next<'a>>),
     /// bf16 state (bits), stochastically rounded; `base` is the block's first element index
     /// in the shard, the key of its random bits (a block never crosses a multiple of 2^32).
     Bf16 {
         m: &'a mut [u16],
         v: &'a mut [u16],
         base: u64,
+        next: Option<Next<'a>>,
     },
+}
+
+/// The split's prediction of the next update (`predict.rs`), written by the update of a block
+/// with fp32 state in the same pass, from each element's new master and its ratio
+/// `m / denom`: the bits [`super::CpuAdamW::predict`] computes later from the stored state.
+pub(crate) struct Next<'a> {
+    pub coeffs: &'a predict::Coeffs,
+    /// 1 - lr' * weight_decay inside the decay ranges, 1 outside.
+    pub keep: f32,
+    pub out: Prediction<'a>,
 }
 
 /// Updates one block (at most [`BLOCK`] elements) and writes its half copy.
@@ -364,28 +375,64 @@ fn update_block_body<G: Grad>(
                 i = e;
             }
         }
-        MomentsMut::F32(m, v, Some(r)) => {
-            let (m, v, r) = (&mut m[..n], &mut v[..n], &mut r[..n]);
-            let mut i = 0;
-            while i < n {
-                let e = (i + STEP).min(n);
-                prefetch_ahead(p, i);
-                prefetch_ahead(g, i);
-                prefetch_ahead(m, i);
-                prefetch_ahead(v, i);
-                let (p, g, m, v) = (&mut p[i..e], &g[i..e], &mut m[i..e], &mut v[i..e]);
-                let r = &mut r[i..e];
-                for j in 0..p.len() {
-                    let (pj, mj, vj, rj) = adam(c, keep, p[j], g[j].to_f32(), m[j], v[j]);
-                    p[j] = pj;
-                    m[j] = mj;
-                    v[j] = vj;
-                    r[j] = rj;
+        MomentsMut::F32(m, v, Some(next)) => {
+            let Next {
+                coeffs,
+                keep: k,
+                out,
+            } = next;
+            let ov = out.v;
+            match out.base {
+                BaseOut::Half(ob, HalfKind::Bf16) => {
+                    update_next(c, keep, p, g, m, v, coeffs, k, ob, ov, bf16_nearest_even)
                 }
-                i = e;
+                BaseOut::Half(ob, HalfKind::Fp16) => {
+                    let fp16 = |x| half::f16::from_f32(x).to_bits();
+                    update_next(c, keep, p, g, m, v, coeffs, k, ob, ov, fp16)
+                }
+                BaseOut::F32(ob) => update_next(c, keep, p, g, m, v, coeffs, k, ob, ov, |x| x),
             }
         }
-        MomentsMut::Bf16 { m, v, base } => {
+        MomentsMut::Bf16 {
+            m,
+            v,
+            base,
+            next: Some(next),
+        } => {
+            let Next {
+                coeffs,
+                keep: k,
+                out,
+            } = next;
+            let ov = out.v;
+            match out.base {
+                BaseOut::Half(ob, HalfKind::Bf16) => update_next_bf16(
+                    c,
+                    keep,
+                    p,
+                    g,
+                    (m, v, base),
+                    coeffs,
+                    k,
+                    ob,
+                    ov,
+                    bf16_nearest_even,
+                ),
+                BaseOut::Half(ob, HalfKind::Fp16) => {
+                    let fp16 = |x| half::f16::from_f32(x).to_bits();
+                    update_next_bf16(c, keep, p, g, (m, v, base), coeffs, k, ob, ov, fp16)
+                }
+                BaseOut::F32(ob) => {
+                    update_next_bf16(c, keep, p, g, (m, v, base), coeffs, k, ob, ov, |x| x)
+                }
+            }
+        }
+        MomentsMut::Bf16 {
+            m,
+            v,
+            base,
+            next: None,
+        } => {
             let (m, v) = (&mut m[..n], &mut v[..n]);
             let block_seed = c.seed ^ hash32(((base >> 32) as u32).wrapping_mul(0x9e37_79b9));
             let lo = base as u32;
@@ -409,6 +456,103 @@ fn update_block_body<G: Grad>(
                 i = e;
             }
         }
+    }
+}
+
+/// The fp32-state update loop that also writes the split's prediction of the next update:
+/// `ob` the base (converted by `conv`), `ov` v as bf16.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn update_next<G: Grad, T>(
+    c: &Coeffs,
+    keep: f32,
+    p: &mut [f32],
+    g: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+    nc: &predict::Coeffs,
+    nkeep: f32,
+    ob: &mut [T],
+    ov: &mut [u16],
+    conv: impl Fn(f32) -> T,
+) {
+    let n = p.len();
+    let (g, m, v, ob, ov) = (
+        &g[..n],
+        &mut m[..n],
+        &mut v[..n],
+        &mut ob[..n],
+        &mut ov[..n],
+    );
+    let mut i = 0;
+    while i < n {
+        let e = (i + STEP).min(n);
+        prefetch_ahead(p, i);
+        prefetch_ahead(g, i);
+        prefetch_ahead(m, i);
+        prefetch_ahead(v, i);
+        let (p, g, m, v) = (&mut p[i..e], &g[i..e], &mut m[i..e], &mut v[i..e]);
+        let (ob, ov) = (&mut ob[i..e], &mut ov[i..e]);
+        for j in 0..p.len() {
+            let (pj, mj, vj, rj) = adam(c, keep, p[j], g[j].to_f32(), m[j], v[j]);
+            p[j] = pj;
+            m[j] = mj;
+            v[j] = vj;
+            ob[j] = conv(predict::base(nc, nkeep, pj, rj));
+            ov[j] = bf16_nearest_even(vj);
+        }
+        i = e;
+    }
+}
+
+/// [`update_next`] for bf16 state: the prediction from m and v as rounded and stored.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn update_next_bf16<G: Grad, T>(
+    c: &Coeffs,
+    keep: f32,
+    p: &mut [f32],
+    g: &[G],
+    (m, v, base): (&mut [u16], &mut [u16], u64),
+    nc: &predict::Coeffs,
+    nkeep: f32,
+    ob: &mut [T],
+    ov: &mut [u16],
+    conv: impl Fn(f32) -> T,
+) {
+    let n = p.len();
+    let (g, m, v, ob, ov) = (
+        &g[..n],
+        &mut m[..n],
+        &mut v[..n],
+        &mut ob[..n],
+        &mut ov[..n],
+    );
+    let block_seed = c.seed ^ hash32(((base >> 32) as u32).wrapping_mul(0x9e37_79b9));
+    let lo = base as u32;
+    let mut i = 0;
+    while i < n {
+        let e = (i + STEP).min(n);
+        prefetch_ahead(p, i);
+        prefetch_ahead(g, i);
+        prefetch_ahead(m, i);
+        prefetch_ahead(v, i);
+        let (p, g, m, v) = (&mut p[i..e], &g[i..e], &mut m[i..e], &mut v[i..e]);
+        let (ob, ov) = (&mut ob[i..e], &mut ov[i..e]);
+        let lo = lo.wrapping_add(i as u32);
+        for j in 0..p.len() {
+            let (m0, v0) = (bf16_to_f32(m[j]), bf16_to_f32(v[j]));
+            let (pj, mj, vj, _) = adam(c, keep, p[j], g[j].to_f32(), m0, v0);
+            let r = element_bits(block_seed, lo.wrapping_add(j as u32));
+            let (m1, v1) = (bf16_stochastic(mj, r), bf16_stochastic(vj, r >> 16));
+            p[j] = pj;
+            m[j] = m1;
+            v[j] = v1;
+            let ratio = predict::ratio(nc, bf16_to_f32(m1), bf16_to_f32(v1));
+            ob[j] = conv(predict::base(nc, nkeep, pj, ratio));
+            ov[j] = v1;
+        }
+        i = e;
     }
 }
 

@@ -22,7 +22,7 @@ mod predict;
 
 use crate::{AdamWConfig, Error, Result};
 pub use kernel::{Bf16, Grad};
-use kernel::{Coeffs, MomentsMut, BLOCK};
+use kernel::{Coeffs, MomentsMut, Next, BLOCK};
 pub use predict::{BaseOut, Prediction};
 
 /// Storage type of the AdamW moments m and v (`optimizer_state_dtype`).
@@ -306,9 +306,8 @@ impl CpuAdamW {
     }
 
     /// [`CpuAdamW::update`] with, instead of the compute-dtype copy, the prediction of the
-    /// next update (`predict` the scalars, `out` where it goes), written block by block
-    /// right after each block's update, from its stored state, exactly as
-    /// [`CpuAdamW::predict`] writes it.
+    /// next update (`predict` the scalars, `out` where it goes), written in the update's own
+    /// loop from each element's state as stored, exactly as [`CpuAdamW::predict`] writes it.
     #[allow(clippy::too_many_arguments)]
     fn update_inner<G: Grad>(
         &mut self,
@@ -468,7 +467,6 @@ impl Job<'_> {
         mut pred: Option<Prediction<'_>>,
     ) {
         let end = at + p.len();
-        let mut ratio = [0f32; BLOCK];
         let mut i = at;
         while i < end {
             // The next boundary: a block end or a decay-range edge.
@@ -485,15 +483,22 @@ impl Job<'_> {
                 .min((i | 0xffff_ffff).saturating_add(1));
             let (lo, hi) = (i - at, stop - at);
             let keep = if decayed { self.keep } else { 1.0 };
-            // With fp32 state a prediction reuses the update's own ratios.
-            let split_f32 = self.predict.is_some() && matches!(mo, Moments::F32(..));
-            let r = split_f32.then_some(&mut ratio[..hi - lo]);
+            // The update writes the prediction in the same pass.
+            let next = match (self.predict, pred.as_mut()) {
+                (Some(c), Some(out)) => Some(Next {
+                    coeffs: c,
+                    keep: c.keep(decayed),
+                    out: out.sub(lo, hi),
+                }),
+                _ => None,
+            };
             let moments = match &mut mo {
-                Moments::F32(m, v) => MomentsMut::F32(&mut m[lo..hi], &mut v[lo..hi], r),
+                Moments::F32(m, v) => MomentsMut::F32(&mut m[lo..hi], &mut v[lo..hi], next),
                 Moments::Bf16(m, v) => MomentsMut::Bf16 {
                     m: &mut m[lo..hi],
                     v: &mut v[lo..hi],
                     base: i as u64,
+                    next,
                 },
             };
             let h = match (&mut half, kind) {
@@ -501,26 +506,6 @@ impl Job<'_> {
                 _ => None,
             };
             kernel::update_block(self.coeffs, keep, &mut p[lo..hi], &g[lo..hi], moments, h);
-            if let (Some(c), Some(out)) = (self.predict, pred.as_mut()) {
-                // From the block's state as just stored (m and v rounded), while in cache.
-                match &mo {
-                    Moments::F32(_, v) => {
-                        let r = &ratio[..hi - lo];
-                        predict::block_with_ratio(
-                            c,
-                            decayed,
-                            &p[lo..hi],
-                            r,
-                            &v[lo..hi],
-                            out.sub(lo, hi),
-                        )
-                    }
-                    Moments::Bf16(m, v) => {
-                        let stored = predict::Moments::Bf16(&m[lo..hi], &v[lo..hi]);
-                        predict::block(c, decayed, &p[lo..hi], stored, out.sub(lo, hi))
-                    }
-                }
-            }
             i = stop;
         }
         // The half copy may have gone out with non-temporal stores.

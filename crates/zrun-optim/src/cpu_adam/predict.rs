@@ -85,6 +85,17 @@ pub(super) enum Moments<'a> {
     Bf16(&'a [u16], &'a [u16]),
 }
 
+impl Coeffs {
+    /// The weight decay's factor inside (`decayed`) or outside the decay ranges.
+    pub(super) fn keep(&self, decayed: bool) -> f32 {
+        if decayed {
+            self.keep
+        } else {
+            1.0
+        }
+    }
+}
+
 impl<'a> Moments<'a> {
     fn split_at(self, k: usize) -> (Moments<'a>, Moments<'a>) {
         match self {
@@ -101,14 +112,14 @@ impl<'a> Moments<'a> {
 }
 
 /// One element's base from its stored master `p` and the ratio `m / denom` of the update,
-/// as [`super::kernel`] computes it (so that a job can hand over its update's own).
+/// as [`super::kernel`] computes it (the update writes it from its own ratio).
 #[inline(always)]
-fn base(c: &Coeffs, keep: f32, p: f32, ratio: f32) -> f32 {
+pub(super) fn base(c: &Coeffs, keep: f32, p: f32, ratio: f32) -> f32 {
     p * keep - c.step_size * ratio
 }
 
 #[inline(always)]
-fn ratio(c: &Coeffs, m: f32, v: f32) -> f32 {
+pub(super) fn ratio(c: &Coeffs, m: f32, v: f32) -> f32 {
     m / ratio_denom(v, c.inv_bc2_sqrt, c.eps)
 }
 
@@ -150,106 +161,29 @@ unsafe fn block_avx2(c: &Coeffs, decayed: bool, p: &[f32], mo: Moments, out: Pre
     block_body(c, decayed, p, mo, out);
 }
 
-/// [`block`] for fp32 state, with the ratios `r = m / denom` the update of the block just
-/// computed (bitwise what [`block`] computes from the stored m and v).
-pub(super) fn block_with_ratio(
-    c: &Coeffs,
-    decayed: bool,
-    p: &[f32],
-    r: &[f32],
-    v: &[f32],
-    out: Prediction,
-) {
-    #[cfg(target_arch = "x86_64")]
-    if super::kernel::has_avx512() {
-        // SAFETY: as in `block`.
-        unsafe { ratio_avx512(c, decayed, p, r, v, out) };
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if super::kernel::has_avx2() {
-        // SAFETY: as in `block`.
-        unsafe { ratio_avx2(c, decayed, p, r, v, out) };
-        return;
-    }
-    ratio_body(c, decayed, p, r, v, out);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn ratio_avx512(
-    c: &Coeffs,
-    decayed: bool,
-    p: &[f32],
-    r: &[f32],
-    v: &[f32],
-    out: Prediction,
-) {
-    // As `ratio_body`, the bf16 stores non-temporal: nothing here reads them again, so their
-    // cache lines are not fetched first (the caller fences them, as the update's copy).
-    let n = p.len();
-    let keep = if decayed { c.keep } else { 1.0 };
-    let mut b = [0f32; BLOCK];
-    let b = &mut b[..n];
-    for ((o, &pj), &rj) in b.iter_mut().zip(p).zip(&r[..n]) {
-        *o = base(c, keep, pj, rj);
-    }
-    let Prediction {
-        base: mut out_base,
-        v: out_v,
-    } = out;
-    // SAFETY: this function runs only where AVX-512 F/BW is present (see `block_with_ratio`).
-    unsafe { super::kernel::bf16_stream_avx512(&v[..n], out_v) };
-    match &mut out_base {
-        // SAFETY: as above.
-        BaseOut::Half(h, HalfKind::Bf16) => unsafe { super::kernel::bf16_stream_avx512(b, h) },
-        other => store_base(other, b),
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn ratio_avx2(c: &Coeffs, decayed: bool, p: &[f32], r: &[f32], v: &[f32], out: Prediction) {
-    ratio_body(c, decayed, p, r, v, out);
-}
-
 #[inline(always)]
 fn block_body(c: &Coeffs, decayed: bool, p: &[f32], mo: Moments, mut out: Prediction) {
     let n = p.len();
+    let keep = c.keep(decayed);
+    let mut b = [0f32; BLOCK];
+    let b = &mut b[..n];
     match mo {
         Moments::F32(m, v) => {
-            let mut r = [0f32; BLOCK];
-            let r = &mut r[..n];
-            for ((o, &mj), &vj) in r.iter_mut().zip(&m[..n]).zip(&v[..n]) {
-                *o = ratio(c, mj, vj);
+            let (m, v) = (&m[..n], &v[..n]);
+            for (((o, &pj), &mj), &vj) in b.iter_mut().zip(p).zip(m).zip(v) {
+                *o = base(c, keep, pj, ratio(c, mj, vj));
             }
-            ratio_body(c, decayed, p, r, v, out);
+            for (o, &x) in out.v[..n].iter_mut().zip(v) {
+                *o = bf16_nearest_even(x);
+            }
         }
         Moments::Bf16(m, v) => {
-            let keep = if decayed { c.keep } else { 1.0 };
             let (m, v) = (&m[..n], &v[..n]);
-            let mut b = [0f32; BLOCK];
-            let b = &mut b[..n];
             for (((o, &pj), &mj), &vj) in b.iter_mut().zip(p).zip(m).zip(v) {
                 *o = base(c, keep, pj, ratio(c, bits_to_f32(mj), bits_to_f32(vj)));
             }
             out.v[..n].copy_from_slice(v);
-            store_base(&mut out.base, b);
         }
-    }
-}
-
-#[inline(always)]
-fn ratio_body(c: &Coeffs, decayed: bool, p: &[f32], r: &[f32], v: &[f32], mut out: Prediction) {
-    let n = p.len();
-    let keep = if decayed { c.keep } else { 1.0 };
-    let mut b = [0f32; BLOCK];
-    let b = &mut b[..n];
-    for ((o, &pj), &rj) in b.iter_mut().zip(p).zip(&r[..n]) {
-        *o = base(c, keep, pj, rj);
-    }
-    for (o, &x) in out.v[..n].iter_mut().zip(&v[..n]) {
-        *o = bf16_nearest_even(x);
     }
     store_base(&mut out.base, b);
 }
@@ -305,8 +239,8 @@ fn run(
 
 impl CpuAdamW {
     /// [`CpuAdamW::update`] that writes, instead of the compute-dtype copy, the prediction of
-    /// the next update at `next_lr` into `out`: block by block right after each block's
-    /// update, from its state as stored, the same bits [`CpuAdamW::predict`] writes later.
+    /// the next update at `next_lr` into `out`, in the same pass over memory (each element's
+    /// from its state as stored): the same bits [`CpuAdamW::predict`] writes later.
     #[allow(clippy::too_many_arguments)]
     pub fn update_predict<G: Grad>(
         &mut self,

@@ -509,40 +509,54 @@ fn predict_writes_the_next_updates_base_and_v_from_the_stored_state() {
     }
 }
 
+/// A prediction into `h` (the compute dtype `kind`) or `f` (fp32 when `kind` is None).
+fn prediction<'a>(
+    kind: Option<HalfKind>,
+    h: &'a mut [u16],
+    f: &'a mut [f32],
+    v: &'a mut [u16],
+) -> Prediction<'a> {
+    let base = match kind {
+        Some(k) => BaseOut::Half(h, k),
+        None => BaseOut::F32(f),
+    };
+    Prediction { base, v }
+}
+
 #[test]
 fn update_predict_writes_what_update_then_predict_write() {
     let n = 3 * MIN_PER_THREAD + 777;
     let ranges = vec![(BLOCK - 3, MIN_PER_THREAD)];
     let c = cfg(0.1);
-    for state in [StateDtype::Fp32, StateDtype::Bf16] {
+    let kinds = [Some(HalfKind::Bf16), Some(HalfKind::Fp16), None];
+    for (state, kind) in [StateDtype::Fp32, StateDtype::Bf16]
+        .into_iter()
+        .flat_map(|s| kinds.map(|k| (s, k)))
+    {
         let mut seed = 5u64;
         let mut pa = randn32(n, &mut seed, 1.0);
         let mut pb = pa.clone();
         let mut a = CpuAdamW::new(n, c, ranges.clone(), state, 3).unwrap();
         let mut b = CpuAdamW::new(n, c, ranges.clone(), state, 2).unwrap();
-        let (mut base_a, mut v_a) = (vec![0u16; n], vec![0u16; n]);
-        let (mut base_b, mut v_b) = (vec![0u16; n], vec![0u16; n]);
+        let (mut half_a, mut f_a, mut v_a) = (vec![0u16; n], vec![0f32; n], vec![0u16; n]);
+        let (mut half_b, mut f_b, mut v_b) = (vec![0u16; n], vec![0f32; n], vec![0u16; n]);
         for step in 0..3 {
             let g = randn32(n, &mut seed, 0.2);
             let (lr, next) = (1e-2 * (step + 1) as f64, 1e-2 * (step + 2) as f64);
             a.begin_step();
             b.begin_step();
             a.update(0, &mut pa, &g, lr, 0.5, None).unwrap();
-            let out = Prediction {
-                base: BaseOut::Half(&mut base_a, HalfKind::Bf16),
-                v: &mut v_a,
-            };
+            let out = prediction(kind, &mut half_a, &mut f_a, &mut v_a);
             a.predict(0, &pa, next, out).unwrap();
-            let out = Prediction {
-                base: BaseOut::Half(&mut base_b, HalfKind::Bf16),
-                v: &mut v_b,
-            };
+            let out = prediction(kind, &mut half_b, &mut f_b, &mut v_b);
             b.update_predict(0, &mut pb, &g, lr, 0.5, next, out)
                 .unwrap();
-            assert_eq!(pa, pb, "{state} step {step}");
-            assert_eq!(a.moments(), b.moments(), "{state} step {step}");
-            assert_eq!(base_a, base_b, "{state} step {step}");
-            assert_eq!(v_a, v_b, "{state} step {step}");
+            let at = format!("{state} {kind:?} step {step}");
+            assert_eq!(pa, pb, "{at}");
+            assert_eq!(a.moments(), b.moments(), "{at}");
+            assert_eq!(half_a, half_b, "{at}");
+            assert_eq!(bits(&f_a), bits(&f_b), "{at}");
+            assert_eq!(v_a, v_b, "{at}");
         }
     }
 }
