@@ -125,21 +125,20 @@ pub(crate) const BLOCK: usize = 2048;
 
 /// The moments of one block, in their storage type.
 pub(crate) enum MomentsMut<'a> {
-    /// fp32 state, and the split's prediction of the next update, if any.
-    F32(&'a mut [f32], &'a mut [f32], Option<Next<'a>>),
+    /// fp32 state.
+    F32(&'a mut [f32], &'a mut [f32]),
     /// bf16 state (bits), stochastically rounded; `base` is the block's first element index
     /// in the shard, the key of its random bits (a block never crosses a multiple of 2^32).
     Bf16 {
         m: &'a mut [u16],
         v: &'a mut [u16],
         base: u64,
-        next: Option<Next<'a>>,
     },
 }
 
 /// The split's prediction of the next update (`predict.rs`), written by the update of a block
-/// with fp32 state in the same pass, from each element's new master and its ratio
-/// `m / denom`: the bits [`super::CpuAdamW::predict`] computes later from the stored state.
+/// in the same pass from each element's new master and its m and v as stored: the bits
+/// [`super::CpuAdamW::predict`] computes later from the stored state.
 pub(crate) struct Next<'a> {
     pub coeffs: &'a predict::Coeffs,
     /// 1 - lr' * weight_decay inside the decay ranges, 1 outside.
@@ -147,7 +146,8 @@ pub(crate) struct Next<'a> {
     pub out: Prediction<'a>,
 }
 
-/// Updates one block (at most [`BLOCK`] elements) and writes its half copy.
+/// Updates one block (at most [`BLOCK`] elements) and writes its half copy or the split's
+/// prediction.
 pub(crate) fn update_block<G: Grad>(
     c: &Coeffs,
     keep: f32,
@@ -155,22 +155,23 @@ pub(crate) fn update_block<G: Grad>(
     g: &[G],
     moments: MomentsMut<'_>,
     half: Option<(&mut [u16], HalfKind)>,
+    next: Option<Next<'_>>,
 ) {
     #[cfg(target_arch = "x86_64")]
     if has_avx512() {
         // SAFETY: the CPU supports AVX-512 F/BW/VL, AVX2, FMA and F16C (checked by
         // `has_avx512` at run time), the only requirement of this `target_feature` function.
-        unsafe { update_block_avx512(c, keep, p, g, moments, half) };
+        unsafe { update_block_avx512(c, keep, p, g, moments, half, next) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: the CPU supports AVX2, FMA and F16C (checked by `has_avx2` at run time),
         // the only requirement of these `target_feature` functions.
-        unsafe { update_block_avx2(c, keep, p, g, moments, half) };
+        unsafe { update_block_avx2(c, keep, p, g, moments, half, next) };
         return;
     }
-    update_block_generic(c, keep, p, g, moments, half);
+    update_block_generic(c, keep, p, g, moments, half, next);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -206,8 +207,9 @@ unsafe fn update_block_avx512<G: Grad>(
     g: &[G],
     moments: MomentsMut<'_>,
     half: Option<(&mut [u16], HalfKind)>,
+    next: Option<Next<'_>>,
 ) {
-    update_block_body(c, keep, p, g, moments);
+    update_block_body(c, keep, p, g, moments, next);
     match half {
         Some((out, HalfKind::Fp16)) => {
             // SAFETY: this function runs only where F16C is present (see `update_block`).
@@ -281,8 +283,9 @@ unsafe fn update_block_avx2<G: Grad>(
     g: &[G],
     moments: MomentsMut<'_>,
     half: Option<(&mut [u16], HalfKind)>,
+    next: Option<Next<'_>>,
 ) {
-    update_block_body(c, keep, p, g, moments);
+    update_block_body(c, keep, p, g, moments, next);
     match half {
         Some((out, HalfKind::Fp16)) => {
             // SAFETY: this function runs only where F16C is present (see `update_block`).
@@ -300,8 +303,9 @@ fn update_block_generic<G: Grad>(
     g: &[G],
     moments: MomentsMut<'_>,
     half: Option<(&mut [u16], HalfKind)>,
+    next: Option<Next<'_>>,
 ) {
-    update_block_body(c, keep, p, g, moments);
+    update_block_body(c, keep, p, g, moments, next);
     match half {
         Some((out, HalfKind::Fp16)) => {
             for (o, &x) in out.iter_mut().zip(p.iter()) {
@@ -381,11 +385,30 @@ fn update_block_body<G: Grad>(
     p: &mut [f32],
     g: &[G],
     moments: MomentsMut<'_>,
+    next: Option<Next<'_>>,
 ) {
     let n = p.len();
     let g = &g[..n];
+    if let Some(Next {
+        coeffs,
+        keep: k,
+        out,
+    }) = next
+    {
+        let ov = out.v;
+        return match out.base {
+            BaseOut::Half(ob, HalfKind::Bf16) => {
+                update_next(c, keep, p, g, moments, coeffs, k, ob, ov, bf16_nearest_even)
+            }
+            BaseOut::Half(ob, HalfKind::Fp16) => {
+                let fp16 = |x| half::f16::from_f32(x).to_bits();
+                update_next(c, keep, p, g, moments, coeffs, k, ob, ov, fp16)
+            }
+            BaseOut::F32(ob) => update_next(c, keep, p, g, moments, coeffs, k, ob, ov, |x| x),
+        };
+    }
     match moments {
-        MomentsMut::F32(m, v, None) => {
+        MomentsMut::F32(m, v) => {
             let (m, v) = (&mut m[..n], &mut v[..n]);
             walk!(n, [p, g, m, v], |i, e| {
                 let (p, g, m, v) = (&mut p[i..e], &g[i..e], &mut m[i..e], &mut v[i..e]);
@@ -394,44 +417,7 @@ fn update_block_body<G: Grad>(
                 }
             });
         }
-        MomentsMut::F32(m, v, Some(next)) => {
-            let (coeffs, k, ov) = (next.coeffs, next.keep, next.out.v);
-            match next.out.base {
-                BaseOut::Half(ob, HalfKind::Bf16) => {
-                    update_next(c, keep, p, g, m, v, coeffs, k, ob, ov, bf16_nearest_even)
-                }
-                BaseOut::Half(ob, HalfKind::Fp16) => {
-                    let fp16 = |x| half::f16::from_f32(x).to_bits();
-                    update_next(c, keep, p, g, m, v, coeffs, k, ob, ov, fp16)
-                }
-                BaseOut::F32(ob) => update_next(c, keep, p, g, m, v, coeffs, k, ob, ov, |x| x),
-            }
-        }
-        MomentsMut::Bf16 {
-            m,
-            v,
-            base,
-            next: Some(next),
-        } => {
-            let (coeffs, k, ov, mv) = (next.coeffs, next.keep, next.out.v, (m, v, base));
-            match next.out.base {
-                BaseOut::Half(ob, HalfKind::Bf16) => {
-                    let bf16 = bf16_nearest_even;
-                    update_next_bf16(c, keep, p, g, mv, coeffs, k, ob, ov, bf16)
-                }
-                BaseOut::Half(ob, HalfKind::Fp16) => {
-                    let fp16 = |x| half::f16::from_f32(x).to_bits();
-                    update_next_bf16(c, keep, p, g, mv, coeffs, k, ob, ov, fp16)
-                }
-                BaseOut::F32(ob) => update_next_bf16(c, keep, p, g, mv, coeffs, k, ob, ov, |x| x),
-            }
-        }
-        MomentsMut::Bf16 {
-            m,
-            v,
-            base,
-            next: None,
-        } => {
+        MomentsMut::Bf16 { m, v, base } => {
             let (m, v) = (&mut m[..n], &mut v[..n]);
             let (seed, lo) = (block_seed(c, base), base as u32);
             walk!(n, [p, g, m, v], |i, e| {
@@ -446,8 +432,9 @@ fn update_block_body<G: Grad>(
     }
 }
 
-/// The fp32-state update loop that also writes the split's prediction of the next update:
-/// `ob` the base (converted by `conv`), `ov` v as bf16.
+/// The update loops that also write the split's prediction of the next update: `ob` the base
+/// (converted by `conv`), `ov` v as bf16. With bf16 state the base divides by m and v as
+/// rounded and stored.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn update_next<G: Grad, T>(
@@ -455,8 +442,7 @@ fn update_next<G: Grad, T>(
     keep: f32,
     p: &mut [f32],
     g: &[G],
-    m: &mut [f32],
-    v: &mut [f32],
+    moments: MomentsMut<'_>,
     nc: &predict::Coeffs,
     nkeep: f32,
     ob: &mut [T],
@@ -464,52 +450,39 @@ fn update_next<G: Grad, T>(
     conv: impl Fn(f32) -> T,
 ) {
     let n = p.len();
-    let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
     let (ob, ov) = (&mut ob[..n], &mut ov[..n]);
-    walk!(n, [p, g, m, v], |i, e| {
-        let (p, g, m, v) = (&mut p[i..e], &g[i..e], &mut m[i..e], &mut v[i..e]);
-        let (ob, ov) = (&mut ob[i..e], &mut ov[i..e]);
-        for j in 0..p.len() {
-            let (pj, mj, vj, rj) = adam(c, keep, p[j], g[j].to_f32(), m[j], v[j]);
-            (p[j], m[j], v[j]) = (pj, mj, vj);
-            ob[j] = conv(predict::base(nc, nkeep, pj, rj));
-            ov[j] = bf16_nearest_even(vj);
+    match moments {
+        MomentsMut::F32(m, v) => {
+            let (m, v) = (&mut m[..n], &mut v[..n]);
+            walk!(n, [p, g, m, v], |i, e| {
+                let (p, g, m, v) = (&mut p[i..e], &g[i..e], &mut m[i..e], &mut v[i..e]);
+                let (ob, ov) = (&mut ob[i..e], &mut ov[i..e]);
+                for j in 0..p.len() {
+                    let (pj, mj, vj, rj) = adam(c, keep, p[j], g[j].to_f32(), m[j], v[j]);
+                    (p[j], m[j], v[j]) = (pj, mj, vj);
+                    ob[j] = conv(predict::base(nc, nkeep, pj, rj));
+                    ov[j] = bf16_nearest_even(vj);
+                }
+            });
         }
-    });
-}
-
-/// [`update_next`] for bf16 state: the prediction from m and v as rounded and stored.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn update_next_bf16<G: Grad, T>(
-    c: &Coeffs,
-    keep: f32,
-    p: &mut [f32],
-    g: &[G],
-    (m, v, base): (&mut [u16], &mut [u16], u64),
-    nc: &predict::Coeffs,
-    nkeep: f32,
-    ob: &mut [T],
-    ov: &mut [u16],
-    conv: impl Fn(f32) -> T,
-) {
-    let n = p.len();
-    let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
-    let (ob, ov) = (&mut ob[..n], &mut ov[..n]);
-    let (seed, lo) = (block_seed(c, base), base as u32);
-    walk!(n, [p, g, m, v], |i, e| {
-        let (p, g, m, v) = (&mut p[i..e], &g[i..e], &mut m[i..e], &mut v[i..e]);
-        let (ob, ov) = (&mut ob[i..e], &mut ov[i..e]);
-        let lo = lo.wrapping_add(i as u32);
-        for j in 0..p.len() {
-            let r = element_bits(seed, lo.wrapping_add(j as u32));
-            let (pj, mj, vj) = adam_bf16(c, keep, p[j], g[j].to_f32(), m[j], v[j], r);
-            (p[j], m[j], v[j]) = (pj, mj, vj);
-            let ratio = predict::ratio(nc, bf16_to_f32(mj), bf16_to_f32(vj));
-            ob[j] = conv(predict::base(nc, nkeep, pj, ratio));
-            ov[j] = vj;
+        MomentsMut::Bf16 { m, v, base } => {
+            let (m, v) = (&mut m[..n], &mut v[..n]);
+            let (seed, lo) = (block_seed(c, base), base as u32);
+            walk!(n, [p, g, m, v], |i, e| {
+                let (p, g, m, v) = (&mut p[i..e], &g[i..e], &mut m[i..e], &mut v[i..e]);
+                let (ob, ov) = (&mut ob[i..e], &mut ov[i..e]);
+                let lo = lo.wrapping_add(i as u32);
+                for j in 0..p.len() {
+                    let r = element_bits(seed, lo.wrapping_add(j as u32));
+                    let (pj, mj, vj) = adam_bf16(c, keep, p[j], g[j].to_f32(), m[j], v[j], r);
+                    (p[j], m[j], v[j]) = (pj, mj, vj);
+                    let ratio = predict::ratio(nc, bf16_to_f32(mj), bf16_to_f32(vj));
+                    ob[j] = conv(predict::base(nc, nkeep, pj, ratio));
+                    ov[j] = vj;
+                }
+            });
         }
-    });
+    }
 }
 
 #[inline(always)]

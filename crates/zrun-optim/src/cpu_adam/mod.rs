@@ -493,19 +493,19 @@ impl Job<'_> {
                 _ => None,
             };
             let moments = match &mut mo {
-                Moments::F32(m, v) => MomentsMut::F32(&mut m[lo..hi], &mut v[lo..hi], next),
+                Moments::F32(m, v) => MomentsMut::F32(&mut m[lo..hi], &mut v[lo..hi]),
                 Moments::Bf16(m, v) => MomentsMut::Bf16 {
                     m: &mut m[lo..hi],
                     v: &mut v[lo..hi],
                     base: i as u64,
-                    next,
                 },
             };
             let h = match (&mut half, kind) {
                 (Some(h), Some(k)) => Some((&mut h[lo..hi], k)),
                 _ => None,
             };
-            kernel::update_block(self.coeffs, keep, &mut p[lo..hi], &g[lo..hi], moments, h);
+            let (p, g) = (&mut p[lo..hi], &g[lo..hi]);
+            kernel::update_block(self.coeffs, keep, p, g, moments, h, next);
             i = stop;
         }
         // The half copy may have gone out with non-temporal stores.
