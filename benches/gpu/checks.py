@@ -7,9 +7,10 @@ the earlier results) and summed up in a table on stdout.
 Checks (one GPU; several ranks share it over the tcp backend, which stages CUDA tensors):
   x  kernels   zrun's own CUDA kernels (NVRTC): `zrun bench kernels`, the fused (and the chunked)
                loss, SwiGLU, the rotary embedding, the bias (alone and after GELU) and
-               LayerNorm sums, AdamW with the bf16 parameters and the gradient layout against
-               PyTorch's ops at gpt2-medium's and llama3.2-1b's shapes, bf16, forward and
-               backward: time, peak memory, results apart (<= 2e-2)
+               LayerNorm sums, AdamW with the bf16 parameters, the gradient layout and the
+               split delayed update's fresh share against PyTorch's ops at gpt2-medium's and
+               llama3.2-1b's shapes, bf16, forward and backward: time, peak memory, results
+               apart (<= 2e-2)
   a  nccl      NCCL at world size 1: `zrun bench comm` in fp32 and bf16, no wrong element
   b  ranks     stages 0-3 at W=2 over tcp against W=1, fp32 (1e-5) and bf16 (3%), per step
   g  cpu       the same small model on CUDA and on CPU at W=1, stages 0-3, fp32 and bf16,
@@ -725,14 +726,14 @@ def check_limit(c):
 
 
 def check_kernels(c):
-    """`zrun bench kernels`: zrun's fused loss, SwiGLU, rope, bias gradient, LayerNorm, AdamW and
-    gradient layout against PyTorch's ops at the speed checks' shapes (bf16, forward and
-    backward): time, peak memory, and how far apart."""
+    """`zrun bench kernels`: zrun's fused loss, SwiGLU, rope, bias gradient, LayerNorm, AdamW,
+    gradient layout and the split delayed update's fresh share against PyTorch's ops at the
+    speed checks' shapes (bf16, forward and backward): time, peak memory, and how far apart."""
     rc, out, secs = c.cmd(["bench", "kernels", "--json", "--rounds", str(ROUNDS or 5)], 600)
     rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     installed = "zrun's CUDA kernels" in out and "not installed" not in out
     # bf16: the loss within 1e-3, the gradients within a bf16 rounding or two of the largest.
-    ok = rc == 0 and installed and len(rows) == 18 and all(r["apart"] <= 2e-2 for r in rows)
+    ok = rc == 0 and installed and len(rows) == 20 and all(r["apart"] <= 2e-2 for r in rows)
     return {"pass": ok, "rc": rc, "seconds": round(secs, 1), "kernels_installed": installed,
             "rows": rows, **({} if ok else {"output": out[-3000:]})}
 

@@ -26,7 +26,11 @@
 //!   width, weight decay on the matrices) from an fp32 master, with the bf16 parameters
 //!   written: zrun's kernel (`adamw_pieces`) against ATen's fused AdamW and a cast;
 //! - `grad_layout`: the same parameters' bf16 gradients laid into an fp32 buffer: zrun's
-//!   kernel (`cast_into`, one launch per 48 tensors) against ATen's copy, one per tensor.
+//!   kernel (`cast_into`, one launch per 48 tensors) against ATen's copy, one per tensor;
+//! - `fresh_share`: the newest gradient's share of a split delayed update taken from the same
+//!   parameters in the compute dtype, with their gradients and a bf16 v: zrun's kernel
+//!   (`fresh_share`; its ATen path, `fresh_share_aten`, where not installed) against the
+//!   formula written out in ATen's ops, a tensor at a time.
 //!
 //! Each round runs every side once; the median over rounds is reported, with the side's peak
 //! memory above what was allocated before it (CUDA's caching allocator, or on CPU zrun's
@@ -151,7 +155,7 @@ fn apart(got: &Outcome, want: &Outcome) -> f64 {
 }
 
 /// The cases, in the order of the rows.
-const CASES: [&str; 9] = [
+const CASES: [&str; 10] = [
     "loss",
     "loss_chunked",
     "swiglu",
@@ -161,6 +165,7 @@ const CASES: [&str; 9] = [
     "layer_norm",
     "adamw",
     "grad_layout",
+    "fresh_share",
 ];
 
 /// A model's parameters at `s`'s width as `(numel, decayed)` in order: a decayed embedding
@@ -270,6 +275,8 @@ fn row(
         crate::bench_optim::adamw_sides(&param_pieces(s), device)?
     } else if case == "grad_layout" {
         crate::bench_optim::layout_sides(&param_pieces(s), device)?
+    } else if case == "fresh_share" {
+        crate::bench_optim::share_sides(&param_pieces(s), device, kind)?
     } else if case.starts_with("loss") {
         let h = (Tensor::f_randn([s.n, s.c], opts)? * 0.5).set_requires_grad(true);
         let w = (Tensor::f_randn([s.v, s.c], opts)? * 0.05).set_requires_grad(true);

@@ -1,6 +1,6 @@
 //! The optimizer's cases of `zrun bench kernels` (bench_kernels.rs): one AdamW step that
-//! writes the bf16 parameters, and the layout of bf16 gradients into an fp32 buffer, each
-//! side on its own copy of the same inputs. Where zrun's kernels are not installed (CPU) the
+//! writes the bf16 parameters, the layout of bf16 gradients into an fp32 buffer, and the
+//! fresh share of a split delayed update, each side on its own copy of the same inputs. Where zrun's kernels are not installed (CPU) the
 //! zrun side runs ATen's ops, as a rank would.
 
 use crate::bench_kernels::Side;
@@ -152,6 +152,62 @@ pub(crate) fn layout_sides(pieces: &[(i64, bool)], device: Device) -> anyhow::Re
         Box::new(move || {
             copy_each(&vt, &grads2)?;
             Ok((0.0, vec![dt.shallow_clone()]))
+        }),
+    ))
+}
+
+/// The `fresh_share` case: zrun's kernel (or its ATen path) against the share written out in
+/// ATen's ops, on parameters and gradients of `kind` and a bf16 v, a tensor at a time.
+pub(crate) fn share_sides(
+    pieces: &[(i64, bool)],
+    device: Device,
+    kind: Kind,
+) -> anyhow::Result<(Side, Side)> {
+    let n: i64 = pieces.iter().map(|p| p.0).sum();
+    let opts = (Kind::Float, device);
+    let p = (Tensor::f_randn([n], opts)? * 0.02).f_to_kind(kind)?;
+    let g = (Tensor::f_randn([n], opts)? * 1e-3).f_to_kind(kind)?;
+    let v = (Tensor::f_rand([n], opts)? * 1e-6).f_to_kind(Kind::BFloat16)?;
+    let c = zrun_torch_ext::ShareCoeffs {
+        grad_factor: 0.5,
+        beta2: 0.95,
+        eps: 1e-8,
+        step_size: 1e-3 * 0.1 / (1.0 - 0.9f64.powi(5)),
+        bc2: 1.0 - 0.95f64.powi(5),
+    };
+    let (pz, pt) = (p.copy(), p);
+    let (z_p, z_g, t_p, t_g) = (
+        cut(&pz, pieces)?,
+        cut(&g, pieces)?,
+        cut(&pt, pieces)?,
+        cut(&g, pieces)?,
+    );
+    let (z_v, t_v) = (cut(&v, pieces)?, cut(&v, pieces)?);
+    Ok((
+        Box::new(move || {
+            let ps: Vec<zrun_torch_ext::SharePiece> = (0..z_p.len())
+                .map(|i| zrun_torch_ext::SharePiece {
+                    param: &z_p[i],
+                    grad: &z_g[i],
+                    v: &z_v[i],
+                })
+                .collect();
+            if !zrun_torch_ext::fresh_share(&ps, &c)? {
+                for ((p, g), v) in z_p.iter().zip(&z_g).zip(&z_v) {
+                    zrun_torch_ext::fresh_share_aten(p, g, v, &c)?;
+                }
+            }
+            Ok((0.0, vec![pz.shallow_clone()]))
+        }),
+        Box::new(move || {
+            for ((p, g), v) in t_p.iter().zip(&t_g).zip(&t_v) {
+                let g = g.f_to_kind(Kind::Float)? * c.grad_factor;
+                let vn = v.f_to_kind(Kind::Float)? * c.beta2 + &g * &g * (1.0 - c.beta2);
+                let d = vn.f_sqrt()? / c.bc2.sqrt() + c.eps;
+                let wide = p.f_to_kind(Kind::Float)? - g * c.step_size / d;
+                p.shallow_clone().f_copy_(&wide)?;
+            }
+            Ok((0.0, vec![pt.shallow_clone()]))
         }),
     ))
 }

@@ -21,7 +21,9 @@
 //!
 //! Costs: the device keeps its gradient shard until the step's end (no gradients on the host
 //! only) and v as bf16 (2 bytes an element); the host writes the base and v (2-4 more bytes an
-//! element a step); the device's share is a few element-wise passes at the step's end.
+//! element a step); the device's share is one pass at the step's end over the parameters,
+//! gradients and v (zrun's kernel, `zrun_torch_ext::fresh_share`; five ATen passes where it
+//! is not installed).
 //!
 //! Exactness: the base is a function of the stored state and the learning rate of the update
 //! it prepares, so a resumed run (whose compute parameters come from the checkpoint) rebuilds
@@ -32,10 +34,9 @@ use crate::delay::refresh_unit;
 use crate::engine::Optimizer;
 use crate::state::Mover;
 use crate::{Context, Engine, Error, Result, Stage};
-use tch::{Kind, Tensor};
-use zrun_torch_ext::scalar;
+use tch::Tensor;
 
-/// Elements per piece of the device's share (fp32 temporaries of 3 pieces at most).
+/// Elements per piece of the device's share in ATen's ops (one fp32 temporary of a piece).
 const PIECE: i64 = 1 << 24;
 
 /// Queues the copy of unit `u`'s slice of v (bf16, host, shard layout) to the device's.
@@ -131,7 +132,8 @@ impl Engine {
     }
 
     /// Subtracts the share of this step's gradients (times `grad_scale`) in update
-    /// `steps + 1` at `lr` from this rank's compute parameters (`fresh.rs`).
+    /// `steps + 1` at `lr` from this rank's compute parameters (`fresh.rs`): one launch of
+    /// zrun's kernel where it is installed, ATen's ops a piece at a time otherwise.
     fn fresh_share(&mut self, lr: f64, grad_scale: f64) -> Result<()> {
         let c = self.cfg.adamw;
         let t = match &mut self.optimizer {
@@ -139,59 +141,43 @@ impl Engine {
             Optimizer::Device(_) => return Err(no_host()),
         };
         let t = i32::try_from(t).unwrap_or(i32::MAX);
-        let (bc1, bc2) = (1.0 - c.beta1.powi(t), 1.0 - c.beta2.powi(t));
-        let step_size = lr * (1.0 - c.beta1) / bc1;
+        let coeffs = zrun_torch_ext::ShareCoeffs {
+            grad_factor: grad_scale,
+            beta2: c.beta2,
+            eps: c.eps,
+            step_size: lr * (1.0 - c.beta1) / (1.0 - c.beta1.powi(t)),
+            bc2: 1.0 - c.beta2.powi(t),
+        };
         let Some(dev_v) = self.delay.v.as_ref() else {
             return Err(Error::Unsupported(
                 "a split delayed update without its v on the device".into(),
             ));
         };
         let stage = self.cfg.stage;
+        let mut units = Vec::with_capacity(self.units_len());
         for u in 0..self.units_len() {
-            let unit = &self.mover.layout.units[u].unit;
             let p = self.mover.owned_params(&self.params, u, stage)?.data();
             let g = match stage {
                 Stage::Zero0 | Stage::Zero1 => self.mover.owned(&self.grads, u)?,
                 Stage::Zero2 | Stage::Zero3 => self.mover.shard_of(&self.grads, u)?,
             };
-            let v = self.mover.shard_of(dev_v, u)?;
+            units.push((p, g, self.mover.shard_of(dev_v, u)?));
+        }
+        let pieces: Vec<_> = units
+            .iter()
+            .map(|(param, grad, v)| zrun_torch_ext::SharePiece { param, grad, v })
+            .collect();
+        if zrun_torch_ext::fresh_share(&pieces, &coeffs).map_err(kernel)? {
+            return Ok(());
+        }
+        for (u, (p, g, v)) in units.iter().enumerate() {
+            let unit = &self.mover.layout.units[u].unit;
             let n = p.numel() as i64;
             for off in (0..n).step_by(PIECE as usize) {
                 let len = PIECE.min(n - off);
-                let piece = |t: &Tensor| t.f_narrow(0, off, len);
-                let (p, g, v) = (piece(&p), piece(&g), piece(&v));
-                let (p, g, v) = (
-                    p.ctx("slice", unit)?,
-                    g.ctx("slice", unit)?,
-                    v.ctx("slice", unit)?,
-                );
-                // g in fp32 (a copy, whatever its dtype), unscaled and clipped.
-                let mut g = g
-                    .f_to_dtype(Kind::Float, false, true)
-                    .ctx("fresh share", unit)?;
-                scalar::mul_(&g, grad_scale).map_err(kernel)?;
-                // D_t = sqrt((b2 v + (1 - b2) g^2) / bc2) + eps
-                let mut d = v
-                    .f_to_dtype(Kind::Float, false, true)
-                    .ctx("fresh share", unit)?;
-                scalar::mul_(&d, c.beta2).map_err(kernel)?;
-                let sq = g.f_square().ctx("fresh share", unit)?;
-                scalar::mul_(&sq, 1.0 - c.beta2).map_err(kernel)?;
-                d.f_add_(&sq).map(drop).ctx("fresh share", unit)?;
-                drop(sq);
-                d.f_sqrt_().map(drop).ctx("fresh share", unit)?;
-                scalar::mul_(&d, 1.0 / bc2.sqrt()).map_err(kernel)?;
-                scalar::add_(&d, c.eps).map_err(kernel)?;
-                g.f_div_(&d).map(drop).ctx("fresh share", unit)?;
-                scalar::mul_(&g, step_size).map_err(kernel)?;
-                let mut p = p;
-                if p.kind() == Kind::Float {
-                    p.f_sub_(&g).map(drop).ctx("fresh share", unit)?;
-                } else {
-                    let mut wide = p.f_to_kind(Kind::Float).ctx("fresh share", unit)?;
-                    wide.f_sub_(&g).map(drop).ctx("fresh share", unit)?;
-                    p.f_copy_(&wide).ctx("fresh share", unit)?;
-                }
+                let piece = |t: &Tensor| t.f_narrow(0, off, len).ctx("slice", unit);
+                zrun_torch_ext::fresh_share_aten(&piece(p)?, &piece(g)?, &piece(v)?, &coeffs)
+                    .map_err(kernel)?;
             }
         }
         Ok(())

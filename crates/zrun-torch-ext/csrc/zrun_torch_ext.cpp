@@ -531,6 +531,21 @@ int zrun_ext_scalar_op_(const at::Tensor* t, const at::Tensor* other, int32_t op
   });
 }
 
+// *t += v * *a * *b (div = 0) or v * *a / *b (div = 1), in place, with ATen's type
+// promotion: a bf16 *t with fp32 operands is computed in fp32 and rounded once.
+int zrun_ext_addc_(const at::Tensor* t, const at::Tensor* a, const at::Tensor* b, int32_t div,
+                   double v, char** err) {
+  return guard(err, [&] {
+    at::Tensor x = *t;
+    if (div) {
+      x.addcdiv_(*a, *b, v);
+    } else {
+      x.addcmul_(*a, *b, v);
+    }
+    return ZR_OK;
+  });
+}
+
 // The 2-norm of *t as a 0-d fp32 tensor on its device (fp32 accumulation whatever the
 // dtype): one reduction, nothing read back.
 int zrun_ext_norm_f32(const at::Tensor* t, at::Tensor** out, char** err) {

@@ -99,6 +99,14 @@ extern "C" {
         v: f64,
         err: *mut *mut c_char,
     ) -> c_int;
+    pub(crate) fn zrun_ext_addc_(
+        t: *const c_void,
+        a: *const c_void,
+        b: *const c_void,
+        div: i32,
+        v: f64,
+        err: *mut *mut c_char,
+    ) -> c_int;
     pub(crate) fn zrun_ext_norm_f32(
         t: *const c_void,
         out: *mut *mut c_void,

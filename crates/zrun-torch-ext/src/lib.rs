@@ -66,10 +66,13 @@ pub use cuda::{
     reset_cuda_peak, set_allocator_settings, set_cuda_device, CudaEvent, CudaMemory,
 };
 pub use error::Error;
-pub use kernels::optim::{adamw_pieces, cast_into, AdamCoeffs, AdamPiece, AdamPlan, CastPiece};
+pub use kernels::optim::{
+    adamw_pieces, cast_into, fresh_share, AdamCoeffs, AdamPiece, AdamPlan, CastPiece, ShareCoeffs,
+    SharePiece,
+};
 pub use loss::{ce_rows, fused_linear_cross_entropy, linear_cross_entropy};
 pub use norm::rms_norm;
-pub use optim::{fused_adam, norm_f32, sum_of_squares, AdamStep};
+pub use optim::{fresh_share_aten, fused_adam, norm_f32, sum_of_squares, AdamStep};
 pub use pinned::empty_pinned_exact;
 pub use profile::{profiler_start, profiler_stop};
 pub use rope::{rope, rope_raw};

@@ -67,6 +67,45 @@ pub fn masked_fill_(t: &Tensor, mask: &Tensor, v: f64) -> Result<(), Error> {
     run("masked_fill_", t, Some(mask), Op::MaskedFill, v)
 }
 
+/// `t += v * a * b` (promoted as ATen does: a bf16 `t` with fp32 operands is computed in
+/// fp32 and rounded once).
+pub fn addcmul_(t: &Tensor, a: &Tensor, b: &Tensor, v: f64) -> Result<(), Error> {
+    addc("addcmul_", t, a, b, false, v)
+}
+
+/// `t += v * a / b` (promoted as [`addcmul_`]).
+pub fn addcdiv_(t: &Tensor, a: &Tensor, b: &Tensor, v: f64) -> Result<(), Error> {
+    addc("addcdiv_", t, a, b, true, v)
+}
+
+fn addc(name: &str, t: &Tensor, a: &Tensor, b: &Tensor, div: bool, v: f64) -> Result<(), Error> {
+    ffi::require_defined(name, &[("self", t), ("tensor1", a), ("tensor2", b)])?;
+    let mut err = std::ptr::null_mut();
+    // SAFETY: the three are live `torch::Tensor*` borrowed for the call; the shim catches
+    // every C++ exception and reports it through `err`.
+    let status = unsafe {
+        ffi::zrun_ext_addc_(
+            t.as_ptr().cast(),
+            a.as_ptr().cast(),
+            b.as_ptr().cast(),
+            i32::from(div),
+            v,
+            &mut err,
+        )
+    };
+    ffi::check(status, err, || {
+        format!(
+            "{name}({:?} {:?}, {:?} {:?}, {:?} {:?}, {v})",
+            t.size(),
+            t.kind(),
+            a.size(),
+            a.kind(),
+            b.size(),
+            b.kind()
+        )
+    })
+}
+
 /// A tensor of `size` and `opts` with every element `v` (tch's `f_full`, without its panic).
 pub fn full(size: &[i64], v: f64, opts: (tch::Kind, tch::Device)) -> Result<Tensor, Error> {
     let t = Tensor::f_empty(size, opts).map_err(|e| Error::Torch {
@@ -109,6 +148,15 @@ mod tests {
             |t| masked_fill_(t, &mask, f64::NEG_INFINITY),
             |t| drop(t.f_masked_fill_(&mask, f64::NEG_INFINITY).unwrap()),
         );
+        let (a, b) = (end.to_kind(tch::Kind::BFloat16), x() + 2.0);
+        same(
+            |t| addcmul_(t, &a, &b, -0.7),
+            |t| *t += (a.to_kind(tch::Kind::Float) * &b * -0.7f64).to_kind(tch::Kind::Float),
+        );
+        same(
+            |t| addcdiv_(t, &a, &b, 0.3),
+            |t| *t += a.to_kind(tch::Kind::Float) * 0.3f64 / &b,
+        );
         let f = full(&[4], -7.25, (tch::Kind::Float, tch::Device::Cpu)).unwrap();
         same(
             |t| {
@@ -126,6 +174,10 @@ mod tests {
         let e = mul_(&flags, 0.5).unwrap_err().to_string();
         assert!(e.contains("mul_") && e.contains("Bool"), "{e}");
         assert!(lerp_(&x(), &Tensor::from_slice(&[1.0f32, 2.0, 3.0]), 0.5).is_err());
+        let e = addcdiv_(&x(), &x(), &Tensor::from_slice(&[1.0f32, 2.0, 3.0]), 0.5)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("addcdiv_"), "{e}");
         assert!(matches!(
             fill_(&Tensor::new(), 1.0),
             Err(Error::Undefined { .. })

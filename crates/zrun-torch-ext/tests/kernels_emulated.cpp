@@ -2,9 +2,9 @@
 // thread, __syncthreads a barrier, a warp shuffle an exchange through memory between two
 // barriers, __shared__ a static shared by the block's threads (blocks run one at a time).
 // Checks ce_rows' losses and the gradient it writes over the logits, swiglu's forward and
-// gradients, rope, colsum's sums, and the optimizer's AdamW and gradient layout, against double
-// precision references, for fp32 and bf16, and prints "ok" or what is off (the test in
-// fused_loss.rs compiles and runs it).
+// gradients, rope, colsum's sums, and the optimizer's AdamW, fresh share and gradient layout,
+// against double precision references, for fp32 and bf16, and prints "ok" or what is off (the
+// test in fused_loss.rs compiles and runs it).
 
 #include <atomic>
 #include <barrier>
@@ -494,6 +494,99 @@ int main() {
           std::memcmp(v.data(), v2.data(), total * 4) != 0 || h != h2) {
         std::printf("adamw %s: shifted by %lld and cut in two, not bitwise the same\n", bf ? "bf16" : "fp32", shift);
         bad = 1;
+      }
+    }
+  }
+  // fresh_share: a table of three pieces back to back (5000 values from an aligned start, 37,
+  // then 4100 from a start off alignment, past a chunk) for each dtype of the parameters and
+  // of the gradients; each value against the share in double, and the vector and
+  // one-at-a-time paths bitwise the same (the values shifted off alignment and cut in two).
+  for (int pb = 0; pb < 2; ++pb) {
+    for (int gb = 0; gb < 2; ++gb) {
+      const long long sizes[3] = {5000, 37, 4100};
+      const long long total = sizes[0] + sizes[1] + sizes[2];
+      std::vector<float> p0(total), g0(total), v0(total);
+      for (long long i = 0; i < total; ++i) {
+        p0[i] = pb ? bf16_round(normal(rng)) : normal(rng);
+        g0[i] = gb ? bf16_round(normal(rng) * 0.1f) : normal(rng) * 0.1f;
+        v0[i] = bf16_round(std::fabs(normal(rng)) * 1e-3f);
+      }
+      const double lr = 0.3, b1 = 0.9, b2 = 0.95, eps = 1e-8, factor = 0.5;
+      const int t = 2;
+      const double step_size = lr * (1 - b1) / (1 - std::pow(b1, t));
+      const double bc2 = 1 - std::pow(b2, t);
+      ZrShareHp hp;
+      hp.grad_factor = float(factor);
+      hp.b2 = float(b2);
+      hp.omb2 = float(1 - b2);
+      hp.step_size = float(step_size);
+      hp.bc2_sqrt = float(std::sqrt(bc2));
+      hp.eps = float(eps);
+      auto run = [&](long long shift, int cuts, std::vector<float>& out) {
+        std::vector<float> pf(total + 8), gf(total + 8);
+        std::vector<unsigned short> ph(total + 8), gh(total + 8), vh(total + 8);
+        for (long long i = 0; i < total; ++i) {
+          pf[shift + i] = p0[i];
+          zr_store(&ph[shift + i], p0[i]);
+          gf[shift + i] = g0[i];
+          zr_store(&gh[shift + i], g0[i]);
+          zr_store(&vh[shift + i], v0[i]);
+        }
+        ZrShareTable table;
+        table.count = 0;
+        int blocks = 0;
+        long long at = 0;
+        for (int k = 0; k < 3; ++k) {
+          for (int c = 0; c < cuts; ++c) {
+            const long long lo = at + sizes[k] * c / cuts, hi = at + sizes[k] * (c + 1) / cuts;
+            ZrSharePiece& pc = table.piece[table.count];
+            pc.p = pb ? static_cast<void*>(ph.data() + shift + lo)
+                      : static_cast<void*>(pf.data() + shift + lo);
+            pc.g = gb ? static_cast<const void*>(gh.data() + shift + lo)
+                      : static_cast<const void*>(gf.data() + shift + lo);
+            pc.v = vh.data() + shift + lo;
+            pc.n = hi - lo;
+            table.first[table.count++] = blocks;
+            blocks += int((hi - lo + ZR_CHUNK - 1) / ZR_CHUNK);
+          }
+          at += sizes[k];
+        }
+        table.first[table.count] = blocks;
+        launch(unsigned(blocks), [&] {
+          if (pb && gb) zr_fresh_share_bf16_bf16(table, hp);
+          if (pb && !gb) zr_fresh_share_bf16_f32(table, hp);
+          if (!pb && gb) zr_fresh_share_f32_bf16(table, hp);
+          if (!pb && !gb) zr_fresh_share_f32_f32(table, hp);
+        }, ZR_OPT_THREADS);
+        out.resize(total);
+        for (long long i = 0; i < total; ++i) {
+          out[i] = pb ? zr_load(&ph[shift + i]) : pf[shift + i];
+        }
+      };
+      std::vector<float> out, out2;
+      run(0, 1, out);
+      double err = 0;
+      for (long long i = 0; i < total; ++i) {
+        const double g = double(g0[i]) * factor;
+        const double vt = b2 * v0[i] + (1 - b2) * g * g;
+        const double share = step_size * g / (std::sqrt(vt) / std::sqrt(bc2) + eps);
+        const double want = double(p0[i]) - share;
+        // fp32: a few roundings of the value and the share; bf16: one rounding of the value
+        // (and the share's fp32 roundings, where the two cancel).
+        const double bound = pb ? std::fabs(want) / 128 + 1e-6 * std::fabs(share) + 1e-30
+                                : 1e-6 * (std::fabs(p0[i]) + std::fabs(share)) + 1e-12;
+        err = std::fmax(err, std::fabs(out[i] - want) / bound);
+      }
+      if (!(err <= (pb ? 1.0 : 4.0))) {
+        std::printf("fresh_share p %s g %s: off by %g of its bound\n", pb ? "bf16" : "fp32", gb ? "bf16" : "fp32", err);
+        bad = 1;
+      }
+      for (long long shift : {1LL, 2LL}) {
+        run(shift, 2, out2);
+        if (std::memcmp(out.data(), out2.data(), total * 4) != 0) {
+          std::printf("fresh_share p %s g %s: shifted by %lld and cut in two, not bitwise the same\n", pb ? "bf16" : "fp32", gb ? "bf16" : "fp32", shift);
+          bad = 1;
+        }
       }
     }
   }

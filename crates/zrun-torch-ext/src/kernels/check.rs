@@ -391,6 +391,107 @@ fn cast_into_against(
     Ok(())
 }
 
+/// `fresh_share`: three pieces (16-byte aligned, one element off, past a chunk; the values
+/// between them untouched), fp32 and bf16 parameters with fp32 and bf16 gradients, against
+/// the share computed in f64: fp32 parameters within a few fp32 roundings of the values and
+/// the share, bf16 ones within one bf16 rounding.
+pub(super) fn fresh_share(device: Device) -> Result<(), Error> {
+    fresh_share_against(device, &crate::fresh_share)
+}
+
+/// The kernel's side of a fresh share (`Ok(false)`: it did not run).
+type ShareSide<'a> = &'a dyn Fn(&[crate::SharePiece], &crate::ShareCoeffs) -> Result<bool, Error>;
+
+/// [`fresh_share`] with `kernel` as the kernel's side.
+fn fresh_share_against(device: Device, kernel: ShareSide) -> Result<(), Error> {
+    let _guard = tch::no_grad_guard();
+    let parts = [(0i64, 5000i64), (5001, 37), (5040, 4100)];
+    let total = 5040 + 4100 + 1;
+    let (lr, beta1, t) = (0.3, 0.9, 2);
+    let c = crate::ShareCoeffs {
+        grad_factor: 0.5,
+        beta2: 0.95,
+        eps: 1e-8,
+        step_size: lr * (1.0 - beta1) / (1.0 - f64::powi(beta1, t)),
+        bc2: 1.0 - f64::powi(0.95, t),
+    };
+    for pkind in [Kind::Float, Kind::BFloat16] {
+        for gkind in [Kind::Float, Kind::BFloat16] {
+            let op = || {
+                format!(
+                    "check fresh_share on {device:?} ({pkind:?} parameters, {gkind:?} gradients)"
+                )
+            };
+            let e = |err: tch::TchError| fail(&op(), err);
+            let p0 = spread(total, 0.7314, 1.0, device)?
+                .f_to_kind(pkind)
+                .map_err(e)?;
+            let g = spread(total, 1.3172, 0.1, device)?
+                .f_to_kind(gkind)
+                .map_err(e)?;
+            let v = spread(total, 0.2113, 1e-3, device)?
+                .f_abs()
+                .and_then(|a| a.f_add_scalar(1e-6))
+                .and_then(|a| a.f_to_kind(Kind::BFloat16))
+                .map_err(e)?;
+            let (got, g0, v0) = (p0.copy(), g.copy(), v.copy());
+            let view = |t: &Tensor, (at, n): (i64, i64)| t.f_narrow(0, at, n).map_err(e);
+            let views = parts
+                .iter()
+                .map(|&part| Ok((view(&got, part)?, view(&g, part)?, view(&v, part)?)))
+                .collect::<Result<Vec<_>, Error>>()?;
+            let pieces: Vec<crate::SharePiece> = views
+                .iter()
+                .map(|(param, grad, v)| crate::SharePiece { param, grad, v })
+                .collect();
+            if !kernel(&pieces, &c)? {
+                if device.is_cuda() {
+                    return Err(fail(&op(), "the kernel refused its check's inputs"));
+                }
+                return Ok(());
+            }
+            if !(g.equal(&g0) && v.equal(&v0)) {
+                return Err(fail(&op(), "the kernel wrote its gradients or v; set ZRUN_KERNELS=0 to run without zrun's kernels"));
+            }
+            // The share in f64, taken from the pieces only.
+            let wide = |t: &Tensor| t.f_to_kind(Kind::Double).map_err(e);
+            let (pd, gd, vd) = (
+                wide(&p0)?,
+                wide(&g0)?.f_mul_scalar(c.grad_factor).map_err(e)?,
+                wide(&v0)?,
+            );
+            let vt = (vd * c.beta2)
+                .f_add(&(&gd * &gd * (1.0 - c.beta2)))
+                .map_err(e)?;
+            let denom = vt.f_sqrt().map_err(e)? / c.bc2.sqrt() + c.eps;
+            let share = gd.f_div(&denom).map_err(e)? * c.step_size;
+            let want = pd;
+            for &part in &parts {
+                let _ = view(&want, part)?.f_sub_(&view(&share, part)?).map_err(e)?;
+            }
+            let off = (wide(&got)? - &want).f_abs().map_err(e)?;
+            let (err, bound) = if pkind == Kind::Float {
+                let bound = 1e-6 * max_abs(&want) + 1e-5 * max_abs(&share);
+                (max_abs(&off), bound)
+            } else {
+                // One bf16 rounding of each value (2^-8 |want|, or 2^-7 where fp32's
+                // roundings move a tie), and the share's fp32 roundings where the two cancel.
+                let slack =
+                    want.f_abs().map_err(e)? * (1.0 / 128.0) + share.f_abs().map_err(e)? * 1e-6;
+                let excess = off - slack;
+                (excess.f_max().map_err(e)?.double_value(&[]), 0.0)
+            };
+            if err.is_nan() || err > bound {
+                return Err(fail(
+                    &op(),
+                    format!("the parameters disagree with the share in f64 by {err:e} (bound {bound:e}); set ZRUN_KERNELS=0 to run without zrun's kernels"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -436,6 +537,67 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("the master disagrees"), "{err}");
+    }
+
+    /// The fresh share's arithmetic in ATen's fp32 ops, one piece at a time.
+    fn share(pieces: &[crate::SharePiece], c: &crate::ShareCoeffs) -> Result<bool, Error> {
+        for p in pieces {
+            let g = p.grad.to_kind(Kind::Float) * c.grad_factor;
+            let v = p.v.to_kind(Kind::Float) * c.beta2 + &g * &g * (1.0 - c.beta2);
+            let step = &g * c.step_size / (v.sqrt() / c.bc2.sqrt() + c.eps);
+            let _ = p
+                .param
+                .shallow_clone()
+                .f_copy_(&(p.param.to_kind(Kind::Float) - step));
+        }
+        Ok(true)
+    }
+
+    /// The fresh share's check passes the kernel's arithmetic (ATen's CPU ops) for every
+    /// dtype, and catches a share that misses the gradient factor, one that reads v after
+    /// writing the update's into it, one that leaves a piece out, and one that writes v.
+    #[test]
+    fn the_fresh_share_check_passes_the_kernels_arithmetic_and_fails_wrong_ones() {
+        fresh_share_against(Device::Cpu, &share).unwrap();
+        let wrong: [(&str, ShareSide); 4] = [
+            ("no factor", &|ps, c| {
+                share(
+                    ps,
+                    &crate::ShareCoeffs {
+                        grad_factor: 1.0,
+                        ..*c
+                    },
+                )
+            }),
+            ("v after", &|ps, c| {
+                for p in ps {
+                    let g = p.grad.to_kind(Kind::Float) * c.grad_factor;
+                    let v = (p.v.to_kind(Kind::Float) * c.beta2 + &g * &g * (1.0 - c.beta2))
+                        .to_kind(Kind::BFloat16);
+                    let after = crate::SharePiece { v: &v, ..*p };
+                    share(&[after], c)?;
+                }
+                Ok(true)
+            }),
+            ("v written", &|ps, c| {
+                share(ps, c)?;
+                let _ = ps[1].v.shallow_clone().f_mul_scalar_(0.5);
+                Ok(true)
+            }),
+            ("a piece left out", &|ps, c| share(&ps[..2], c)),
+        ];
+        for (what, side) in wrong {
+            let err = fresh_share_against(Device::Cpu, side)
+                .err()
+                .unwrap_or_else(|| panic!("{what}: passed"))
+                .to_string();
+            let want = if what == "v written" {
+                "wrote its gradients or v"
+            } else {
+                "the parameters disagree"
+            };
+            assert!(err.contains(want), "{what}: {err}");
+        }
     }
 
     /// The layout's check passes a copy and an add in fp32, and catches an add done as a

@@ -12,9 +12,10 @@
 //! - `colsum` (colsum.cu): sums over rows of a gradient, in two passes of a fixed order,
 //!   behind the bias gradient of [`crate::linear`] and the weight and bias gradients of
 //!   [`crate::layer_norm`] (ATen's sum and LayerNorm backward otherwise).
-//! - `adamw` and `cast_into` (optim.cu): an AdamW step that writes the bf16 parameters too,
-//!   and bf16 gradients laid into an fp32 buffer, launched from Rust ([`optim`]; ATen's fused
-//!   AdamW, cast and copies otherwise).
+//! - `adamw`, `cast_into` and `fresh_share` (optim.cu): an AdamW step that writes the bf16
+//!   parameters too, bf16 gradients laid into an fp32 buffer, and the newest gradient's share
+//!   of a split delayed update taken from the compute parameters in one pass, launched from
+//!   Rust ([`optim`]; ATen's fused AdamW, cast, copies and element-wise ops otherwise).
 //!
 //! [`install`] compiles the kernels for one device, loads them, registers them with the shim
 //! and checks them against ATen's path on that device before any training step uses them; a
@@ -43,9 +44,10 @@ pub const SOURCE: &str = concat!(
 );
 
 /// The program's entry points, as `Loaded::functions` holds them: each kernel's fp32 entry,
-/// then its bf16 one (the launches index them so); AdamW's are by its gradients' dtype, and
-/// the gradient layout has one.
-pub const ENTRIES: [&str; 15] = [
+/// then its bf16 one (the launches index them so); AdamW's are by its gradients' dtype, the
+/// gradient layout has one, and the fresh share four (by the parameters' dtype, then the
+/// gradients').
+pub const ENTRIES: [&str; 19] = [
     "zr_ce_rows_f32",
     "zr_ce_rows_bf16",
     "zr_swiglu_fwd_f32",
@@ -61,6 +63,10 @@ pub const ENTRIES: [&str; 15] = [
     "zr_adamw_f32",
     "zr_adamw_bf16",
     "zr_cast_into",
+    "zr_fresh_share_f32_f32",
+    "zr_fresh_share_f32_bf16",
+    "zr_fresh_share_bf16_f32",
+    "zr_fresh_share_bf16_bf16",
 ];
 
 /// Each kernel's fp32 entry in [`ENTRIES`] (its bf16 entry is the next).
@@ -488,8 +494,8 @@ pub struct Installed {
 /// Compiles and loads the kernels for CUDA device `device`, checks each there against ATen's
 /// path ([`check`]) and registers them for every later [`crate::fused_linear_cross_entropy`],
 /// [`crate::swiglu`], [`crate::rope`], [`crate::linear`] and [`crate::layer_norm`], then
-/// the optimizer's for [`optim::adamw_pieces`] and [`optim::cast_into`]. Idempotent per
-/// device. On error nothing new is registered.
+/// the optimizer's for [`optim::adamw_pieces`], [`optim::cast_into`] and
+/// [`optim::fresh_share`]. Idempotent per device. On error nothing new is registered.
 pub fn install(device: usize) -> Result<Installed, Error> {
     let index = i32::try_from(device).map_err(|e| fail("install kernels", e))?;
     {
@@ -538,7 +544,9 @@ fn check_model(device: Device) -> Result<(), Error> {
 
 /// The checks of the optimizer's kernels.
 fn check_optimizer(device: Device) -> Result<(), Error> {
-    check::adamw(device).and_then(|()| check::cast_into(device))
+    check::adamw(device)
+        .and_then(|()| check::cast_into(device))
+        .and_then(|()| check::fresh_share(device))
 }
 
 /// Removes the registered kernels (ATen's ops from then on).

@@ -1,6 +1,6 @@
 // The optimizer's side of a step (kernels/optim.rs): AdamW over pieces of a shard that also
-// writes the new parameters in bf16, and the layout of bf16 gradients into an fp32 buffer
-// (copied over it or added to it). Compiled at run time with NVRTC after common.cuh.
+// writes the new parameters in bf16, the fresh share of a split delayed update, and the
+// layout of bf16 gradients into an fp32 buffer (copied over it or added to it). Compiled at run time with NVRTC after common.cuh.
 //
 // A launch takes a table of up to ZR_PIECES pieces by value. Each block works on ZR_CHUNK
 // values of one piece, found by a binary search of the table's first blocks; a piece whose
@@ -151,6 +151,92 @@ extern "C" __global__ void __launch_bounds__(ZR_OPT_THREADS)
 extern "C" __global__ void __launch_bounds__(ZR_OPT_THREADS)
     zr_adamw_bf16(const ZrAdamTable t, const ZrAdamHp hp) {
   zr_adamw<zr_bf16>(t, hp);
+}
+
+// One piece of a split delayed update's fresh share (zrun-shard's fresh.rs): the compute
+// parameters p (float or bf16, as the entry point says) lose the newest gradient's share of
+// an AdamW update, from g (float or bf16) and v, the second moment before it (bf16); n values.
+struct ZrSharePiece {
+  void* p;
+  const void* g;
+  const zr_bf16* v;
+  long long n;
+};
+
+struct ZrShareTable {
+  ZrSharePiece piece[ZR_PIECES];
+  int first[ZR_PIECES + 1];
+  int count;
+};
+
+// The share's coefficients (optim.rs rounds each once from f64): grad_factor multiplies the
+// gradient, step_size = lr (1 - b1) / (1 - b1^t), bc2_sqrt = sqrt(1 - b2^t).
+struct ZrShareHp {
+  float grad_factor;
+  float b2;
+  float omb2;
+  float step_size;
+  float bc2_sqrt;
+  float eps;
+};
+
+// One value: p - step_size g / (sqrt(b2 v + (1 - b2) g^2) / bc2_sqrt + eps), with g
+// multiplied by grad_factor first; zr_adam_one's v and denominator.
+__device__ __forceinline__ float zr_share_one(float p, float g, float v, const ZrShareHp& hp) {
+  g = g * hp.grad_factor;
+  const float vt = fmaf(hp.b2, v, (hp.omb2 * g) * g);
+  const float denom = sqrtf(vt) / hp.bc2_sqrt + hp.eps;
+  return p - (hp.step_size * g) / denom;
+}
+
+template <typename P, typename G>
+__device__ void zr_fresh_share(const ZrShareTable& t, const ZrShareHp& hp) {
+  const int b = blockIdx.x;
+  const int k = zr_piece_of(t.first, t.count, b);
+  const ZrSharePiece& pc = t.piece[k];
+  P* p = static_cast<P*>(pc.p);
+  const G* g = static_cast<const G*>(pc.g);
+  const zr_bf16* v = pc.v;
+  const long long start = (long long)(b - t.first[k]) * ZR_CHUNK;
+  const long long len = min((long long)ZR_CHUNK, pc.n - start);
+  long long i = start + threadIdx.x;
+  if (zr_aligned(p, 4 * sizeof(P)) && zr_aligned(g, 4 * sizeof(G)) && zr_aligned(v, 8)) {
+    const long long end4 = start + len / 4 * 4;
+    for (long long j = start + 4 * (long long)threadIdx.x; j < end4; j += 4 * ZR_OPT_THREADS) {
+      float pp[4], gg[4], vv[4];
+      zr_load4(p + j, pp);
+      zr_load4(g + j, gg);
+      zr_load4(v + j, vv);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) pp[q] = zr_share_one(pp[q], gg[q], vv[q], hp);
+      zr_store4(p + j, pp);
+    }
+    i = end4 + threadIdx.x;
+  }
+  for (; i < start + len; i += ZR_OPT_THREADS) {
+    zr_store(p + i, zr_share_one(zr_load(p + i), zr_load(g + i), zr_load(v + i), hp));
+  }
+}
+
+// The entry points, by the parameters' dtype, then the gradients'.
+extern "C" __global__ void __launch_bounds__(ZR_OPT_THREADS)
+    zr_fresh_share_f32_f32(const ZrShareTable t, const ZrShareHp hp) {
+  zr_fresh_share<float, float>(t, hp);
+}
+
+extern "C" __global__ void __launch_bounds__(ZR_OPT_THREADS)
+    zr_fresh_share_f32_bf16(const ZrShareTable t, const ZrShareHp hp) {
+  zr_fresh_share<float, zr_bf16>(t, hp);
+}
+
+extern "C" __global__ void __launch_bounds__(ZR_OPT_THREADS)
+    zr_fresh_share_bf16_f32(const ZrShareTable t, const ZrShareHp hp) {
+  zr_fresh_share<zr_bf16, float>(t, hp);
+}
+
+extern "C" __global__ void __launch_bounds__(ZR_OPT_THREADS)
+    zr_fresh_share_bf16_bf16(const ZrShareTable t, const ZrShareHp hp) {
+  zr_fresh_share<zr_bf16, zr_bf16>(t, hp);
 }
 
 // One piece of a gradient layout: n bf16 values of src copied over the fp32 dst (add = 0) or

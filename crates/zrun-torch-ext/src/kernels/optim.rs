@@ -6,9 +6,12 @@
 //!   the parameters;
 //! - [`cast_into`]: bf16 gradients copied over (or added to) an fp32 buffer, one launch for
 //!   many tensors, in place of ATen's casting copy (a launch per tensor of an unvectorized
-//!   kernel).
+//!   kernel);
+//! - [`fresh_share`]: the newest gradient's share of a split delayed update taken from the
+//!   compute parameters, one pass over them, their gradients and v in place of about five
+//!   ATen passes with fp32 temporaries.
 //!
-//! Both return `Ok(false)` without touching anything when the kernels are not installed or a
+//! Each returns `Ok(false)` without touching anything when the kernels are not installed or a
 //! piece is not what they take; the caller then runs ATen's ops.
 
 use super::{fail, launch, ENTRIES};
@@ -36,9 +39,12 @@ const PIECES: usize = 48;
 const CHUNK: i64 = 4096;
 const THREADS: u32 = 256;
 
-/// [`ENTRIES`]' AdamW with fp32 gradients (bf16 gradients: the next), and the layout.
+/// [`ENTRIES`]' AdamW with fp32 gradients (bf16 gradients: the next), the layout, and the
+/// fresh share with fp32 parameters and gradients (then fp32 and bf16, bf16 and fp32, bf16
+/// and bf16).
 pub(super) const ADAMW: usize = 12;
 pub(super) const CAST_INTO: usize = 14;
+pub(super) const FRESH_SHARE: usize = 15;
 
 /// optim.cu's `ZrAdamPiece`.
 #[repr(C)]
@@ -65,7 +71,17 @@ struct CastPieceRaw {
     pad: i32,
 }
 
-/// optim.cu's `ZrAdamTable` and `ZrCastTable`.
+/// optim.cu's `ZrSharePiece`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct SharePieceRaw {
+    p: u64,
+    g: u64,
+    v: u64,
+    n: i64,
+}
+
+/// optim.cu's `ZrAdamTable`, `ZrCastTable` and `ZrShareTable`.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct Table<P: Copy> {
@@ -82,6 +98,18 @@ struct AdamHp {
     keep: f32,
     b1: f32,
     omb1: f32,
+    b2: f32,
+    omb2: f32,
+    step_size: f32,
+    bc2_sqrt: f32,
+    eps: f32,
+}
+
+/// optim.cu's `ZrShareHp`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ShareHp {
+    grad_factor: f32,
     b2: f32,
     omb2: f32,
     step_size: f32,
@@ -176,12 +204,13 @@ fn current_stream(device: usize) -> Result<*mut c_void, Error> {
     Ok(out)
 }
 
-/// Launches `entry` once per [`PIECES`] pieces of `raw` (pieces of no values left out).
-fn launch_tables<P: Copy + Default>(
+/// Launches `entry` once per [`PIECES`] pieces of `raw` (pieces of no values left out), with
+/// `extra` as the kernel's second argument where given.
+fn launch_tables<P: Copy + Default, H: Copy>(
     device: usize,
     entry: usize,
     raw: &[(P, i64)],
-    extra: Option<AdamHp>,
+    extra: Option<H>,
 ) -> Result<(), Error> {
     let stream = current_stream(device)?;
     let dev = device as i32;
@@ -350,6 +379,84 @@ pub fn cast_into(pieces: &[CastPiece]) -> Result<bool, Error> {
             (raw, n)
         })
         .collect();
-    launch_tables(device, CAST_INTO, &raw, None)?;
+    launch_tables(device, CAST_INTO, &raw, None::<AdamHp>)?;
+    Ok(true)
+}
+
+/// One contiguous piece of a split delayed update's fresh share: the compute parameters
+/// (fp32 or bf16, updated in place), their gradients (fp32 or bf16) and v, the second moment
+/// before the update (bf16); views of one size.
+pub struct SharePiece<'a> {
+    /// The compute parameters, updated in place.
+    pub param: &'a Tensor,
+    /// Their gradients.
+    pub grad: &'a Tensor,
+    /// The second moment before the update, bf16.
+    pub v: &'a Tensor,
+}
+
+/// The fresh share's coefficients, in f64: each value loses
+/// `step_size f g / (sqrt(b2 v + (1 - b2) (f g)^2) / sqrt(bc2) + eps)`, `f` = `grad_factor`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ShareCoeffs {
+    /// Multiplies the gradients first (unscaling and clipping).
+    pub grad_factor: f64,
+    /// Exponential decay of the second moment.
+    pub beta2: f64,
+    /// Added to the bias-corrected denominator.
+    pub eps: f64,
+    /// `lr (1 - beta1) / (1 - beta1^t)`.
+    pub step_size: f64,
+    /// `1 - beta2^t`.
+    pub bc2: f64,
+}
+
+/// The fresh share of every piece by optim.cu's kernel, queued on the current stream (one
+/// launch per [`PIECES`] pieces). `Ok(false)` (nothing done) when the kernels are not
+/// installed or a piece does not fit: fp32 or bf16 parameters (one kind for all), fp32 or
+/// bf16 gradients (one kind for all), bf16 v, contiguous, one CUDA device, equal sizes.
+pub fn fresh_share(pieces: &[SharePiece], c: &ShareCoeffs) -> Result<bool, Error> {
+    if !installed() || pieces.is_empty() {
+        return Ok(false);
+    }
+    let (pkind, gkind) = (pieces[0].param.kind(), pieces[0].grad.kind());
+    let takes = |k: Kind| matches!(k, Kind::Float | Kind::BFloat16);
+    if !takes(pkind) || !takes(gkind) {
+        return Ok(false);
+    }
+    let tensors = pieces
+        .iter()
+        .flat_map(|p| [(p.param, pkind), (p.grad, gkind), (p.v, Kind::BFloat16)]);
+    let Some(device) = device_of(tensors) else {
+        return Ok(false);
+    };
+    let mut raw = Vec::with_capacity(pieces.len());
+    for p in pieces {
+        let n = p.param.numel();
+        if p.grad.numel() != n || p.v.numel() != n {
+            return Ok(false);
+        }
+        let ptr = |t: &Tensor| t.data_ptr() as u64;
+        let n = n as i64;
+        let piece = SharePieceRaw {
+            p: ptr(p.param),
+            g: ptr(p.grad),
+            v: ptr(p.v),
+            n,
+        };
+        raw.push((piece, n));
+    }
+    let hp = ShareHp {
+        grad_factor: c.grad_factor as f32,
+        b2: c.beta2 as f32,
+        omb2: (1.0 - c.beta2) as f32,
+        step_size: c.step_size as f32,
+        bc2_sqrt: c.bc2.sqrt() as f32,
+        eps: c.eps as f32,
+    };
+    let entry = FRESH_SHARE
+        + 2 * usize::from(pkind == Kind::BFloat16)
+        + usize::from(gkind == Kind::BFloat16);
+    launch_tables(device, entry, &raw, Some(hp))?;
     Ok(true)
 }
