@@ -30,6 +30,15 @@ pub enum Error {
         #[source]
         source: tch::TchError,
     },
+    /// An op through zrun's shim failed inside an optimizer operation.
+    #[error("optimizer: {op} failed: {source}")]
+    Shim {
+        /// The operation that failed.
+        op: &'static str,
+        /// The shim's error.
+        #[source]
+        source: zrun_torch_ext::Error,
+    },
     /// Buffers handed to the optimizer disagree in size.
     #[error("optimizer: {what} has {got} elements, expected {expected} (the rank's shard size)")]
     Size {
@@ -82,10 +91,7 @@ pub(crate) fn scalar(
     op: &'static str,
     r: std::result::Result<(), zrun_torch_ext::Error>,
 ) -> Result<()> {
-    r.map_err(|e| Error::Torch {
-        op,
-        source: tch::TchError::Torch(e.to_string()),
-    })
+    r.map_err(|source| Error::Shim { op, source })
 }
 
 /// Runs an in-place libtorch op, dropping the returned handle to the same tensor.

@@ -56,7 +56,9 @@ pub enum Error {
     /// Releasing or re-allocating a gathered unit's storage failed.
     #[error("engine: storage of unit `{0}`: {1}")]
     Storage(String, #[source] zrun_torch_ext::Error),
-    /// A multi-tensor kernel of the shim failed (the gradient norm on CUDA).
+    /// An op through the shim failed, named by the first field: a multi-tensor kernel (the
+    /// gradient norm on CUDA), one of zrun's kernels (the fresh share of a split delayed
+    /// update) or an op with a scalar argument (the loss seed).
     #[error("engine: {0} failed: {1}")]
     Kernel(&'static str, #[source] zrun_torch_ext::Error),
     /// A collective failed (a peer died, timed out or disagreed).
