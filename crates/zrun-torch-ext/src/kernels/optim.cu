@@ -219,25 +219,15 @@ __device__ void zr_fresh_share(const ZrShareTable& t, const ZrShareHp& hp) {
 }
 
 // The entry points, by the parameters' dtype, then the gradients'.
-extern "C" __global__ void __launch_bounds__(ZR_OPT_THREADS)
-    zr_fresh_share_f32_f32(const ZrShareTable t, const ZrShareHp hp) {
-  zr_fresh_share<float, float>(t, hp);
-}
-
-extern "C" __global__ void __launch_bounds__(ZR_OPT_THREADS)
-    zr_fresh_share_f32_bf16(const ZrShareTable t, const ZrShareHp hp) {
-  zr_fresh_share<float, zr_bf16>(t, hp);
-}
-
-extern "C" __global__ void __launch_bounds__(ZR_OPT_THREADS)
-    zr_fresh_share_bf16_f32(const ZrShareTable t, const ZrShareHp hp) {
-  zr_fresh_share<zr_bf16, float>(t, hp);
-}
-
-extern "C" __global__ void __launch_bounds__(ZR_OPT_THREADS)
-    zr_fresh_share_bf16_bf16(const ZrShareTable t, const ZrShareHp hp) {
-  zr_fresh_share<zr_bf16, zr_bf16>(t, hp);
-}
+#define ZR_FRESH_SHARE(name, P, G)                                                           \
+  extern "C" __global__ void __launch_bounds__(ZR_OPT_THREADS)                               \
+      name(const ZrShareTable t, const ZrShareHp hp) {                                       \
+    zr_fresh_share<P, G>(t, hp);                                                             \
+  }
+ZR_FRESH_SHARE(zr_fresh_share_f32_f32, float, float)
+ZR_FRESH_SHARE(zr_fresh_share_f32_bf16, float, zr_bf16)
+ZR_FRESH_SHARE(zr_fresh_share_bf16_f32, zr_bf16, float)
+ZR_FRESH_SHARE(zr_fresh_share_bf16_bf16, zr_bf16, zr_bf16)
 
 // One piece of a gradient layout: n bf16 values of src copied over the fp32 dst (add = 0) or
 // added to it (add = 1).
