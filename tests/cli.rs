@@ -308,9 +308,10 @@ fn a_dry_run_shows_the_shard_groups() {
 
 /// `zrun bench kernels` on CPU: every case runs, interleaved, and prints its row; zrun's
 /// fused and chunked losses equal PyTorch's cross-entropy (fp32), the fused one holding less
-/// at its peak, and the SwiGLU, rotary, bias-gradient, GELU-and-bias-gradient, LayerNorm,
+/// at its peak, the SwiGLU, rotary, bias-gradient, GELU-and-bias-gradient, LayerNorm,
 /// AdamW and gradient-layout sides equal the ops they replace bitwise (on CPU the last two
-/// run ATen's ops, as a rank there does).
+/// run ATen's ops, as a rank there does), and the fresh share's ATen path (its arithmetic
+/// rearranged) equals the formula written out within fp32 roundings, holding less at its peak.
 #[test]
 fn bench_kernels_compares_the_fused_ops_with_pytorchs() {
     let out = zrun(&[
@@ -322,7 +323,7 @@ fn bench_kernels_compares_the_fused_ops_with_pytorchs() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(rows.len(), 9, "{rows:?}");
+    assert_eq!(rows.len(), 10, "{rows:?}");
     let (loss, chunked, swiglu, rope) = (&rows[0], &rows[1], &rows[2], &rows[3]);
     let cases: Vec<_> = rows.iter().map(|r| r["case"].as_str()).collect();
     assert_eq!(
@@ -336,7 +337,8 @@ fn bench_kernels_compares_the_fused_ops_with_pytorchs() {
             Some("gelu_bias_grad"),
             Some("layer_norm"),
             Some("adamw"),
-            Some("grad_layout")
+            Some("grad_layout"),
+            Some("fresh_share")
         ]
     );
     for r in [rope, &rows[4], &rows[5], &rows[6], &rows[7], &rows[8]] {
@@ -353,6 +355,12 @@ fn bench_kernels_compares_the_fused_ops_with_pytorchs() {
     assert!(
         peak(swiglu, "zrun_peak_bytes") < peak(swiglu, "torch_peak_bytes"),
         "{swiglu}"
+    );
+    let share = &rows[9];
+    assert!(share["apart"].as_f64().unwrap() < 1e-6, "{share}");
+    assert!(
+        peak(share, "zrun_peak_bytes") < peak(share, "torch_peak_bytes"),
+        "{share}"
     );
 }
 
