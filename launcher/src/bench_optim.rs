@@ -1,7 +1,8 @@
 //! The optimizer's cases of `zrun bench kernels` (bench_kernels.rs): one AdamW step that
 //! writes the bf16 parameters, the layout of bf16 gradients into an fp32 buffer, and the
-//! fresh share of a split delayed update, each side on its own copy of the same inputs. Where zrun's kernels are not installed (CPU) the
-//! zrun side runs ATen's ops, as a rank would.
+//! fresh share of a split delayed update, each side on its own copy of the same inputs.
+//! Where zrun's kernels are not installed (CPU) the zrun side runs ATen's ops, as a rank
+//! would.
 
 use crate::bench_kernels::Side;
 use tch::{Device, Kind, Tensor};

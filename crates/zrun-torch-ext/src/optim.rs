@@ -128,21 +128,13 @@ pub fn fresh_share_aten(
 ) -> Result<(), Error> {
     let s = (c.beta2 / c.bc2).sqrt();
     let f = c.grad_factor;
-    let mut d = v
-        .f_to_dtype(tch::Kind::Float, false, true)
-        .map_err(|e| Error::Torch {
-            op: format!(
-                "fresh_share_aten: v ({:?} {:?}) in fp32",
-                v.size(),
-                v.kind()
-            ),
-            message: e.to_string(),
-        })?;
-    scalar::addcmul_(&d, g, g, (1.0 - c.beta2) / c.beta2 * f * f)?;
-    let _ = d.f_sqrt_().map_err(|e| Error::Torch {
-        op: "fresh_share_aten: sqrt_".into(),
+    let torch = |e: tch::TchError| Error::Torch {
+        op: format!("fresh_share_aten(v {:?} {:?})", v.size(), v.kind()),
         message: e.to_string(),
-    })?;
+    };
+    let mut d = v.f_to_dtype(tch::Kind::Float, false, true).map_err(torch)?;
+    scalar::addcmul_(&d, g, g, (1.0 - c.beta2) / c.beta2 * f * f)?;
+    let _ = d.f_sqrt_().map_err(torch)?;
     scalar::add_(&d, c.eps / s)?;
     scalar::addcdiv_(p, g, &d, -c.step_size * f / s)
 }

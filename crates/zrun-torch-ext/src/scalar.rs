@@ -151,7 +151,7 @@ mod tests {
         let (a, b) = (end.to_kind(tch::Kind::BFloat16), x() + 2.0);
         same(
             |t| addcmul_(t, &a, &b, -0.7),
-            |t| *t += (a.to_kind(tch::Kind::Float) * &b * -0.7f64).to_kind(tch::Kind::Float),
+            |t| *t += a.to_kind(tch::Kind::Float) * &b * -0.7f64,
         );
         same(
             |t| addcdiv_(t, &a, &b, 0.3),
