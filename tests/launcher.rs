@@ -150,6 +150,30 @@ fn workers_see_the_env_contract_and_log_files() {
     assert!(!o.contains(&tokens[0]), "tokens must differ between jobs");
 }
 
+#[test]
+fn every_line_a_rank_prints_before_it_exits_is_relayed() {
+    // Each rank ends the moment its last line is written: the launcher must relay all of them
+    // before zrun's own last line and before it exits (exit 0 and exit 3 alike).
+    for (code, status) in [("0", 0), ("3", 3)] {
+        let script = format!("seq 1 20000; exit {code}");
+        let out = zrun(&["exec", "--nproc", "2", "--", "sh", "-c", &script]);
+        assert_eq!(out.status.code(), Some(status), "{}", stderr(&out));
+        let text = stdout(&out);
+        for r in 0..2 {
+            let tag = format!("[rank {r}] ");
+            let n = text.lines().filter(|l| l.starts_with(&tag)).count();
+            assert_eq!(
+                n, 20000,
+                "exit {code}: {n} of rank {r}'s 20000 lines relayed"
+            );
+            assert!(
+                text.contains(&format!("{tag}20000\n")),
+                "exit {code}: rank {r}"
+            );
+        }
+    }
+}
+
 /// ZRUN_NCCL_SHARE_GPU=1: each rank gets its own NCCL host id (NCCL's duplicate-GPU check
 /// keys on it) with sockets over loopback; without it the ranks get no NCCL variables.
 #[test]

@@ -86,8 +86,15 @@ impl Job<'_> {
         let mut sup = self.start(round)?;
         let r = Round { job: self, round };
         Ok(match sup.watch(|| self.rdzv.news()) {
-            Outcome::Success => r.finished(false),
-            Outcome::Stopped => r.finished(true),
+            // The ranks' last lines are printed before zrun's own and before it exits.
+            Outcome::Success => {
+                sup.drain();
+                r.finished(false)
+            }
+            Outcome::Stopped => {
+                sup.drain();
+                r.finished(true)
+            }
             Outcome::Failed { rank, status } => r.failed(&mut sup, rank, status),
             Outcome::Signalled(sig) => r.signalled(&mut sup, sig),
             Outcome::Remote(news) => r.remote(&mut sup, news),
