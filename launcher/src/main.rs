@@ -52,7 +52,6 @@ mod worker;
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
 use std::path::PathBuf;
-use std::process::ExitCode;
 
 use launch::{output, BadInput, LaunchFlags, Level, Program, Style};
 use zrun_comm::{Topology, TopologySource};
@@ -161,7 +160,16 @@ Output: --quiet (the final line and errors), --log-format json (one object per l
 More: zrun --help, zrun COMMAND --help
 ";
 
-fn main() -> ExitCode {
+fn main() {
+    let code = run();
+    // Every file is written and closed by now: end without libtorch's static destructors,
+    // a third of each zrun process's start-up and exit cost (launchers and ranks alike).
+    zrun_torch_ext::quick_exit(code.into())
+}
+
+/// zrun's exit status for this command line (0 on success, 2 for bad input, 3 for a
+/// requested stop with the state saved, else the failure's own code).
+fn run() -> u8 {
     // NCCL's settings, while this process has no other thread (the ranks a zrun launcher
     // starts inherit them; one under mpirun or srun sets its own).
     zrun_comm::set_process_env();
@@ -174,9 +182,16 @@ fn main() -> ExitCode {
     }
     if std::env::args_os().len() <= 1 {
         eprint!("{USAGE}");
-        return ExitCode::from(2);
+        return 2;
     }
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // Help, the version, or a usage error (clap's own message and status).
+            let _ = e.print();
+            return u8::try_from(e.exit_code()).unwrap_or(2);
+        }
+    };
     let flags = match &cli.command {
         None => Some(&cli.launch),
         Some(Cmd::Exec(e)) => Some(&e.launch),
@@ -206,11 +221,11 @@ fn main() -> ExitCode {
         None => train(&cli),
     };
     match result {
-        Ok(code) => ExitCode::from(code),
+        Ok(code) => code,
         Err(e) if worker::exit_code(&e) == 3 => {
             // Not a failure: a requested stop, with the state saved.
             output::say(Level::Warn, &format!("{e:#}"));
-            ExitCode::from(3)
+            3
         }
         Err(e) => {
             if worker::follows(&e) {
@@ -222,11 +237,11 @@ fn main() -> ExitCode {
                 Level::Error,
                 &format!("error: {}", without_cpp_backtrace(&format!("{e:#}"))),
             );
-            ExitCode::from(if is_bad_input(&e) {
+            if is_bad_input(&e) {
                 2
             } else {
                 worker::exit_code(&e)
-            })
+            }
         }
     }
 }

@@ -31,7 +31,8 @@
 //! - [`count_allocations`]: libtorch's allocations made by a piece of code (tests that check
 //!   a path allocates nothing);
 //! - [`profiler_start`] / [`profiler_stop`]: libtorch's profiler around part of a run, written
-//!   as a Chrome trace.
+//!   as a Chrome trace;
+//! - [`quick_exit`]: the end of a process without libtorch's static destructors.
 //!
 //! No C++ exception crosses into Rust: the shim turns each into an [`Error`].
 
@@ -41,6 +42,7 @@ mod count;
 mod cpu_alloc;
 mod cuda;
 mod error;
+mod exit;
 mod ffi;
 pub mod kernels;
 mod loss;
@@ -66,6 +68,7 @@ pub use cuda::{
     reset_cuda_peak, set_allocator_settings, set_cuda_device, CudaEvent, CudaMemory,
 };
 pub use error::Error;
+pub use exit::quick_exit;
 pub use kernels::optim::{
     adamw_pieces, cast_into, fresh_share, AdamCoeffs, AdamPiece, AdamPlan, CastPiece, ShareCoeffs,
     SharePiece,

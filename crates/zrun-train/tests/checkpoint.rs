@@ -402,6 +402,8 @@ fn rank_process() {
     };
     if let Err(e) = run() {
         eprintln!("rank {rank} failed: {e:#}");
-        std::process::exit(3);
+        zrun_torch_ext::quick_exit(3);
     }
+    // Ends as zrun's own ranks do, without libtorch's static destructors.
+    zrun_torch_ext::quick_exit(0);
 }

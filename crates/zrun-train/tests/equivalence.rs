@@ -294,6 +294,8 @@ fn rank_process() {
         Path::new(&env("ZRUN_EQ_DIR")),
     ) {
         eprintln!("rank {rank} failed: {e:#}");
-        std::process::exit(3);
+        zrun_torch_ext::quick_exit(3);
     }
+    // Ends as zrun's own ranks do, without libtorch's static destructors.
+    zrun_torch_ext::quick_exit(0);
 }

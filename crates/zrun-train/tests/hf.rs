@@ -171,6 +171,8 @@ fn rank_job(comm: Arc<dyn zrun_comm::Communicator>) -> anyhow::Result<()> {
 fn hf_rank() {
     if common::is_rank() {
         rank_job(common::rank_comm()).unwrap();
+        // Ends as zrun's own ranks do, without libtorch's static destructors.
+        zrun_torch_ext::quick_exit(0);
     }
 }
 

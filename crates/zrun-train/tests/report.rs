@@ -117,6 +117,9 @@ fn rank_process() {
     let mut run = Run::new(&cfg, common::rank_comm(), &zrun_comm::Topology::single()).unwrap();
     if let Err(e) = run.train() {
         eprintln!("rank failed: {e:#}");
-        std::process::exit(3);
+        zrun_torch_ext::quick_exit(3);
     }
+    drop(run);
+    // Ends as zrun's own ranks do, without libtorch's static destructors.
+    zrun_torch_ext::quick_exit(0);
 }

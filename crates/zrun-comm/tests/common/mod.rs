@@ -21,10 +21,15 @@ pub fn is_worker(name: &str) -> bool {
     std::env::var(ROLE).is_ok_and(|r| r == name)
 }
 
-/// Runs a worker body, printing its error so the parent can show it.
+/// Runs a worker body, printing its error so the parent can show it. A body that succeeds
+/// ends the process as zrun's own ranks end, without libtorch's static destructors, except
+/// under mpirun, where MPI is finalised when this thread's state drops.
 pub fn worker(body: impl FnOnce() -> anyhow::Result<()>) {
     if let Err(e) = body() {
         fail_now(e);
+    }
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_none() {
+        zrun_torch_ext::quick_exit(0);
     }
 }
 
