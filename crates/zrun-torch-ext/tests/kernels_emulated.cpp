@@ -1,5 +1,6 @@
-// Runs src/kernels/*.cu as plain C++ on the CPU: each CUDA thread of a block is an OS
-// thread, __syncthreads a barrier, a warp shuffle an exchange through memory between two
+// Runs src/kernels/*.cu as plain C++ on the CPU: each CUDA thread of a block is a fiber
+// (ucontext) of one OS thread, __syncthreads a barrier at which a fiber yields until the
+// block's others arrive, a warp shuffle an exchange through memory between two warp
 // barriers, __shared__ a static shared by the block's threads (blocks run one at a time).
 // Checks ce_rows' losses and the gradient it writes over the logits, swiglu's forward and
 // gradients, rope, colsum's sums, and the optimizer's AdamW, fresh share and gradient layout,
@@ -7,15 +8,16 @@
 // test in fused_loss.rs compiles and runs it).
 
 #include <atomic>
-#include <barrier>
 #include <cmath>
 #include <math.h>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
+#include <functional>
 #include <memory>
 #include <random>
-#include <thread>
+#include <ucontext.h>
 #include <vector>
 
 #define __global__
@@ -27,8 +29,8 @@
 struct Dim {
   unsigned x = 0, y = 0, z = 0;
 };
-thread_local Dim threadIdx;
-thread_local Dim blockIdx;
+Dim threadIdx;  // the running fiber's
+Dim blockIdx;
 Dim gridDim;
 
 inline float __uint_as_float(unsigned u) {
@@ -51,28 +53,60 @@ inline float __int_as_float(int i) {
 
 
 constexpr int kThreads = 512;
-std::barrier<>* g_barrier = nullptr;
-std::vector<std::barrier<>*> g_warps;
+
+// A barrier of fibers: the last to arrive releases the others (a new generation) and runs on.
+struct Barrier {
+  unsigned expected;
+  unsigned arrived = 0;
+  unsigned long generation = 0;
+};
+
+struct Fiber {
+  ucontext_t context;
+  std::unique_ptr<char[]> stack;
+  unsigned tid = 0;
+  Barrier* waits_at = nullptr;
+  unsigned long generation = 0;  // waits_at's when it arrived
+  bool done = false;
+};
+
+ucontext_t g_scheduler;
+Fiber* g_running = nullptr;
+const std::function<void()>* g_body = nullptr;
+Barrier* g_barrier = nullptr;
+std::vector<Barrier>* g_warps = nullptr;
 float g_lanes[kThreads];
 std::atomic<int> g_or{0};
 
-inline void __syncthreads() { g_barrier->arrive_and_wait(); }
+void arrive_and_wait(Barrier& b) {
+  if (++b.arrived == b.expected) {
+    b.arrived = 0;
+    ++b.generation;
+    return;
+  }
+  Fiber* f = g_running;
+  f->waits_at = &b;
+  f->generation = b.generation;
+  swapcontext(&f->context, &g_scheduler);
+}
+
+inline void __syncthreads() { arrive_and_wait(*g_barrier); }
 inline int __syncthreads_or(int p) {
   if (p) g_or.store(1);
-  g_barrier->arrive_and_wait();
+  __syncthreads();
   const int r = g_or.load();
-  g_barrier->arrive_and_wait();
+  __syncthreads();
   if (threadIdx.x == 0) g_or.store(0);
-  g_barrier->arrive_and_wait();
+  __syncthreads();
   return r;
 }
 // The 32 threads of a warp call it together (full mask, as the kernel's shuffles).
 inline float __shfl_xor_sync(unsigned, float v, int off) {
-  std::barrier<>* warp = g_warps[threadIdx.x / 32];
+  Barrier& warp = (*g_warps)[threadIdx.x / 32];
   g_lanes[threadIdx.x] = v;
-  warp->arrive_and_wait();
+  arrive_and_wait(warp);
   const float r = g_lanes[(threadIdx.x & ~31u) | ((threadIdx.x & 31u) ^ unsigned(off))];
-  warp->arrive_and_wait();
+  arrive_and_wait(warp);
   return r;
 }
 
@@ -95,27 +129,54 @@ inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return
 using std::min;
 #include "../src/kernels/optim.cu"
 
+void fiber_main() {
+  (*g_body)();
+  g_running->done = true;
+}  // returns to g_scheduler (uc_link)
+
+// Runs `rows` blocks of `block` threads, one block after another; each block's fibers run in
+// turn, each until it waits at a barrier that has not released or ends.
 template <typename F>
 void launch(unsigned rows, F body, unsigned block = kThreads) {
+  constexpr size_t kStack = 256 << 10;
+  const std::function<void()> run = body;
+  g_body = &run;
   gridDim.x = rows;
   for (unsigned b = 0; b < rows; ++b) {
-    std::barrier<> bar(block);
+    Barrier bar{block};
+    std::vector<Barrier> warps(block / 32, Barrier{32});
     g_barrier = &bar;
-    std::vector<std::unique_ptr<std::barrier<>>> warps;
-    g_warps.clear();
-    for (unsigned w = 0; w < block / 32; ++w) {
-      warps.push_back(std::make_unique<std::barrier<>>(32));
-      g_warps.push_back(warps.back().get());
-    }
-    std::vector<std::thread> threads;
+    g_warps = &warps;
+    blockIdx.x = b;
+    std::vector<Fiber> fibers(block);
     for (unsigned t = 0; t < block; ++t) {
-      threads.emplace_back([&, b, t] {
-        blockIdx.x = b;
-        threadIdx.x = t;
-        body();
-      });
+      Fiber& f = fibers[t];
+      f.tid = t;
+      f.stack.reset(new char[kStack]);
+      getcontext(&f.context);
+      f.context.uc_stack.ss_sp = f.stack.get();
+      f.context.uc_stack.ss_size = kStack;
+      f.context.uc_link = &g_scheduler;
+      makecontext(&f.context, fiber_main, 0);
     }
-    for (auto& th : threads) th.join();
+    for (;;) {
+      unsigned live = 0, ran = 0;
+      for (Fiber& f : fibers) {
+        if (f.done) continue;
+        ++live;
+        if (f.waits_at && f.waits_at->generation == f.generation) continue;
+        f.waits_at = nullptr;
+        g_running = &f;
+        threadIdx.x = f.tid;
+        swapcontext(&g_scheduler, &f.context);
+        ++ran;
+      }
+      if (live == 0) break;
+      if (ran == 0) {
+        std::printf("block %u: every live thread waits at a barrier the others never reach\n", b);
+        std::exit(1);
+      }
+    }
   }
 }
 
