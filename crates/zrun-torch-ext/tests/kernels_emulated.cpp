@@ -7,7 +7,6 @@
 // against double precision references, for fp32 and bf16, and prints "ok" or what is off (the
 // test in fused_loss.rs compiles and runs it).
 
-#include <atomic>
 #include <cmath>
 #include <math.h>
 #include <cstdint>
@@ -76,7 +75,7 @@ const std::function<void()>* g_body = nullptr;
 Barrier* g_barrier = nullptr;
 std::vector<Barrier>* g_warps = nullptr;
 float g_lanes[kThreads];
-std::atomic<int> g_or{0};
+int g_or = 0;
 
 void arrive_and_wait(Barrier& b) {
   if (++b.arrived == b.expected) {
@@ -92,11 +91,11 @@ void arrive_and_wait(Barrier& b) {
 
 inline void __syncthreads() { arrive_and_wait(*g_barrier); }
 inline int __syncthreads_or(int p) {
-  if (p) g_or.store(1);
+  if (p) g_or = 1;
   __syncthreads();
-  const int r = g_or.load();
+  const int r = g_or;
   __syncthreads();
-  if (threadIdx.x == 0) g_or.store(0);
+  if (threadIdx.x == 0) g_or = 0;
   __syncthreads();
   return r;
 }
@@ -142,17 +141,19 @@ void launch(unsigned rows, F body, unsigned block = kThreads) {
   const std::function<void()> run = body;
   g_body = &run;
   gridDim.x = rows;
+  std::vector<Fiber> fibers(block);  // their stacks serve every block
+  for (Fiber& f : fibers) f.stack.reset(new char[kStack]);
   for (unsigned b = 0; b < rows; ++b) {
     Barrier bar{block};
     std::vector<Barrier> warps(block / 32, Barrier{32});
     g_barrier = &bar;
     g_warps = &warps;
     blockIdx.x = b;
-    std::vector<Fiber> fibers(block);
     for (unsigned t = 0; t < block; ++t) {
       Fiber& f = fibers[t];
       f.tid = t;
-      f.stack.reset(new char[kStack]);
+      f.waits_at = nullptr;
+      f.done = false;
       getcontext(&f.context);
       f.context.uc_stack.ss_sp = f.stack.get();
       f.context.uc_stack.ss_size = kStack;
