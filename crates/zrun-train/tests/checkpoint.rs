@@ -400,10 +400,5 @@ fn rank_process() {
         }
         Ok(())
     };
-    if let Err(e) = run() {
-        eprintln!("rank {rank} failed: {e:#}");
-        zrun_torch_ext::quick_exit(3);
-    }
-    // Ends as zrun's own ranks do, without libtorch's static destructors.
-    zrun_torch_ext::quick_exit(0);
+    common::end_rank(run());
 }

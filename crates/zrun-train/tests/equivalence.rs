@@ -285,17 +285,10 @@ fn rank_process() {
     }
     let env = |k: &str| std::env::var(k).unwrap();
     let sets: Vec<String> = env("ZRUN_EQ_SETS").lines().map(str::to_string).collect();
-    let comm = common::rank_comm();
-    let rank = comm.rank();
-    if let Err(e) = train_rank(
+    common::end_rank(train_rank(
         Path::new(&env("ZRUN_EQ_CONFIG")),
         &sets,
-        comm,
+        common::rank_comm(),
         Path::new(&env("ZRUN_EQ_DIR")),
-    ) {
-        eprintln!("rank {rank} failed: {e:#}");
-        zrun_torch_ext::quick_exit(3);
-    }
-    // Ends as zrun's own ranks do, without libtorch's static destructors.
-    zrun_torch_ext::quick_exit(0);
+    ));
 }

@@ -170,9 +170,7 @@ fn rank_job(comm: Arc<dyn zrun_comm::Communicator>) -> anyhow::Result<()> {
 #[ignore = "one rank of transformers_equivalence"]
 fn hf_rank() {
     if common::is_rank() {
-        rank_job(common::rank_comm()).unwrap();
-        // Ends as zrun's own ranks do, without libtorch's static destructors.
-        zrun_torch_ext::quick_exit(0);
+        common::end_rank(rank_job(common::rank_comm()));
     }
 }
 

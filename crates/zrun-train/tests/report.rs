@@ -115,11 +115,7 @@ fn rank_process() {
     let sets = vec![format!("log.dir=\"{dir}\"")];
     let cfg = Config::load(Path::new(&env("ZRUN_RP_CONFIG")), &sets).unwrap();
     let mut run = Run::new(&cfg, common::rank_comm(), &zrun_comm::Topology::single()).unwrap();
-    if let Err(e) = run.train() {
-        eprintln!("rank failed: {e:#}");
-        zrun_torch_ext::quick_exit(3);
-    }
+    let trained = run.train().map(drop).map_err(anyhow::Error::from);
     drop(run);
-    // Ends as zrun's own ranks do, without libtorch's static destructors.
-    zrun_torch_ext::quick_exit(0);
+    common::end_rank(trained);
 }

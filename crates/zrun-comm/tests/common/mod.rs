@@ -28,7 +28,8 @@ pub fn worker(body: impl FnOnce() -> anyhow::Result<()>) {
     if let Err(e) = body() {
         fail_now(e);
     }
-    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_none() {
+    let source = zrun_comm::Topology::from_env().map(|t| t.source);
+    if !matches!(source, Ok(zrun_comm::TopologySource::OpenMpi)) {
         zrun_torch_ext::quick_exit(0);
     }
 }

@@ -30,6 +30,18 @@ pub fn is_rank() -> bool {
     std::env::var(ROLE).as_deref() == Ok("rank")
 }
 
+/// Ends a rank process: exit 0 after `result` succeeded, else its error printed and exit 3.
+/// Without libtorch's static destructors, as zrun's own ranks end (everything the rank
+/// wrote was closed when its owners dropped).
+pub fn end_rank(result: anyhow::Result<()>) -> ! {
+    if let Err(e) = result {
+        let rank = std::env::var("RANK").unwrap_or_default();
+        eprintln!("rank {rank} failed: {e:#}");
+        zrun_torch_ext::quick_exit(3);
+    }
+    zrun_torch_ext::quick_exit(0)
+}
+
 /// This rank's communicator over tcp, from the environment [`spawn_ranks`] set.
 pub fn rank_comm() -> Arc<dyn Communicator> {
     let topo = Topology::from_env().unwrap();
