@@ -7,6 +7,8 @@
 //! tokenizer, read back as Python's tokens and trained on by 2 ranks that are killed and
 //! resume bit for bit.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 mod common;
 // The Python side of tests/prepare.rs; its other scripts and texts go unused here.
 #[allow(dead_code)]

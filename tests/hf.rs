@@ -4,6 +4,8 @@
 //! zrun computes from the checkpoint; and bad model directories are one-line errors with
 //! exit code 2 naming the file and the key or tensor.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 mod common;
 
 use std::path::{Path, PathBuf};

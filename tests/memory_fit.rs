@@ -4,6 +4,8 @@
 //! fixes) within seconds, even when only one rank runs out while the other waits in a
 //! collective; and the config `zrun plan` picks for the same limit trains.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 mod common;
 
 use std::time::{Duration, Instant};

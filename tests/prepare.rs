@@ -4,6 +4,8 @@
 //! data loader, headerless files still training, and one-line errors (exit code 2) for bad
 //! tokenizers, inputs, outputs and headers.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 mod common;
 #[path = "prepare/python.rs"]
 mod python;

@@ -4,6 +4,8 @@
 //! The flood and descriptor tests host the store in a child process (this binary re-executed
 //! with `ZRUN_HOSTILE_ROLE`), so its descriptor limit, threads and CPU time are its own.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, ChildStdout, Command, Stdio};

@@ -2,6 +2,8 @@
 //! world of 4 (both transports), keys that reorder, groups of one, a group of a group, and
 //! ranks that mix up communicators.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 mod common;
 
 use std::time::Duration;

@@ -1,6 +1,8 @@
 //! The `tcp` backend in real processes: both transports (cross-memory on one host, and the
 //! socket ring), world sizes 2-4, dead and stuck peers, wrong tokens.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 mod common;
 
 use std::time::{Duration, Instant};

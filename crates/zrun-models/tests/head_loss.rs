@@ -1,6 +1,8 @@
 //! `Unit::loss` of each head, chunked, against the full logits' `lm_loss`: the loss and the
 //! gradients of every parameter the head reads (a tied embedding included) and of its input.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 use tch::{Device, Kind, Tensor};
 use zrun_models::{init_model_params, unit_inputs, ArchConfig, Model, IGNORE_INDEX};
 

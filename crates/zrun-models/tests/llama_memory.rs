@@ -2,6 +2,8 @@
 //! allocator zrun's ranks run on, against `Unit::activations` (what the estimator counts).
 //! Alone in its own test binary: installing a CPU allocator is process-wide.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 use tch::{Device, Kind, Tensor};
 use zrun_models::{init_unit_params, Llama, LlamaConfig, Model};
 use zrun_torch_ext::{cpu_memory_stats, install_cpu_caching_allocator};

@@ -2,6 +2,8 @@
 //! against `LossBytes::chunked` (what the estimator counts) and against the full logits.
 //! Alone in its own test binary: installing a CPU allocator is process-wide.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 use tch::{Device, Kind, Tensor};
 use zrun_models::{linear_lm_loss, lm_loss, LossBytes};
 use zrun_torch_ext::{cpu_memory_stats, grad, install_cpu_caching_allocator, reset_cpu_peak};

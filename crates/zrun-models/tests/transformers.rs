@@ -11,6 +11,8 @@
 //!
 //!     cargo test --release -p zrun-models --test transformers
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,6 +1,8 @@
 //! The delayed parameter update (`zero.offload_delay`) against a plain loop that applies
 //! each update one step late: whole-model autograd and torch's AdamW written out in f64.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 mod common;
 
 use common::{adamw, compute_params, loss_and_grads, max_abs, named, single, small_gpt, tokens};

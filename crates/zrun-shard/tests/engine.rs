@@ -1,5 +1,7 @@
 //! The unit engine against whole-model autograd on the same units.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 mod common;
 
 use common::{adamw, single, tokens};

@@ -2,6 +2,8 @@
 //! forward runs on the base of each update minus its fresh gradient's share, and whose master
 //! is torch's AdamW on the gradients taken there.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 mod common;
 
 use common::{adamw, compute_params, loss_and_grads, max_abs, named, single, small_gpt, tokens};

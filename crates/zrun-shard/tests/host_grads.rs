@@ -2,6 +2,8 @@
 //! trains as the one that keeps its gradient shard, and holds no gradient of its own; bf16
 //! ones where they are exact.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 mod common;
 
 use common::{adamw, single, small_gpt, tokens};

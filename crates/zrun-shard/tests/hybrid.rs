@@ -4,6 +4,8 @@
 //! different data: without the all-reduce across them their parameters would part, and
 //! both must hold the one-rank run's. Each rank computes the one-rank reference itself.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 mod common;
 
 use common::{adamw, tokens};

@@ -2,6 +2,8 @@
 //! stage and precision: (2+2+12)Ψ, 4Ψ+12Ψ/W, 2Ψ+14Ψ/W, 16Ψ/W for bf16 + AdamW with bf16
 //! gradients, and the fp32 equivalents. Ψ is computed here from the parameter shapes.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 mod common;
 
 use common::adamw;

@@ -10,6 +10,8 @@
 //! it: the allocator may serve a request from blocks freed earlier.) Rank 1 then runs the
 //! same cases alone, with no reserve: it has no collective to stand in for.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 mod common;
 
 use common::adamw;

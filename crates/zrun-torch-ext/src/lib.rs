@@ -68,6 +68,8 @@ pub use cuda::{
     reset_cuda_peak, set_allocator_settings, set_cuda_device, CudaEvent, CudaMemory,
 };
 pub use error::Error;
+#[doc(hidden)]
+pub use exit::end_at_exit_without_destructors;
 pub use exit::quick_exit;
 pub use kernels::optim::{
     adamw_pieces, cast_into, fresh_share, AdamCoeffs, AdamPiece, AdamPlan, CastPiece, ShareCoeffs,

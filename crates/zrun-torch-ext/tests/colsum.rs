@@ -2,6 +2,8 @@
 //! `layer_norm`) against autograd's own on CPU, where both run ATen's ops: values and every
 //! gradient bitwise; and the sums over rows (`colsum_raw`, `gelu_colsum_raw`) against f64.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 use tch::{Device, Kind, Tensor};
 use zrun_torch_ext::{colsum_raw, gelu_colsum_raw, grad, layer_norm, linear, linear_gelu};
 

@@ -4,6 +4,8 @@
 //! (installing a CPU allocator is process-wide); the tests take turns (one lock), since each
 //! reads the process-wide figures.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 use std::sync::Mutex;
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};

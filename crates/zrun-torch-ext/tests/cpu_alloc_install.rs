@@ -3,6 +3,8 @@
 //! libtorch's profiler hook still sees the caching allocator's blocks. Alone in its own test
 //! binary: installing a CPU allocator is process-wide.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 use tch::{Device, Kind, Tensor};
 use zrun_torch_ext::{count_allocations, cpu_memory_stats, install_cpu_caching_allocator};
 

@@ -4,6 +4,8 @@
 //! resident memory would stop following the estimate. Alone in its own test binary:
 //! installing a CPU allocator and the prctl flag are process-wide.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 use zrun_torch_ext::install_cpu_caching_allocator;
 
 /// PR_GET_THP_DISABLE's answer: 0 when huge pages are allowed everywhere.

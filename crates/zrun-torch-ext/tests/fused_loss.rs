@@ -2,6 +2,8 @@
 //! cross-entropy on the full logits, on CPU (ATen's path of the same arithmetic), and the
 //! CUDA kernel's source compiled by NVRTC (which needs no GPU).
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 use tch::{Device, Kind, Reduction, Tensor};
 use zrun_torch_ext::{ce_rows, fused_linear_cross_entropy, grad, kernels};
 

@@ -3,6 +3,8 @@
 //! from no random generator (a check at start must not move a run's random streams). Alone in
 //! its own test binary: the generator is process-wide.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 use tch::{Device, Kind, Tensor};
 use zrun_torch_ext::kernels;
 

@@ -2,6 +2,8 @@
 //! those after the save. Alone in its own test binary, and all in one test, since the default
 //! generators are global and tests run on parallel threads.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 use tch::{Cuda, Device, Kind, Tensor};
 use zrun_torch_ext::{rng, Error};
 

@@ -2,6 +2,8 @@
 //! (x * cos + roll(x, hd/2) * sin) on CPU: the values and the gradient bitwise, and the node's
 //! raw backward as that gradient.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 use tch::{Device, Kind, Tensor};
 use zrun_torch_ext::{grad, rope, rope_raw};
 

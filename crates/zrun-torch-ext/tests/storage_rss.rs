@@ -2,6 +2,8 @@
 //! and growing it back gives a working buffer. Alone in its own test binary so no other
 //! test's allocations move this process's RSS meanwhile.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 use tch::{Device, Kind, Tensor};
 use zrun_torch_ext::{resize_storage, storage_nbytes};
 

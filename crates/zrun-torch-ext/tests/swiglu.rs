@@ -1,6 +1,8 @@
 //! SwiGLU's node (`swiglu`) against autograd's silu-then-mul on CPU, where both run ATen's
 //! ops: the values and both gradients bitwise, and what the graph keeps.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 use tch::{Device, Kind, Tensor};
 use zrun_torch_ext::{grad, swiglu, swiglu_raw};
 

@@ -2,6 +2,8 @@
 //! its two inputs and its output, where autograd's silu-then-mul also keeps silu(gate). Alone
 //! in its own test binary: installing a CPU allocator is process-wide.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 use tch::{Device, Kind, Tensor};
 use zrun_torch_ext::{cpu_memory_stats, install_cpu_caching_allocator, swiglu};
 

@@ -5,6 +5,8 @@
 //! the engine's gathered parameters; a hybrid-sharded run (`zero.shard_group`) trains like full
 //! sharding, resumes bitwise and its checkpoint moves between layouts.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 mod common;
 
 use std::path::Path;

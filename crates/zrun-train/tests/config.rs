@@ -1,6 +1,8 @@
 //! Malformed configs: each is rejected with one line naming the file or override, the key,
 //! the value and what is allowed.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 use std::path::PathBuf;
 use zrun_train::config::Config;
 

@@ -1,6 +1,8 @@
 //! Token and text sources on real files: epoch coverage, splits, seeding, targets and the
 //! error messages users see.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 

@@ -6,6 +6,8 @@
 //! The test re-executes its own binary once per rank with `ZRUN_EQ_ROLE=rank`; that child
 //! runs the `rank_process` entry (ignored in normal runs) as one rank of the job.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 mod common;
 
 use std::path::{Path, PathBuf};

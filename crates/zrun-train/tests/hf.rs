@@ -9,6 +9,8 @@
 //! Python (`.venv`, `tests/hf/tiny_model.py` and `tests/hf/train_step.py`) builds the models
 //! with random weights and computes the reference; nothing is downloaded.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 mod common;
 
 use std::path::{Path, PathBuf};

@@ -3,6 +3,8 @@
 //! kind, whose model-state kinds are the engine's ledger for that rank; summary.json keeps
 //! the run's means, the memory at the end and the stragglers.
 
+zrun_torch_ext::end_tests_without_destructors!();
+
 mod common;
 
 use std::path::Path;
