@@ -76,8 +76,9 @@ pub fn generate(
             "sample: the prompt is empty; give --prompt text or --prompt-ids".into(),
         ));
     }
-    let total = prompt.len() + o.max_new_tokens;
-    if total as i64 > model.seq_len() {
+    // Saturating: a --max-new-tokens near usize::MAX must fail this check, not wrap past it.
+    let total = prompt.len().saturating_add(o.max_new_tokens);
+    if total > usize::try_from(model.seq_len()).unwrap_or(0) {
         return Err(Error::Unsupported(format!(
             "sample: {} prompt tokens + {} new ones exceed the model's sequence length {}; shorten the prompt or --max-new-tokens",
             prompt.len(),
@@ -89,6 +90,11 @@ pub fn generate(
         return Err(Error::Unsupported(format!(
             "sample: prompt token {bad} is outside the vocabulary [0, {})",
             model.vocab_size()
+        )));
+    }
+    if let Some(k) = o.top_k.filter(|&k| k < 1) {
+        return Err(Error::Unsupported(format!(
+            "sample: --top-k {k} must be at least 1 (1 picks the most likely token)"
         )));
     }
     let usable = o.temperature.is_finite() && o.temperature > 0.0;
@@ -132,4 +138,55 @@ pub fn generate(
             .map_err(torch("from_slice"))?;
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use zrun_models::ArchConfig;
+
+    fn options() -> SampleOptions {
+        SampleOptions {
+            max_new_tokens: 4,
+            greedy: false,
+            temperature: 1.0,
+            top_k: None,
+            seed: 0,
+            eos: vec![],
+        }
+    }
+
+    /// Refused before anything is allocated or run (no parameters are needed to get there).
+    fn refusal(o: &SampleOptions) -> String {
+        let model = ArchConfig::preset("gpt", "tiny").unwrap().build().unwrap();
+        match generate(model.as_ref(), &[], &[1, 2], Device::Cpu, o) {
+            Err(e) => e.to_string(),
+            Ok(t) => panic!("generated {t:?}"),
+        }
+    }
+
+    #[test]
+    fn a_length_past_the_model_is_refused_however_large() {
+        for n in [63, 1 << 40, usize::MAX - 1, usize::MAX] {
+            let o = SampleOptions {
+                max_new_tokens: n,
+                ..options()
+            };
+            assert!(
+                refusal(&o).contains("exceed the model's sequence length 64"),
+                "{n}"
+            );
+        }
+    }
+
+    #[test]
+    fn top_k_below_one_is_refused() {
+        for k in [0, -1, i64::MIN] {
+            let o = SampleOptions {
+                top_k: Some(k),
+                ..options()
+            };
+            assert!(refusal(&o).contains(&format!("--top-k {k} must be at least 1")));
+        }
+    }
 }
