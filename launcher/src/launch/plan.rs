@@ -68,6 +68,11 @@ impl Plan {
                     "--nproc 0: a node needs at least one rank; give --nproc 1 or more".into(),
                 ))
             }
+            Some(n) if n > MAX_NPROC => {
+                return Err(BadInput(format!(
+                    "--nproc {n}: more ranks than one node runs (at most {MAX_NPROC}: a rank is a process, one per GPU or per share of the cores); give --nproc {MAX_NPROC} or fewer and more nodes"
+                )))
+            }
             Some(n) => n,
             None => default_nproc(),
         };
@@ -191,6 +196,10 @@ impl Plan {
     }
 }
 
+/// The most ranks one node's launcher starts: far above a node's GPUs or useful CPU ranks,
+/// and below the point where the processes alone exhaust a machine (each maps libtorch).
+pub const MAX_NPROC: usize = 1024;
+
 /// Each local rank's share of this node's cores: `cores / nproc`, at least 1.
 pub fn omp_share(cores: usize, nproc: usize) -> usize {
     (cores / nproc.max(1)).max(1)
@@ -301,6 +310,10 @@ mod tests {
         let mut f = flags();
         f.nproc = Some(0);
         assert!(Plan::new(&f).unwrap_err().0.contains("--nproc 0"));
+        f.nproc = Some(MAX_NPROC + 1);
+        assert!(Plan::new(&f).unwrap_err().0.contains("--nproc 1025"));
+        f.nproc = Some(MAX_NPROC);
+        assert_eq!(Plan::new(&f).unwrap().nproc, MAX_NPROC);
         let mut f = flags();
         f.nnodes = Some(2);
         f.node_rank = Some(2);

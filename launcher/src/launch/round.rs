@@ -109,6 +109,10 @@ impl Job<'_> {
         let (tx, rx) = channel();
         let mut workers = Vec::with_capacity(plan.nproc);
         for local in 0..plan.nproc {
+            if signals::received().is_some() {
+                // Stopped while starting: the supervisor stops the ranks started so far.
+                break;
+            }
             let mut env = plan.worker_env(&layout, local, omp, round);
             env.extend(self.env.iter().cloned());
             let rank = layout.rank_offset + local;
