@@ -377,6 +377,26 @@ fn export_verifies_every_hash_before_its_directory_appears() {
 }
 
 #[test]
+fn a_file_given_as_the_checkpoint_is_one_line_of_bad_input() {
+    let d = scratch("hf-file-as-checkpoint");
+    let file = d.join("train.toml");
+    std::fs::write(&file, "[model]\npreset = \"tiny\"\n").unwrap();
+    let (f, o) = (
+        file.display().to_string(),
+        d.join("out").display().to_string(),
+    );
+    for args in [
+        vec!["consolidate", &f, "-o", &o],
+        vec!["export", &f, "--hf", &o],
+        vec!["sample", &f, "--prompt-ids", "1"],
+    ] {
+        let line = one_error_line(&zrun(&args));
+        assert!(line.contains("a file, not a directory"), "{args:?}: {line}");
+    }
+    assert!(!d.join("out").exists());
+}
+
+#[test]
 fn consolidate_refuses_a_rank_file_outside_the_checkpoint() {
     let (_dir, ckpt) = tiny_checkpoint("hf-outside");
     let base = ckpt.parent().unwrap().to_path_buf();

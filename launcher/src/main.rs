@@ -224,7 +224,7 @@ fn run() -> u8 {
         Ok(code) => code,
         Err(e) if worker::exit_code(&e) == 3 => {
             // Not a failure: a requested stop, with the state saved.
-            output::say(Level::Warn, &format!("{e:#}"));
+            output::say(Level::Warn, &stated(&e));
             3
         }
         Err(e) => {
@@ -235,7 +235,7 @@ fn run() -> u8 {
             }
             output::say(
                 Level::Error,
-                &format!("error: {}", without_cpp_backtrace(&format!("{e:#}"))),
+                &format!("error: {}", without_cpp_backtrace(&stated(&e))),
             );
             if is_bad_input(&e) {
                 2
@@ -244,6 +244,21 @@ fn run() -> u8 {
             }
         }
     }
+}
+
+/// `e` and its causes, as `{e:#}` joins them, without a cause whose words the error before
+/// it already states (most errors quote their OS error in their own message).
+fn stated(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.is_empty() {
+            out = text;
+        } else if !out.contains(&text) {
+            out = format!("{out}: {text}");
+        }
+    }
+    out
 }
 
 /// `message` without the C++ backtraces libtorch appends to its errors ("Exception raised
@@ -436,5 +451,20 @@ mod tests {
         );
         let plain = "rank 1: out of memory in forward of unit h.0\nsee the frame #3 note";
         assert_eq!(without_cpp_backtrace(plain), plain);
+    }
+
+    #[test]
+    fn a_cause_the_error_already_quotes_is_stated_once() {
+        let io = || std::io::Error::from_raw_os_error(libc::ENOTDIR);
+        let e = anyhow::Error::new(zrun_ckpt::Error::Io {
+            op: "list",
+            path: "base.toml".into(),
+            source: io(),
+        });
+        let text = stated(&e);
+        assert_eq!(text.matches(&io().to_string()).count(), 1, "{text}");
+        // A cause the message does not quote is still given.
+        let e = anyhow::Error::new(io()).context("reading the index");
+        assert_eq!(stated(&e), format!("reading the index: {}", io()));
     }
 }

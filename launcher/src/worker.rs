@@ -173,6 +173,8 @@ pub fn is_bad_input(e: &anyhow::Error) -> bool {
         .is_some_and(|e| e.is_bad_input())
         || e.downcast_ref::<zrun_train::config::ConfigError>()
             .is_some()
+        || e.downcast_ref::<zrun_ckpt::Error>()
+            .is_some_and(|e| e.is_bad_input())
         || e.downcast_ref::<zrun_models::Error>().is_some()
         || e.downcast_ref::<BadInput>().is_some()
 }

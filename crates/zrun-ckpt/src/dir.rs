@@ -33,6 +33,12 @@ fn entries(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
     let listed = match std::fs::read_dir(dir) {
         Ok(e) => e,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotADirectory => {
+            return Err(Error::Format {
+                dir: dir.to_path_buf(),
+                detail: "a file, not a directory; give a checkpoint directory such as runs/x/ckpt/step-00000500, or a checkpoint.dir for its newest checkpoint".into(),
+            })
+        }
         Err(e) => return Err(Error::io("list", dir, e)),
     };
     listed
@@ -109,5 +115,15 @@ mod tests {
         assert!(!tmp_dir(d, 30).exists() && !step_dir(d, 100).exists());
         assert!(d.join("notes").exists() && d.join("step-12x").exists());
         assert!(step_dir(d, 5).exists());
+    }
+
+    #[test]
+    fn a_file_given_as_a_directory_is_not_a_checkpoint() {
+        let root = tempfile::tempdir().unwrap();
+        let file = root.path().join("train.toml");
+        std::fs::write(&file, b"[model]").unwrap();
+        let e = complete(&file).unwrap_err();
+        assert!(matches!(e, Error::Format { .. }), "{e:?}");
+        assert!(e.to_string().contains("a file, not a directory"), "{e}");
     }
 }

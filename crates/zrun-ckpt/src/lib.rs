@@ -142,6 +142,20 @@ pub enum Error {
 }
 
 impl Error {
+    /// True when the checkpoint or model directory given is the problem (damaged, of another
+    /// format or model, held by another job, or not a checkpoint at all), not the machine:
+    /// bad input, exit code 2.
+    pub fn is_bad_input(&self) -> bool {
+        matches!(
+            self,
+            Error::Damaged { .. }
+                | Error::Format { .. }
+                | Error::Mismatch { .. }
+                | Error::Hf { .. }
+                | Error::Held { .. }
+        )
+    }
+
     /// True when the checkpoint itself is damaged (a missing, truncated or altered file): a
     /// reader may fall back to an older checkpoint.
     pub fn is_damaged(&self) -> bool {

@@ -107,14 +107,7 @@ impl Error {
                 | Error::Resume(_)
                 | Error::Follows { code: 2, .. }
                 | Error::Engine(zrun_shard::Error::Unsupported(_))
-                | Error::Ckpt(
-                    zrun_ckpt::Error::Damaged { .. }
-                        | zrun_ckpt::Error::Format { .. }
-                        | zrun_ckpt::Error::Mismatch { .. }
-                        | zrun_ckpt::Error::Hf { .. }
-                        | zrun_ckpt::Error::Held { .. }
-                )
-        )
+        ) || matches!(self, Error::Ckpt(c) if c.is_bad_input())
     }
 
     /// The process exit code for this error: 2 bad input, 3 stopped by a signal after a
