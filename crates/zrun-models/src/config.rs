@@ -7,6 +7,46 @@ use crate::gpt::Gpt;
 use crate::llama::{Llama, LlamaConfig};
 use crate::unit::Model;
 
+/// The largest value each size field may take: well past every published model (vocabularies
+/// of ~256k, 16k-wide residual streams, ~130 layers, 1M-token contexts), and small enough
+/// that the memory arithmetic on them (parameters, activations, bytes in i64) cannot
+/// overflow, and that a config or an untrusted config.json cannot make zrun build millions of
+/// layers before anything else is checked.
+const LIMITS: &[(&str, i64)] = &[
+    ("vocab_size", 1 << 24),
+    ("seq_len", 1 << 24),
+    ("max_position_embeddings", 1 << 24),
+    ("n_layer", 4096),
+    ("n_head", 4096),
+    ("n_kv_head", 4096),
+    ("d_model", 1 << 17),
+    ("head_dim", 4096),
+    ("ffn_hidden", 1 << 20),
+];
+
+/// Each size field in `fields` is > 0 and at most its [`LIMITS`] entry.
+pub(crate) fn sizes_in_range(fields: &[(&'static str, i64)]) -> Result<()> {
+    for &(field, value) in fields {
+        let max = LIMITS
+            .iter()
+            .find(|(f, _)| *f == field)
+            .map_or(i64::MAX, |&(_, m)| m);
+        let reason = if value <= 0 {
+            "must be > 0".to_string()
+        } else if value > max {
+            format!("must be at most {max}, past any real model's")
+        } else {
+            continue;
+        };
+        return Err(Error::InvalidConfig {
+            field,
+            value: value.to_string(),
+            reason,
+        });
+    }
+    Ok(())
+}
+
 /// GPT hyper-parameters.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GptConfig {
@@ -74,22 +114,13 @@ impl GptConfig {
     /// Check that the architecture can be built: every size > 0, `d_model % n_head == 0`,
     /// `init_std` finite and > 0. The error names the first offending field.
     pub fn validate(&self) -> Result<()> {
-        let positive = [
+        sizes_in_range(&[
             ("vocab_size", self.vocab_size),
             ("seq_len", self.seq_len),
             ("n_layer", self.n_layer),
             ("n_head", self.n_head),
             ("d_model", self.d_model),
-        ];
-        for (field, value) in positive {
-            if value <= 0 {
-                return Err(Error::InvalidConfig {
-                    field,
-                    value: value.to_string(),
-                    reason: "must be > 0".to_string(),
-                });
-            }
-        }
+        ])?;
         if self.d_model % self.n_head != 0 {
             return Err(Error::InvalidConfig {
                 field: "d_model",
@@ -262,6 +293,21 @@ mod tests {
                     ..base.clone()
                 },
                 "d_model",
+            ),
+            (
+                GptConfig {
+                    d_model: 4_000_000_000,
+                    n_head: 1,
+                    ..base.clone()
+                },
+                "d_model",
+            ),
+            (
+                GptConfig {
+                    n_layer: 100_000_000,
+                    ..base.clone()
+                },
+                "n_layer",
             ),
             (
                 GptConfig {

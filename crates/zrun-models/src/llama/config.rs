@@ -199,7 +199,7 @@ impl LlamaConfig {
                 reason,
             })
         };
-        let positive = [
+        crate::config::sizes_in_range(&[
             ("vocab_size", self.vocab_size),
             ("seq_len", self.seq_len),
             ("max_position_embeddings", self.max_position_embeddings),
@@ -209,12 +209,7 @@ impl LlamaConfig {
             ("d_model", self.d_model),
             ("head_dim", self.head_dim),
             ("ffn_hidden", self.ffn_hidden),
-        ];
-        for (field, value) in positive {
-            if value <= 0 {
-                return bad(field, value.to_string(), "must be > 0".to_string());
-            }
-        }
+        ])?;
         if self.n_head % self.n_kv_head != 0 {
             return bad(
                 "n_kv_head",
@@ -349,6 +344,20 @@ mod tests {
                     ..base.clone()
                 },
                 "n_layer",
+            ),
+            (
+                LlamaConfig {
+                    n_layer: 100_000_000,
+                    ..base.clone()
+                },
+                "n_layer",
+            ),
+            (
+                LlamaConfig {
+                    ffn_hidden: 1 << 40,
+                    ..base.clone()
+                },
+                "ffn_hidden",
             ),
             (
                 LlamaConfig {
