@@ -395,3 +395,17 @@ fn bench_adam_times_both_gradient_dtypes() {
     assert!(!bad.status.success());
     assert!(stderr(&bad).contains("--grads: `fp16`"), "{}", stderr(&bad));
 }
+
+/// Sizes past the machine's memory end the benchmarks with an error naming the flag, not a
+/// panic (tch's scalar arguments) or an abort (a failed Rust allocation).
+#[test]
+fn bench_sizes_past_the_memory_are_errors_naming_the_flag() {
+    let adam = zrun(&["bench", "adam", "--params", "99999G", "--threads", "1"]);
+    assert_eq!(adam.status.code(), Some(2), "{}", stderr(&adam));
+    assert!(stderr(&adam).contains("--params 99999G"), "{}", stderr(&adam));
+    let comm = zrun(&["bench", "comm", "--nproc", "1", "--sizes", "99999G"]);
+    let err = stderr(&comm);
+    assert_eq!(comm.status.code(), Some(1), "{err}");
+    assert!(err.contains("cannot make a") && err.contains("(--sizes)"), "{err}");
+    assert!(!err.contains("panicked") && !err.contains("frame #"), "{err}");
+}

@@ -215,9 +215,25 @@ fn kind_of(dtype: &str) -> Kind {
     }
 }
 
-/// Rank r's input: small integers (exact in every dtype when summed over a few ranks).
-fn input(r: usize, n: usize, kind: Kind, dev: Device) -> Tensor {
-    (Tensor::arange(n as i64, (Kind::Int64, dev)).remainder(7) + r as i64 + 1).to_kind(kind)
+/// Rank r's input: small integers (exact in every dtype when summed over a few ranks). A
+/// size past the memory is an error naming it, not libtorch's panic.
+fn input(r: usize, n: usize, kind: Kind, dev: Device) -> anyhow::Result<Tensor> {
+    // Element i is i % 7 + r + 1: seven values repeated, built without tch's scalar
+    // arguments (a failed allocation inside an op that takes one panics in tch).
+    let first: Vec<i64> = (0..7).map(|i| i + r as i64 + 1).collect();
+    let reps = n.div_ceil(7) as i64;
+    Tensor::f_from_slice(&first)
+        .and_then(|t| t.f_to_device(dev))
+        .and_then(|t| t.f_repeat([reps]))
+        .and_then(|t| t.f_narrow(0, 0, n as i64))
+        .and_then(|t| t.f_to_kind(kind))
+        .and_then(|t| t.f_contiguous())
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "bench comm: cannot make a {n}-element {kind:?} tensor on {dev:?} (--sizes): {}",
+                e.to_string().lines().next().unwrap_or_default()
+            )
+        })
 }
 
 fn sync(dev: Device) {
@@ -247,7 +263,10 @@ fn timed(
 }
 
 fn count_wrong(got: &Tensor, want: &Tensor) -> anyhow::Result<u64> {
-    let n = got.f_ne_tensor(want)?.f_sum(Kind::Int64)?.int64_value(&[]);
+    let n = got
+        .f_ne_tensor(want)?
+        .f_sum(Kind::Int64)?
+        .f_int64_value(&[])?;
     Ok(n as u64)
 }
 
@@ -278,23 +297,27 @@ fn bench_rank(args: &CommArgs, topo: &Topology, sizes: &[usize]) -> anyhow::Resu
     let kind = kind_of(&args.dtype);
     let esz = kind.elt_size_in_bytes();
     let mut rows = Vec::new();
-    let per_rank = |n: usize| (0..w).map(|q| input(q, n, kind, dev)).collect::<Vec<_>>();
+    let per_rank = |n: usize| {
+        (0..w)
+            .map(|q| input(q, n, kind, dev))
+            .collect::<anyhow::Result<Vec<_>>>()
+    };
     for &n in sizes {
         let (off, len) = (chunk_offset(n, w, r) as i64, chunk_sizes(n, w)[r] as i64);
-        let mine = input(r, n, kind, dev);
+        let mine = input(r, n, kind, dev)?;
         // all-gather: rank q's shard is chunk q of its own input
         let shard = mine.f_narrow(0, off, len)?.f_contiguous()?;
         let mut full = Tensor::f_zeros([n as i64], (kind, dev))?;
         let t = timed(c.as_ref(), dev, args, || {
             Ok(c.all_gather(&shard, &full)?.wait()?)
         })?;
-        let all = per_rank(n);
+        let all = per_rank(n)?;
         let want = Tensor::f_cat(
             &(0..w)
                 .map(|q| {
-                    all[q].narrow(0, chunk_offset(n, w, q) as i64, chunk_sizes(n, w)[q] as i64)
+                    all[q].f_narrow(0, chunk_offset(n, w, q) as i64, chunk_sizes(n, w)[q] as i64)
                 })
-                .collect::<Vec<_>>(),
+                .collect::<Result<Vec<_>, _>>()?,
             0,
         )?;
         let _ = full.f_zero_()?;
@@ -312,13 +335,11 @@ fn bench_rank(args: &CommArgs, topo: &Topology, sizes: &[usize]) -> anyhow::Resu
         let t = timed(c.as_ref(), dev, args, || {
             Ok(c.reduce_scatter(&mine, &out, ReduceOp::Sum)?.wait()?)
         })?;
-        let sum = all
-            .iter()
-            .skip(1)
-            .fold(all[0].to_kind(Kind::Float), |a, b| {
-                a + b.to_kind(Kind::Float)
-            })
-            .to_kind(kind);
+        let mut sum = all[0].f_to_kind(Kind::Float)?;
+        for b in &all[1..] {
+            sum = sum.f_add(&b.f_to_kind(Kind::Float)?)?;
+        }
+        let sum = sum.f_to_kind(kind)?;
         let _ = out.f_zero_()?;
         c.reduce_scatter(&mine, &out, ReduceOp::Sum)?.wait()?;
         rows.push(Row {
@@ -326,7 +347,7 @@ fn bench_rank(args: &CommArgs, topo: &Topology, sizes: &[usize]) -> anyhow::Resu
             bytes: n * esz,
             time_s: t,
             factor: (w as f64 - 1.0) / w as f64,
-            wrong: count_wrong(&out, &sum.narrow(0, off, len))?,
+            wrong: count_wrong(&out, &sum.f_narrow(0, off, len)?)?,
         });
         drop((out, all));
         // all-reduce (sum), in place; checked on a fresh copy of the input

@@ -18,6 +18,7 @@
 use std::time::Instant;
 
 use crate::bench::parse_counts;
+use crate::launch::BadInput;
 use zrun_optim::{AdamWConfig, BaseOut, Bf16, CpuAdamW, Grad, HalfKind, Prediction, StateDtype};
 
 /// Flags of `zrun bench adam`.
@@ -53,6 +54,22 @@ pub struct AdamArgs {
 /// Runs `zrun bench adam`.
 pub fn run_adam(args: &AdamArgs) -> anyhow::Result<()> {
     let sizes = parse_counts(&args.params, "--params", 1000.0)?;
+    // Each parameter takes at least 16 bytes of buffers here (the fp32 parameters, the fp32
+    // and bf16 gradients, the base and the state): a size past the machine's memory is
+    // refused, where its allocation would abort the process.
+    // SAFETY: sysconf reads system constants.
+    let memory = unsafe {
+        libc::sysconf(libc::_SC_PHYS_PAGES) as u128 * libc::sysconf(libc::_SC_PAGESIZE) as u128
+    };
+    if let Some(&n) = sizes.iter().max().filter(|&&n| n as u128 * 16 > memory) {
+        return Err(BadInput(format!(
+            "--params {}: {n} parameters need at least {:.1} GiB of buffers, more than this machine's {:.1} GiB; give a smaller --params",
+            args.params,
+            (n as f64 * 16.0) / f64::from(1u32 << 30),
+            memory as f64 / f64::from(1u32 << 30)
+        ))
+        .into());
+    }
     let threads = parse_counts(&args.threads, "--threads", 1000.0)?;
     let state: StateDtype = args
         .state_dtype
