@@ -402,10 +402,20 @@ fn bench_adam_times_both_gradient_dtypes() {
 fn bench_sizes_past_the_memory_are_errors_naming_the_flag() {
     let adam = zrun(&["bench", "adam", "--params", "99999G", "--threads", "1"]);
     assert_eq!(adam.status.code(), Some(2), "{}", stderr(&adam));
-    assert!(stderr(&adam).contains("--params 99999G"), "{}", stderr(&adam));
+    assert!(
+        stderr(&adam).contains("--params 99999G"),
+        "{}",
+        stderr(&adam)
+    );
     let comm = zrun(&["bench", "comm", "--nproc", "1", "--sizes", "99999G"]);
     let err = stderr(&comm);
     assert_eq!(comm.status.code(), Some(1), "{err}");
-    assert!(err.contains("cannot make a") && err.contains("(--sizes)"), "{err}");
-    assert!(!err.contains("panicked") && !err.contains("frame #"), "{err}");
+    assert!(
+        err.contains("cannot make a") && err.contains("(--sizes)"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("panicked") && !err.contains("frame #"),
+        "{err}"
+    );
 }

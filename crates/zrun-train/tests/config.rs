@@ -149,6 +149,33 @@ fn malformed_configs_each_get_their_own_message() {
             &["log.every = 0", "at least 1"],
         ),
         (
+            "bad-threads.toml",
+            "[train]\nthreads = 100000\n",
+            &[],
+            &[
+                "train.threads = 100000",
+                "0 (the rank's share of the cores) to 1024",
+            ],
+        ),
+        (
+            "bad-micro-batch.toml",
+            "[train]\nmicro_batch = 2000000\n",
+            &[],
+            &["train.micro_batch = 2000000", "1 to 1048576"],
+        ),
+        (
+            "empty-log-dir.toml",
+            "[log]\ndir = \"\"\n",
+            &[],
+            &["log.dir", "must name a directory"],
+        ),
+        (
+            "huge-d-model.toml",
+            "[model]\npreset = \"tiny\"\nd_model = 4000000000\nn_head = 1\n",
+            &[],
+            &["model.d_model = 4000000000", "at most 131072"],
+        ),
+        (
             "bad-profile-step.toml",
             "[train]\nsteps = 10\n[log]\nprofile_step = 11\n",
             &[],

@@ -108,11 +108,20 @@ impl Config {
         if t.steps == 0 {
             return bad("train.steps", t.steps, "must be at least 1");
         }
-        if t.micro_batch == 0 {
-            return bad("train.micro_batch", t.micro_batch, "must be at least 1");
+        // Upper bounds far past any real run keep the batch and memory arithmetic in range and
+        // a typo from starting a hundred thousand threads.
+        if !(1..=1 << 20).contains(&t.micro_batch) {
+            return bad("train.micro_batch", t.micro_batch, "must be 1 to 1048576");
         }
-        if t.grad_accum == 0 {
-            return bad("train.grad_accum", t.grad_accum, "must be at least 1");
+        if !(1..=1 << 20).contains(&t.grad_accum) {
+            return bad("train.grad_accum", t.grad_accum, "must be 1 to 1048576");
+        }
+        if t.threads > 1024 {
+            return bad(
+                "train.threads",
+                t.threads,
+                "must be 0 (the rank's share of the cores) to 1024",
+            );
         }
         if !finite_pos(t.lr) {
             return bad("train.lr", t.lr, "must be a finite number > 0");
@@ -268,6 +277,13 @@ impl Config {
                 "log.peak_tflops",
                 p,
                 "must be a finite number > 0 (TFLOP/s of one rank)",
+            );
+        }
+        if self.log.dir.as_os_str().is_empty() {
+            return bad(
+                "log.dir",
+                "\"\"",
+                "must name a directory (runs/NAME; \".\" for the current one)",
             );
         }
         if self.log.every == 0 {
