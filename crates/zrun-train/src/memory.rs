@@ -448,12 +448,20 @@ pub fn parse_bytes(s: &str) -> Result<i64, String> {
         }
     };
     match num.parse::<f64>() {
+        // Past a PiB no device or host has the memory, and the figure would have been cut to
+        // i64's range without a word.
+        Ok(n) if n * scale > MAX_BYTES as f64 => Err(format!(
+            "{s:?} is more than 1 PiB, past any machine's memory: write e.g. 80GiB"
+        )),
         Ok(n) if n > 0.0 => Ok((n * scale) as i64),
         _ => Err(format!(
             "{s:?} is not a size: write e.g. 80GiB, 6GB or 512MiB"
         )),
     }
 }
+
+/// The largest size [`parse_bytes`] takes: 1 PiB.
+const MAX_BYTES: i64 = 1 << 50;
 
 /// `bytes` as `151.0 MiB` or `3.20 GiB`.
 pub fn human(bytes: i64) -> String {
@@ -683,7 +691,18 @@ mod tests {
         assert_eq!(parse_bytes("2GB"), Ok(2_000_000_000));
         assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
         assert_eq!(parse_bytes("4096"), Ok(4096));
-        for bad in ["", "GiB", "-1G", "6 parsecs", "0"] {
+        assert_eq!(parse_bytes("1PiB").ok(), None);
+        assert_eq!(parse_bytes("1024TiB"), Ok(1 << 50));
+        for bad in [
+            "",
+            "GiB",
+            "-1G",
+            "6 parsecs",
+            "0",
+            "1025TiB",
+            "99999999999TiB",
+            "18446744073709551616",
+        ] {
             let e = parse_bytes(bad).unwrap_err();
             assert!(e.contains("80GiB"), "{bad}: {e}");
         }
