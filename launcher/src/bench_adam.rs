@@ -57,11 +57,12 @@ pub fn run_adam(args: &AdamArgs) -> anyhow::Result<()> {
     // Each parameter takes at least 16 bytes of buffers here (the fp32 parameters, the fp32
     // and bf16 gradients, the base and the state): a size past the machine's memory is
     // refused, where its allocation would abort the process.
-    // SAFETY: sysconf reads system constants.
-    let memory = unsafe {
-        libc::sysconf(libc::_SC_PHYS_PAGES) as u128 * libc::sysconf(libc::_SC_PAGESIZE) as u128
-    };
-    if let Some(&n) = sizes.iter().max().filter(|&&n| n as u128 * 16 > memory) {
+    let memory = zrun_train::memory::host_memory() as u128;
+    if let Some(&n) = sizes
+        .iter()
+        .max()
+        .filter(|&&n| memory > 0 && n as u128 * 16 > memory)
+    {
         return Err(BadInput(format!(
             "--params {}: {n} parameters need at least {:.1} GiB of buffers, more than this machine's {:.1} GiB; give a smaller --params",
             args.params,

@@ -15,6 +15,11 @@ use std::io::Write;
 pub fn quick_exit(code: i32) -> ! {
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
+    flush_c_and_exit(code)
+}
+
+/// Flushes every C stdio stream and ends the process with `code`, running nothing else.
+fn flush_c_and_exit(code: i32) -> ! {
     // SAFETY: fflush(NULL) flushes every open C output stream and takes no pointer of ours;
     // _exit has no preconditions and does not return.
     unsafe {
@@ -29,11 +34,7 @@ extern "C" fn end_now(status: libc::c_int, _: *mut libc::c_void) {
     // Rust's stdout was flushed before libc's exit was called: returning from `main` and
     // `std::process::exit` both flush it. Locking it again here could wait on a thread that
     // holds it.
-    // SAFETY: as in quick_exit.
-    unsafe {
-        libc::fflush(std::ptr::null_mut());
-        libc::_exit(status)
-    }
+    flush_c_and_exit(status)
 }
 
 extern "C" {

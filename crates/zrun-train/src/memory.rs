@@ -463,6 +463,11 @@ pub fn parse_bytes(s: &str) -> Result<i64, String> {
 /// The largest size [`parse_bytes`] takes: 1 PiB.
 const MAX_BYTES: i64 = 1 << 50;
 
+/// This machine's memory (`MemTotal` of /proc/meminfo), in bytes; 0 when unknown.
+pub fn host_memory() -> i64 {
+    crate::metrics::proc_bytes("/proc/meminfo", "MemTotal:").unwrap_or(0)
+}
+
 /// `bytes` as `151.0 MiB` or `3.20 GiB`.
 pub fn human(bytes: i64) -> String {
     let mib = bytes as f64 / (1 << 20) as f64;
@@ -501,7 +506,7 @@ pub fn budget(cfg: &Config, device: Device, local_ranks: usize) -> Result<(i64, 
         }
         return Ok((total, format!("the GPU's {}", human(total))));
     }
-    let total = crate::metrics::proc_bytes("/proc/meminfo", "MemTotal:").unwrap_or(0);
+    let total = host_memory();
     let per = total / local_ranks.max(1) as i64;
     Ok((
         per,
