@@ -478,3 +478,40 @@ fn an_export_refuses_view_tables_that_are_not_its_models() {
     );
     assert!(!out.exists());
 }
+
+#[test]
+fn a_manifest_without_its_own_hash_is_read_with_a_warning() {
+    let (_dir, ckpt) = tiny_checkpoint("hf-unsealed");
+    let base = ckpt.parent().unwrap().to_path_buf();
+    let c = ckpt.display().to_string();
+    let warned = |o: &std::process::Output| stderr(o).contains("carries no hash of itself");
+    let out = base.join("model.safetensors").display().to_string();
+    let o = zrun(&["consolidate", &c, "-o", &out]);
+    assert!(o.status.success() && !warned(&o), "{}", stderr(&o));
+    // The same checkpoint with its manifest in format version 1: read, and said so.
+    edit_manifest(&ckpt, |_| {});
+    std::fs::remove_file(&out).unwrap();
+    let o = zrun(&["consolidate", &c, "-o", &out]);
+    assert!(o.status.success() && warned(&o), "{}", stderr(&o));
+    // A resume from it says so once, and saves a sealed checkpoint.
+    let run = base.join("resumed");
+    let sets = [
+        format!("log.dir=\"{}\"", run.display()),
+        format!("checkpoint.resume=\"{c}\""),
+        "train.steps=3".into(),
+        "checkpoint.every=3".into(),
+        "train.eval_every=0".into(),
+        "train.micro_batch=2".into(),
+        "train.threads=1".into(),
+    ];
+    let mut a = vec!["configs/tiny-cpu.toml".to_string()];
+    a.extend(sets.into_iter().flat_map(|s| ["--set".to_string(), s]));
+    let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+    let o = zrun(&refs);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert_eq!(err.matches("carries no hash of itself").count(), 1, "{err}");
+    let saved = run.join("ckpt/step-00000003").display().to_string();
+    let o = zrun(&["consolidate", &saved, "-o", &out]);
+    assert!(o.status.success() && !warned(&o), "{}", stderr(&o));
+}

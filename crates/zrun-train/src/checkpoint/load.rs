@@ -320,6 +320,11 @@ impl Checkpointer {
             return Ok(None);
         }
         let ckpt = opened?;
+        if self.rank == 0 {
+            if let Some(w) = ckpt.unsealed_warning() {
+                tracing::warn!("{w}");
+            }
+        }
         for (device, state) in rng {
             zrun_torch_ext::rng::set_state(device, &state)?;
         }

@@ -178,6 +178,9 @@ pub fn export(
     max_shard_bytes: u64,
 ) -> Result<Exported, Error> {
     let ckpt = Checkpoint::open(dir)?;
+    if let Some(w) = ckpt.unsealed_warning() {
+        tracing::warn!("{w}");
+    }
     let empty = match std::fs::read_dir(out) {
         Ok(mut entries) => entries.next().is_none(),
         Err(e) => e.kind() == std::io::ErrorKind::NotFound,
@@ -382,6 +385,9 @@ pub fn load_full(path: &Path) -> Result<Loaded, Error> {
         }
     }
     let ckpt = Checkpoint::open(&dir)?;
+    if let Some(w) = ckpt.unsealed_warning() {
+        tracing::warn!("{w}");
+    }
     let arch = checkpoint_arch(&ckpt)?;
     let model = arch.build()?;
     check_views(&ckpt, model.as_ref())?;
