@@ -212,6 +212,30 @@ fn malformed_configs_each_get_their_own_message() {
             &["--set train.steps=4", "`train` is a value, not a section"],
         ),
         (
+            "set-empty-part.toml",
+            "",
+            &["train..steps=5"],
+            &["--set train..steps=5", "`train..steps` is not a key"],
+        ),
+        (
+            "set-unknown-section.toml",
+            "",
+            &["TRAIN.STEPS=2"],
+            &["--set TRAIN.STEPS", "unknown field `TRAIN`"],
+        ),
+        (
+            "set-overflow.toml",
+            "",
+            &["train.steps=99999999999999999999"],
+            &["--set train.steps=", "out of range", "9223372036854775807"],
+        ),
+        (
+            "file-unknown-beside-set.toml",
+            "[train]\nbogus = 1\n",
+            &["train.steps=2"],
+            &["file-unknown-beside-set.toml: train.bogus", "unknown field"],
+        ),
+        (
             "bad-branching.toml",
             "[data]\nbranching = 0\n",
             &[],
@@ -257,6 +281,10 @@ fn defaults_overrides_and_presets_resolve() {
     };
     assert_eq!((g.n_layer, g.n_head, g.d_model), (6, 12, 768));
     assert_eq!(cfg.train.micro_batch, 8); // default
+                                          // A table given for a section sets the keys it names and keeps the file's others.
+    let sets = vec!["train={micro_batch=3}".to_string()];
+    let cfg = Config::load(&path, &sets).unwrap();
+    assert_eq!((cfg.train.steps, cfg.train.micro_batch), (7, 3));
     assert!((cfg.min_lr() - cfg.train.lr / 10.0).abs() < 1e-18);
 }
 

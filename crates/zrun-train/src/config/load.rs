@@ -51,6 +51,7 @@ impl Config {
                 one_line(e.message())
             ))
         })?;
+        let from_file = table.clone();
         let mut set_keys = Vec::new();
         for o in overrides {
             set_keys.push(apply_override(&mut table, o)?);
@@ -59,7 +60,7 @@ impl Config {
         let value = toml::Value::Table(table.clone());
         let cfg: Config = serde_path_to_error::deserialize(value).map_err(|e| {
             let key = e.path().to_string();
-            let source = source_of(&key, &file, &set_keys);
+            let source = source_of(&key, &file, &set_keys, &from_file);
             let shown = lookup(&table, &key)
                 .map(|v| format!(" = {v}"))
                 .unwrap_or_default();
@@ -85,7 +86,7 @@ impl Config {
             t.warmup_steps = t.steps;
         }
         cfg.validate().map_err(|(key, value, allowed)| {
-            let source = source_of(&key, &file, &set_keys);
+            let source = source_of(&key, &file, &set_keys, &from_file);
             ConfigError(format!("{source}: {key} = {value}: {allowed}"))
         })?;
         Ok(cfg)
@@ -315,13 +316,23 @@ fn apply_override(table: &mut toml::Table, o: &str) -> Result<String, ConfigErro
         })?;
     let key = key.trim().to_string();
     let raw = raw.trim();
-    // A TOML value if it parses as one (50, 1e-3, true, "x", [1, 2]), else a bare string.
-    let value = format!("v = {raw}")
-        .parse::<toml::Table>()
-        .ok()
-        .and_then(|mut t| t.remove("v"))
-        .unwrap_or_else(|| toml::Value::String(raw.to_string()));
     let parts: Vec<&str> = key.split('.').collect();
+    if parts.iter().any(|p| p.trim().is_empty() || p.trim() != *p) {
+        return Err(ConfigError(format!(
+            "--set {o}: `{key}` is not a key: keys are section.name without spaces or empty parts, e.g. --set train.steps=50"
+        )));
+    }
+    // A TOML value if it parses as one (50, 1e-3, true, "x", [1, 2]), else a bare string;
+    // digits alone that do not parse are an integer out of TOML's range, not a string.
+    let value = match format!("v = {raw}").parse::<toml::Table>() {
+        Ok(mut t) => t.remove("v").expect("parsed from `v = ...`"),
+        Err(_) if is_integer_literal(raw) => {
+            return Err(ConfigError(format!(
+                "--set {o}: {raw} is out of range: integers are at most 9223372036854775807"
+            )))
+        }
+        Err(_) => toml::Value::String(raw.to_string()),
+    };
     let mut at = table;
     for (i, part) in parts[..parts.len() - 1].iter().enumerate() {
         let entry = at
@@ -334,16 +345,46 @@ fn apply_override(table: &mut toml::Table, o: &str) -> Result<String, ConfigErro
             ))
         })?;
     }
-    at.insert(parts[parts.len() - 1].to_string(), value);
+    let last = parts[parts.len() - 1].to_string();
+    match (at.get_mut(&last), value) {
+        // A table given for a table sets the keys it names and keeps the others, as a key
+        // at a time would: `--set 'train={steps=2}'` is `--set train.steps=2`.
+        (Some(toml::Value::Table(old)), toml::Value::Table(new)) => merge(old, new),
+        (_, value) => {
+            at.insert(last, value);
+        }
+    }
     Ok(key)
 }
 
-/// "--set k=..." when the key (or a parent) came from an override, else the file.
-fn source_of(key: &str, file: &str, set_keys: &[String]) -> String {
+/// Sets every key of `new` in `old`, tables within tables key by key.
+fn merge(old: &mut toml::Table, new: toml::Table) {
+    for (k, v) in new {
+        match (old.get_mut(&k), v) {
+            (Some(toml::Value::Table(o)), toml::Value::Table(n)) => merge(o, n),
+            (_, v) => {
+                old.insert(k, v);
+            }
+        }
+    }
+}
+
+/// Whether `raw` is written as a decimal integer (sign, digits, underscores).
+fn is_integer_literal(raw: &str) -> bool {
+    let digits = raw.strip_prefix(['+', '-']).unwrap_or(raw);
+    digits.starts_with(|c: char| c.is_ascii_digit())
+        && digits.chars().all(|c| c.is_ascii_digit() || c == '_')
+}
+
+/// "--set k=..." when the key (or a parent) came from an override, or the key is a section
+/// only an override made (`--set TRAIN.STEPS=2` fails at `TRAIN`); else the file.
+fn source_of(key: &str, file: &str, set_keys: &[String], from_file: &toml::Table) -> String {
+    let within =
+        |outer: &str, inner: &str| inner == outer || inner.starts_with(&format!("{outer}."));
     match set_keys
         .iter()
         .rev()
-        .find(|k| key == k.as_str() || key.starts_with(&format!("{k}.")))
+        .find(|k| within(k, key) || (within(key, k) && lookup(from_file, key).is_none()))
     {
         Some(k) => format!("--set {k}"),
         None => format!("config {file}"),
