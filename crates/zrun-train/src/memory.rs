@@ -453,6 +453,11 @@ pub fn parse_bytes(s: &str) -> Result<i64, String> {
         Ok(n) if n * scale > MAX_BYTES as f64 => Err(format!(
             "{s:?} is more than 1 PiB, past any machine's memory: write e.g. 80GiB"
         )),
+        // Under a MiB no device or host runs anything: the unit was left out (a bare number
+        // is bytes), as in `--device-mem 8` for 8 GiB.
+        Ok(n) if n > 0.0 && n * scale < MIN_BYTES as f64 => Err(format!(
+            "{s:?} is less than 1 MiB, smaller than any machine's memory (a number without a unit is bytes): write e.g. 80GiB or 512MiB"
+        )),
         Ok(n) if n > 0.0 => Ok((n * scale) as i64),
         _ => Err(format!(
             "{s:?} is not a size: write e.g. 80GiB, 6GB or 512MiB"
@@ -462,6 +467,8 @@ pub fn parse_bytes(s: &str) -> Result<i64, String> {
 
 /// The largest size [`parse_bytes`] takes: 1 PiB.
 const MAX_BYTES: i64 = 1 << 50;
+/// The smallest size [`parse_bytes`] takes: 1 MiB.
+const MIN_BYTES: i64 = 1 << 20;
 
 /// This machine's memory (`MemTotal` of /proc/meminfo), in bytes; 0 when unknown.
 pub fn host_memory() -> i64 {
@@ -695,7 +702,7 @@ mod tests {
         assert_eq!(parse_bytes("1.5 GiB"), Ok(3 << 29));
         assert_eq!(parse_bytes("2GB"), Ok(2_000_000_000));
         assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
-        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert_eq!(parse_bytes("1048576"), Ok(1 << 20));
         assert_eq!(parse_bytes("1PiB").ok(), None);
         assert_eq!(parse_bytes("1024TiB"), Ok(1 << 50));
         for bad in [
@@ -704,6 +711,9 @@ mod tests {
             "-1G",
             "6 parsecs",
             "0",
+            "8",
+            "4096",
+            "1023KiB",
             "1025TiB",
             "99999999999TiB",
             "18446744073709551616",
