@@ -62,6 +62,7 @@ fn setting(a: &FitArgs) -> anyhow::Result<Setting> {
     if a.nproc == 0 || a.nnodes == 0 {
         return Err(BadInput("--nproc and --nnodes must be at least 1".into()).into());
     }
+    crate::launch::check_world(a.nproc, a.nnodes)?;
     let limit = match &a.device_mem {
         Some(s) => {
             Some(memory::parse_bytes(s).map_err(|e| BadInput(format!("--device-mem: {e}")))?)

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 
 pub use output::{Level, LogFormat, Style};
-pub use plan::Plan;
+pub use plan::{check_world, Plan, MAX_NPROC};
 pub use progress::Source;
 pub use spawn::Program;
 

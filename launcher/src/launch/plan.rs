@@ -68,11 +68,6 @@ impl Plan {
                     "--nproc 0: a node needs at least one rank; give --nproc 1 or more".into(),
                 ))
             }
-            Some(n) if n > MAX_NPROC => {
-                return Err(BadInput(format!(
-                    "--nproc {n}: more ranks than one node runs (at most {MAX_NPROC}: a rank is a process, one per GPU or per share of the cores); give --nproc {MAX_NPROC} or fewer and more nodes"
-                )))
-            }
             Some(n) => n,
             None => default_nproc(),
         };
@@ -82,6 +77,7 @@ impl Plan {
                 "--nnodes 0: a job needs at least one node; give --nnodes 1 or more".into(),
             ));
         }
+        check_world(nproc, nnodes)?;
         let node_rank = f.node_rank.unwrap_or(0);
         if node_rank >= nnodes {
             return Err(BadInput(format!(
@@ -200,6 +196,25 @@ impl Plan {
 /// and below the point where the processes alone exhaust a machine (each maps libtorch).
 pub const MAX_NPROC: usize = 1024;
 
+/// The most ranks of one job: past the largest clusters, and where a plan over every rank
+/// (`zrun estimate`) still takes seconds.
+pub const MAX_WORLD: usize = 1 << 17;
+
+/// Refuses more than [`MAX_NPROC`] ranks per node or [`MAX_WORLD`] in all, naming the flags.
+pub fn check_world(nproc: usize, nnodes: usize) -> Result<(), BadInput> {
+    if nproc > MAX_NPROC {
+        return Err(BadInput(format!(
+            "--nproc {nproc}: more ranks than one node runs (at most {MAX_NPROC}: a rank is a process, one per GPU or per share of the cores); give --nproc {MAX_NPROC} or fewer and more nodes"
+        )));
+    }
+    match nproc.checked_mul(nnodes) {
+        Some(w) if w <= MAX_WORLD => Ok(()),
+        _ => Err(BadInput(format!(
+            "--nnodes {nnodes} x --nproc {nproc}: more ranks than one job runs (at most {MAX_WORLD}); give fewer nodes"
+        ))),
+    }
+}
+
 /// Each local rank's share of this node's cores: `cores / nproc`, at least 1.
 pub fn omp_share(cores: usize, nproc: usize) -> usize {
     (cores / nproc.max(1)).max(1)
@@ -314,6 +329,12 @@ mod tests {
         assert!(Plan::new(&f).unwrap_err().0.contains("--nproc 1025"));
         f.nproc = Some(MAX_NPROC);
         assert_eq!(Plan::new(&f).unwrap().nproc, MAX_NPROC);
+        f.nnodes = Some(MAX_WORLD / MAX_NPROC + 1);
+        f.master_addr = Some("127.0.0.1".into());
+        let e = Plan::new(&f).unwrap_err().0;
+        assert!(e.contains("--nnodes 129 x --nproc 1024"), "{e}");
+        f.nnodes = Some(usize::MAX);
+        assert!(Plan::new(&f).unwrap_err().0.contains("at most 131072"));
         let mut f = flags();
         f.nnodes = Some(2);
         f.node_rank = Some(2);
