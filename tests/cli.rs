@@ -419,3 +419,122 @@ fn bench_sizes_past_the_memory_are_errors_naming_the_flag() {
         "{err}"
     );
 }
+
+/// Counts that mean nothing (0 iterations, rounds or ranks), flags that are not one of their
+/// choices, more ranks than a job runs and a `--save` that could not be written are usage
+/// errors (exit 2, one line naming the flag) before anything runs.
+#[test]
+fn meaningless_bench_and_estimate_flags_are_refused_before_any_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let unwritable = dir.path().join("no/such/dir/cluster.toml");
+    let not_toml = dir.path().join("cluster.toml");
+    std::fs::write(&not_toml, "intra = [").unwrap();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec!["bench".into(), "comm".into(), "--iters".into(), "0".into()],
+            "--iters",
+        ),
+        (
+            vec!["bench".into(), "comm".into(), "--nproc".into(), "0".into()],
+            "--nproc",
+        ),
+        (
+            vec![
+                "bench".into(),
+                "comm".into(),
+                "--sizes".into(),
+                "abc".into(),
+            ],
+            "--sizes",
+        ),
+        (
+            vec![
+                "bench".into(),
+                "comm".into(),
+                "--save".into(),
+                unwritable.display().to_string(),
+            ],
+            "cannot create it",
+        ),
+        (
+            vec![
+                "bench".into(),
+                "comm".into(),
+                "--save".into(),
+                not_toml.display().to_string(),
+            ],
+            "not a cluster file",
+        ),
+        (
+            vec![
+                "bench".into(),
+                "kernels".into(),
+                "--device".into(),
+                "tpu".into(),
+            ],
+            "--device tpu",
+        ),
+        (
+            vec![
+                "estimate".into(),
+                "configs/tiny-cpu.toml".into(),
+                "--nproc".into(),
+                "100000".into(),
+            ],
+            "--nproc 100000",
+        ),
+        (
+            vec![
+                "estimate".into(),
+                "configs/tiny-cpu.toml".into(),
+                "--nproc".into(),
+                "8".into(),
+                "--nnodes".into(),
+                "1000000".into(),
+            ],
+            "at most 131072",
+        ),
+    ];
+    for (args, needle) in cases {
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = zrun(&refs);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(stdout(&o).is_empty(), "{args:?} ran: {}", stdout(&o));
+    }
+    assert_eq!(std::fs::read_to_string(&not_toml).unwrap(), "intra = [");
+}
+
+/// `bench comm --save` fits each collective and merges [intra] into the cluster file, keeping
+/// the file's other tables.
+#[test]
+fn bench_comm_save_fits_each_collective_and_keeps_the_files_other_tables() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("cluster.toml");
+    std::fs::write(&file, "[inter]\nrails = 4\n").unwrap();
+    let f = file.display().to_string();
+    let o = zrun(&[
+        "bench",
+        "comm",
+        "--nproc",
+        "2",
+        "--sizes",
+        "64K,1M,4M",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--save",
+        &f,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let saved: toml::Table = std::fs::read_to_string(&file).unwrap().parse().unwrap();
+    assert_eq!(saved["inter"]["rails"].as_integer(), Some(4), "{saved}");
+    let intra = &saved["intra"];
+    assert_eq!(intra["ranks"].as_integer(), Some(2), "{saved}");
+    for op in ["all_gather", "reduce_scatter", "all_reduce"] {
+        let busbw = intra[op]["busbw"].as_float().unwrap();
+        assert!(busbw > 0.0 && busbw.is_finite(), "{op}: {saved}");
+    }
+}

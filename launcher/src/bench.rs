@@ -15,7 +15,7 @@
 //! when the job spans nodes (LOCAL_WORLD_SIZE < WORLD_SIZE), else `[intra]`, keeping what
 //! the file already holds: a one-node and a two-node run fill one file.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -25,6 +25,8 @@ use zrun_comm::{
     chunk_offset, chunk_sizes, Backend, Communicator, ReduceOp, StoreServer, Topology,
 };
 use zrun_train::config::DeviceKind;
+
+use crate::launch::BadInput;
 use zrun_train::steptime::{merge_link_class, Link, LinkClass};
 
 /// Set in the ranks that `zrun bench comm` and `zrun bench ckpt` start themselves.
@@ -34,7 +36,7 @@ pub(crate) const WORKER_ENV: &str = "ZRUN_BENCH_WORKER";
 #[derive(clap::Args, Debug, Clone)]
 pub struct CommArgs {
     /// Ranks to start on this host (ignored under mpirun/srun/zrun, which set the ranks).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = ranks())]
     pub nproc: usize,
     /// Communication backend: tcp, mpi or nccl.
     #[arg(long, default_value = "tcp", value_parser = parse_backend)]
@@ -46,7 +48,7 @@ pub struct CommArgs {
     #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16", "fp16"])]
     pub dtype: String,
     /// Timed iterations per row.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = at_least_one::<usize>)]
     pub iters: usize,
     /// Untimed iterations before the timed ones.
     #[arg(long, default_value_t = 2)]
@@ -55,7 +57,7 @@ pub struct CommArgs {
     #[arg(long)]
     pub json: bool,
     /// Deadline of every collective, in seconds (dist.timeout_s).
-    #[arg(long, default_value_t = 600)]
+    #[arg(long, default_value_t = 600, value_parser = at_least_one::<u64>)]
     pub timeout_s: u64,
     /// Fit alpha and busbw per collective (least squares of time against bytes x f) and
     /// save them into this cluster file: as [inter] when the job spans nodes, else [intra];
@@ -66,6 +68,23 @@ pub struct CommArgs {
 
 fn parse_backend(s: &str) -> Result<Backend, String> {
     s.parse()
+}
+
+/// A count flag of the benches (iterations, rounds, seconds): 1 or more; clap refuses 0 as
+/// a usage error (exit 2).
+pub(crate) fn at_least_one<T: std::str::FromStr + PartialOrd + From<u8>>(
+    s: &str,
+) -> Result<T, String> {
+    match s.parse::<T>() {
+        Ok(n) if n >= T::from(1) => Ok(n),
+        Ok(_) => Err("must be at least 1".into()),
+        Err(_) => Err("not a whole number".into()),
+    }
+}
+
+/// A bench's `--nproc`: 1 to [`crate::launch::MAX_NPROC`] ranks on this host.
+pub(crate) fn ranks() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::<usize>::new().range(1..=crate::launch::MAX_NPROC as u64)
 }
 
 /// Parses a comma-separated list of counts like `1M,16M,3` for `flag`. K, M and G are powers
@@ -83,10 +102,10 @@ pub(crate) fn parse_counts(s: &str, flag: &str, unit: f64) -> anyhow::Result<Vec
             };
             let n: f64 = num
                 .parse()
-                .with_context(|| format!("{flag}: `{p}` is not a count like 64M"))?;
+                .map_err(|_| BadInput(format!("{flag}: `{p}` is not a count like 64M")))?;
             let count = (n * unit.powi(power)).round();
             if count.is_nan() || count < 1.0 {
-                bail!("{flag}: `{p}` must be a positive count");
+                return Err(BadInput(format!("{flag}: `{p}` must be a positive count")).into());
             }
             Ok(count as usize)
         })
@@ -98,6 +117,15 @@ pub fn run_comm(args: &CommArgs) -> anyhow::Result<()> {
     let sizes = parse_counts(&args.sizes, "--sizes", 1024.0)?;
     let topo = Topology::from_env().context("reading the rank variables")?;
     let is_rank = std::env::var(WORKER_ENV).is_ok() || topo.world_size > 1;
+    if let (Some(path), 0) = (&args.save, topo.rank) {
+        // Before any rank starts: a fit that cannot be saved is not worth the run.
+        let (world, class) = if is_rank {
+            (topo.world_size, class_of(&topo))
+        } else {
+            (args.nproc, "intra")
+        };
+        check_save(path, world, class)?;
+    }
     if is_rank || args.nproc <= 1 {
         return bench_rank(args, &topo, &sizes);
     }
@@ -386,6 +414,45 @@ fn bench_rank(args: &CommArgs, topo: &Topology, sizes: &[usize]) -> anyhow::Resu
     saved
 }
 
+/// Refuses a `--save` that could not be written after the run: one rank (nothing to fit), a
+/// file that is not a readable TOML cluster file, or a directory this process cannot create
+/// the file in.
+fn check_save(path: &Path, world: usize, class: &str) -> Result<(), BadInput> {
+    let bad = |why: String| BadInput(format!("--save {}: {why}", path.display()));
+    if world < 2 {
+        return Err(bad(
+            "one rank moves nothing: run with --nproc 2 or more".into()
+        ));
+    }
+    match std::fs::read_to_string(path) {
+        Ok(text) => {
+            merge_link_class(&text, class, &LinkClass::uniform(1e-6, 1e9)).map_err(|e| {
+                bad(format!(
+                    "not a cluster file zrun can add [{class}] to ({e}); give a new file or one `--save` wrote"
+                ))
+            })?;
+            std::fs::OpenOptions::new()
+                .append(true)
+                .open(path)
+                .map_err(|e| bad(format!("cannot write it ({e})")))?;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(path)
+                .map_err(|e| {
+                    bad(format!(
+                        "cannot create it ({e}); give a path in a writable directory"
+                    ))
+                })?;
+            let _ = std::fs::remove_file(path);
+        }
+        Err(e) => return Err(bad(format!("cannot read it ({e})"))),
+    }
+    Ok(())
+}
+
 /// The link class a job measures: `inter` when it spans nodes, else `intra`.
 fn class_of(topo: &Topology) -> &'static str {
     if topo.local_world_size < topo.world_size {
@@ -398,9 +465,6 @@ fn class_of(topo: &Topology) -> &'static str {
 /// Fits each collective's rows and merges them into the cluster file `path` under the class
 /// this job measured; prints the fits.
 fn save_fit(path: &PathBuf, args: &CommArgs, topo: &Topology, rows: &[Row]) -> anyhow::Result<()> {
-    if topo.world_size < 2 {
-        bail!("--save: one rank moves nothing: run with --nproc 2 or more");
-    }
     let fit = |op: &str| -> anyhow::Result<Link> {
         let points: Vec<(f64, f64)> = rows
             .iter()

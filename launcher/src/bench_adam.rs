@@ -40,7 +40,7 @@ pub struct AdamArgs {
     #[arg(long, default_value = "fp32")]
     pub grads: String,
     /// Timed steps per row (the best is reported).
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, value_parser = crate::bench::at_least_one::<usize>)]
     pub iters: usize,
     /// Also time the split delayed update's job (the update with the next update's base and
     /// v), interleaved with the plain update.
@@ -93,7 +93,7 @@ pub fn run_adam(args: &AdamArgs) -> anyhow::Result<()> {
         .map(|g| match g.trim() {
             "fp32" => Ok(false),
             "bf16" => Ok(true),
-            other => anyhow::bail!("--grads: `{other}` is not fp32 or bf16"),
+            other => Err(BadInput(format!("--grads: `{other}` is not fp32 or bf16")).into()),
         })
         .collect::<anyhow::Result<_>>()?;
     // (bf16 gradients, the split's job) of every row, interleaved.

@@ -30,19 +30,19 @@ use crate::bench::{launch_local, WORKER_ENV};
 #[derive(clap::Args, Debug, Clone)]
 pub struct CkptArgs {
     /// Ranks to start on this host.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = crate::bench::ranks())]
     pub nproc: usize,
     /// Model preset whose state is saved.
     #[arg(long, default_value = "gpt2-medium")]
     pub model: String,
     /// ZeRO stage of the engine (its state per rank is the same at stages 1-3).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(i64).range(0..=3))]
     pub stage: i64,
     /// Directory for the files (on the disk to measure); removed afterwards.
     #[arg(long, default_value = "runs/bench-ckpt")]
     pub dir: PathBuf,
     /// Interleaved rounds; the best of each row is reported.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = crate::bench::at_least_one::<usize>)]
     pub rounds: usize,
 }
 

@@ -38,7 +38,6 @@
 
 use std::time::Instant;
 
-use anyhow::Context;
 use tch::{Device, Kind, Reduction, Tensor};
 
 /// Flags of `zrun bench kernels`.
@@ -51,7 +50,7 @@ pub struct KernelsArgs {
     #[arg(long)]
     pub shapes: Option<String>,
     /// Interleaved rounds (the median is reported).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = crate::bench::at_least_one::<usize>)]
     pub rounds: usize,
     /// Compute dtype: bf16 or fp32.
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "fp32"])]
@@ -195,7 +194,11 @@ pub fn run_kernels(args: &KernelsArgs) -> anyhow::Result<()> {
     let device = match args.device.as_deref() {
         Some("cpu") => Device::Cpu,
         Some("cuda") => Device::Cuda(0),
-        Some(other) => anyhow::bail!("--device {other}: use cuda or cpu"),
+        Some(other) => {
+            return Err(
+                crate::launch::BadInput(format!("--device {other}: use cuda or cpu")).into(),
+            )
+        }
         None if tch::Cuda::is_available() => Device::Cuda(0),
         None => Device::Cpu,
     };
@@ -218,10 +221,12 @@ pub fn run_kernels(args: &KernelsArgs) -> anyhow::Result<()> {
     let shapes: Vec<&Shape> = shapes
         .split(',')
         .map(|s| {
-            SHAPES
-                .iter()
-                .find(|x| x.name == s.trim())
-                .with_context(|| format!("--shapes: `{s}` is not one of gpt2m, llama, small"))
+            SHAPES.iter().find(|x| x.name == s.trim()).ok_or_else(|| {
+                crate::launch::BadInput(format!(
+                    "--shapes: `{s}` is not one of gpt2m, llama, small"
+                ))
+                .into()
+            })
         })
         .collect::<anyhow::Result<_>>()?;
     let kernel = match device {
