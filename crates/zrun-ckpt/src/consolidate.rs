@@ -64,9 +64,6 @@ pub struct Consolidated {
 /// the file is renamed into place; on any error `out.tmp` is removed and `out` is untouched.
 pub fn consolidate(dir: &Path, out: &Path, dtype: OutDtype) -> Result<Consolidated> {
     let ckpt = Checkpoint::open(dir)?;
-    if let Some(w) = ckpt.unsealed_warning() {
-        tracing::warn!("{w}");
-    }
     let mut tmp_name = out.as_os_str().to_owned();
     tmp_name.push(".tmp");
     let tmp = PathBuf::from(tmp_name);
@@ -76,6 +73,9 @@ pub fn consolidate(dir: &Path, out: &Path, dtype: OutDtype) -> Result<Consolidat
                 let _ = std::fs::remove_file(&tmp);
                 Error::io("rename into place", &tmp, e)
             })?;
+            if let Some(w) = ckpt.unsealed_warning() {
+                tracing::warn!("{w}");
+            }
             Ok(Consolidated {
                 path: out.to_path_buf(),
                 tensors,

@@ -42,7 +42,8 @@ impl Checkpoint {
     /// A warning when the manifest is format version 1, written before manifests carried
     /// their own hash: a damaged or hand-edited one that still passes the table checks cannot
     /// be told from the one the run saved. `None` for a sealed manifest. The caller logs it
-    /// once (rank 0 of a resume; consolidate, export and sample each).
+    /// once, when the checkpoint was used (rank 0 of a resume; consolidate, export and sample
+    /// once they succeed, so a refused one prints its error alone).
     pub fn unsealed_warning(&self) -> Option<String> {
         (self.manifest.format_version < 2).then(|| {
             format!(

@@ -178,9 +178,6 @@ pub fn export(
     max_shard_bytes: u64,
 ) -> Result<Exported, Error> {
     let ckpt = Checkpoint::open(dir)?;
-    if let Some(w) = ckpt.unsealed_warning() {
-        tracing::warn!("{w}");
-    }
     let empty = match std::fs::read_dir(out) {
         Ok(mut entries) => entries.next().is_none(),
         Err(e) => e.kind() == std::io::ErrorKind::NotFound,
@@ -307,6 +304,10 @@ fn write_export(
         Ok(None) => (Vec::new(), None),
         Err(why) => (Vec::new(), Some(why)),
     };
+    // Said once the export is made: a refused one prints its error alone.
+    if let Some(w) = ckpt.unsealed_warning() {
+        tracing::warn!("{w}");
+    }
     Ok(Exported {
         files,
         tensors,
@@ -385,9 +386,6 @@ pub fn load_full(path: &Path) -> Result<Loaded, Error> {
         }
     }
     let ckpt = Checkpoint::open(&dir)?;
-    if let Some(w) = ckpt.unsealed_warning() {
-        tracing::warn!("{w}");
-    }
     let arch = checkpoint_arch(&ckpt)?;
     let model = arch.build()?;
     check_views(&ckpt, model.as_ref())?;
@@ -406,6 +404,9 @@ pub fn load_full(path: &Path) -> Result<Loaded, Error> {
     }
     // Nothing read is used before every rank file matches its hash.
     reader.verify_all()?;
+    if let Some(w) = ckpt.unsealed_warning() {
+        tracing::warn!("{w}");
+    }
     Ok(Loaded {
         arch,
         model,
