@@ -163,7 +163,7 @@ impl Run {
 pub fn load(dir: &Path, notes: &mut Vec<String>) -> anyhow::Result<Run> {
     let name = run_name(dir);
     let path = dir.join("metrics.jsonl");
-    let text = std::fs::read_to_string(&path).map_err(|e| {
+    let text = read_text(&path).map_err(|e| {
         BadInput(format!(
             "cannot read {}: {e} (is {} a run's log.dir?)",
             path.display(),
@@ -172,7 +172,7 @@ pub fn load(dir: &Path, notes: &mut Vec<String>) -> anyhow::Result<Run> {
     })?;
     let steps = parse_metrics(&text, &path, &name, notes)?;
     let spath = dir.join("summary.json");
-    let summary = match std::fs::read_to_string(&spath) {
+    let summary = match read_text(&spath) {
         Ok(t) => Some(serde_json::from_str::<Summary>(&t).map_err(|e| {
             BadInput(format!(
                 "{}:{}:{}: {}",
@@ -267,6 +267,12 @@ pub fn disambiguate(runs: &mut [Run]) {
             r.name = r.dir.display().to_string();
         }
     }
+}
+
+/// A run's text file, refused when it is not a regular file (a FIFO would block the plot).
+fn read_text(path: &Path) -> std::io::Result<String> {
+    String::from_utf8(zrun_train::data::read_regular(path)?)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
 }
 
 #[cfg(test)]

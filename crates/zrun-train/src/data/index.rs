@@ -141,7 +141,7 @@ impl ShardIndex {
                 MAX_INDEX_BYTES >> 20
             )));
         }
-        let text = std::fs::read(&path).map_err(|source| DataError::Io {
+        let text = super::read_regular(&path).map_err(|source| DataError::Io {
             key: "data.path",
             path: path.clone(),
             op: "read",

@@ -236,6 +236,41 @@ impl Dataset {
     }
 }
 
+/// Opens `path` for reading, refusing what is not a regular file: a FIFO or a device would
+/// block or never end (a FIFO's open waits for a writer), a directory has no bytes. Opened
+/// without blocking, then checked on the open file; the error says what it is.
+pub fn open_regular(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    let kind = file.metadata()?.file_type();
+    if kind.is_file() {
+        return Ok(file);
+    }
+    let what = if kind.is_dir() {
+        "a directory"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_socket() {
+        "a socket"
+    } else {
+        "a device"
+    };
+    Err(std::io::Error::new(
+        std::io::ErrorKind::InvalidInput,
+        format!("{what}, not a regular file"),
+    ))
+}
+
+/// The whole of the regular file `path` (see [`open_regular`]).
+pub fn read_regular(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut open_regular(path)?, &mut bytes)?;
+    Ok(bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -249,6 +284,51 @@ mod tests {
             eval_fraction: 0.1,
         })
         .unwrap()
+    }
+
+    /// A FIFO, a device or a directory given as data is an error at once: a FIFO's open
+    /// waited for a writer forever.
+    #[test]
+    fn what_is_not_a_regular_file_is_refused_without_waiting() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("train.bin");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a NUL-terminated path; mkfifo only creates the node.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let (sent, got) = std::sync::mpsc::channel();
+        let path = fifo.clone();
+        std::thread::spawn(move || {
+            for source in [
+                DataSource::Tokens { path: path.clone() },
+                DataSource::Text {
+                    path,
+                    tokenizer: None,
+                },
+                DataSource::Tokens {
+                    path: "/dev/zero".into(),
+                },
+            ] {
+                let opened = Dataset::open(&DataOptions {
+                    source,
+                    seq_len: 16,
+                    vocab_size: 256,
+                    seed: 0,
+                    eval_fraction: 0.1,
+                });
+                let _ = sent.send(opened.err().map(|e| e.to_string()));
+            }
+        });
+        for want in [
+            "a FIFO, not a regular file",
+            "a FIFO",
+            "a device, not a regular file",
+        ] {
+            let e = got
+                .recv_timeout(std::time::Duration::from_secs(20))
+                .expect("opening the data blocked");
+            let e = e.expect("refused");
+            assert!(e.contains(want) && e.contains("data.path"), "{e}");
+        }
     }
 
     #[test]

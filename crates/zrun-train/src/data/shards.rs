@@ -13,7 +13,6 @@
 //! pass over the file; shards are checked on the rank's intra-op threads in parallel, and the
 //! first failing shard in index order is the one reported.
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -205,7 +204,7 @@ impl Check<'_> {
                 rec.tokens
             )));
         }
-        let file = File::open(&path).map_err(io("open"))?;
+        let file = super::open_regular(&path).map_err(io("open"))?;
         // SAFETY: the map is read-only and shards are not written while training reads them
         // (they are prepared once, before the job); a concurrent truncation would be a misuse
         // of the data directory that no reader can guard against.

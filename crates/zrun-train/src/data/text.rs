@@ -2,7 +2,6 @@
 //! concatenated, as byte-level tokens 0..=255; or, with `data.tokenizer`, encoded at open by
 //! a Hugging Face tokenizer, each file a document (see `tokenizer`).
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -38,13 +37,13 @@ pub(crate) fn open(
         let mut bytes = Vec::new();
         for file in &files {
             let start = bytes.len();
-            let mut f = File::open(file).map_err(io(file, "open"))?;
+            let mut f = super::open_regular(file).map_err(io(file, "open"))?;
             std::io::Read::read_to_end(&mut f, &mut bytes).map_err(io(file, "read"))?;
             check_utf8(file, &bytes[start..])?;
         }
         TokenStore::OwnedBytes(bytes)
     } else {
-        let file = File::open(path).map_err(io(path, "open"))?;
+        let file = super::open_regular(path).map_err(io(path, "open"))?;
         // SAFETY: the map is read-only and the file is not written while training reads it
         // (corpora are prepared before the job); a concurrent truncation would be a misuse
         // of the data directory that no reader can guard against.

@@ -1,7 +1,6 @@
 //! Token files: llm.c's header with a uint16 or uint32 dtype, or nanoGPT's headerless uint16
 //! (see `token_file`); memory-mapped and validated at open.
 
-use std::fs::File;
 use std::path::Path;
 
 use memmap2::Mmap;
@@ -64,13 +63,22 @@ fn map(path: &Path, vocab_size: usize) -> Result<TokenStore, DataError> {
             source,
         }
     };
-    let file = File::open(path).map_err(io("open"))?;
+    let file = super::open_regular(path).map_err(io("open"))?;
     // SAFETY: the map is read-only and the file is not written while training reads it
     // (token files are prepared once, before the job); a concurrent truncation would be a
     // misuse of the data directory that no reader can guard against.
     let map = unsafe { Mmap::map(&file) }.map_err(io("memory-map"))?;
     let layout = token_file::layout(path, &map)?;
     let body = &map[layout.start..];
+    if !layout.header && looks_like_u32(body) {
+        return Err(DataError::Header {
+            path: path.to_path_buf(),
+            problem: format!(
+                "it has no header, so its tokens are read as uint16, but every second uint16 of its first {} is 0, as in uint32 tokens: it holds uint32 tokens without a header",
+                (body.len() / 2).min(U32_PROBE_WORDS)
+            ),
+        });
+    }
     if let Some((token, offset)) = max_token(body, layout.dtype) {
         if token as usize >= vocab_size {
             return Err(DataError::TokenOutOfRange {
@@ -82,6 +90,21 @@ fn map(path: &Path, vocab_size: usize) -> Result<TokenStore, DataError> {
         }
     }
     Ok(TokenStore::Mapped { map, layout })
+}
+
+/// Words of a headerless file [`looks_like_u32`] reads.
+const U32_PROBE_WORDS: usize = 1 << 20;
+
+/// Whether a headerless file's bytes are uint32 tokens read as uint16: every odd uint16 of
+/// its first [`U32_PROBE_WORDS`] (at least 64 of them) is 0 (the high halves of tokens below
+/// 65536) and some even one is not. Real uint16 data does not hold token 0 at every second
+/// place.
+fn looks_like_u32(body: &[u8]) -> bool {
+    let words = (body.len() / 2).min(U32_PROBE_WORDS) / 2 * 2;
+    let probe = &body[..2 * words];
+    words >= 128
+        && probe.chunks_exact(4).all(|p| p[2] == 0 && p[3] == 0)
+        && probe.chunks_exact(4).any(|p| p[0] != 0 || p[1] != 0)
 }
 
 /// A little-endian token type of a file.
@@ -158,6 +181,32 @@ mod tests {
 
     fn le(tokens: &[u16]) -> Vec<u8> {
         tokens.iter().flat_map(|t| t.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn uint32_tokens_without_a_header_are_told_from_uint16() {
+        let tokens: Vec<u32> = (0..1000u32).map(|i| 1 + (i * 37) % 255).collect();
+        let wide: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        assert!(looks_like_u32(&wide));
+        // The same values as uint16, too few words, and all zeros are uint16 data.
+        let narrow: Vec<u16> = tokens.iter().map(|&t| t as u16).collect();
+        assert!(!looks_like_u32(&le(&narrow)));
+        assert!(!looks_like_u32(&wide[..4 * 63]));
+        assert!(!looks_like_u32(&vec![0u8; 4096]));
+        // One token of 65536 or more in the probe: not uint32 below 65536 either way.
+        let mut big = tokens.clone();
+        big[500] = 70_000;
+        let big: Vec<u8> = big.iter().flat_map(|t| t.to_le_bytes()).collect();
+        assert!(!looks_like_u32(&big));
+        // Read as data: refused, naming the file.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("wide.bin");
+        std::fs::write(&path, &wide).unwrap();
+        let e = map(&path, 256).err().expect("refused").to_string();
+        assert!(
+            e.contains("wide.bin") && e.contains("uint32 tokens without a header"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -7,7 +7,6 @@
 //! (`.txt` for text) found recursively (not through linked directories), sorted by path. A text file whose first bytes are a
 //! compressed or Parquet file's signature is refused rather than read as text.
 
-use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -230,7 +229,7 @@ pub(super) fn read_text(
         op: "read",
         source,
     };
-    let mut file = Counted::new(File::open(path).map_err(io)?, count.clone());
+    let mut file = Counted::new(crate::data::open_regular(path).map_err(io)?, count.clone());
     let limit = sink.piece_bytes();
     let mut buf: Vec<u8> = Vec::new();
     let (mut offset, mut first, mut eof) = (0u64, true, false);

@@ -4,7 +4,6 @@
 //! keys wins, as in Python's `json`.
 
 use std::fmt;
-use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -36,7 +35,7 @@ pub(super) fn read(
     sink: &mut Sink,
 ) -> Result<(), Halt> {
     let path = &input.path;
-    let file = File::open(path).map_err(|source| DataError::Io {
+    let file = crate::data::open_regular(path).map_err(|source| DataError::Io {
         key: "input",
         path: path.clone(),
         op: "read",

@@ -4,8 +4,6 @@
 //! documents whatever the file's size (Hugging Face datasets' Parquet files: snappy, zstd,
 //! gzip or lz4 pages).
 
-use std::fs::File;
-
 use arrow_array::cast::AsArray;
 use arrow_array::Array;
 use arrow_schema::DataType;
@@ -31,7 +29,7 @@ pub(super) fn read(
     sink: &mut Sink,
 ) -> Result<(), Halt> {
     let path = &input.path;
-    let file = File::open(path).map_err(|source| DataError::Io {
+    let file = crate::data::open_regular(path).map_err(|source| DataError::Io {
         key: "input",
         path: path.clone(),
         op: "read",

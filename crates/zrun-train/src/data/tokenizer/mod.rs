@@ -115,7 +115,7 @@ impl Tokenizer {
             path: path.to_path_buf(),
             reason,
         };
-        let bytes = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+        let bytes = crate::data::read_regular(path).map_err(|e| bad(e.to_string()))?;
         let mut inner =
             tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| bad(one_line(&e.to_string())))?;
         inner
@@ -377,7 +377,7 @@ pub fn tokenizer_path(cfg: &DataConfig, init_from: Option<&Path>) -> Option<Path
 
 /// A UTF-8 text file as a string; `key` names it in errors.
 pub(crate) fn read_text(path: &Path, key: &'static str) -> Result<String, DataError> {
-    let bytes = std::fs::read(path).map_err(|source| DataError::Io {
+    let bytes = crate::data::read_regular(path).map_err(|source| DataError::Io {
         key,
         path: path.to_path_buf(),
         op: "read",
