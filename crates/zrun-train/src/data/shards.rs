@@ -87,11 +87,13 @@ pub(crate) fn open(dir: &Path, opts: &DataOptions) -> Result<Corpus, DataError> 
     let index = ShardIndex::read(dir)?;
     let index_path = dir.join(INDEX_FILE);
     let dtype = index.token_dtype();
+    unlisted(dir, &index_path, &index)?;
     let check = Check {
         dir,
         index: &index_path,
         dtype,
         vocab_size: opts.vocab_size,
+        index_vocab: index.vocab_size,
     };
     let threads = usize::try_from(tch::get_num_threads()).unwrap_or(1).max(1);
     let train = check.all(&index.train, threads)?;
@@ -118,12 +120,57 @@ pub(crate) fn open(dir: &Path, opts: &DataOptions) -> Result<Corpus, DataError> 
     )
 }
 
+/// Refuses a directory holding a shard of prepare's naming (`train-NNNNN.bin`,
+/// `val-NNNNN.bin`) that `index` does not list: training would skip its tokens without a
+/// word (an edited index, or shards of another prepare run mixed in).
+fn unlisted(dir: &Path, index_path: &Path, index: &ShardIndex) -> Result<(), DataError> {
+    let listed: std::collections::HashSet<&str> = index
+        .train
+        .iter()
+        .chain(&index.val)
+        .map(|r| r.file.as_str())
+        .collect();
+    let entries = std::fs::read_dir(dir).map_err(|source| DataError::Io {
+        key: "data.path",
+        path: dir.to_path_buf(),
+        op: "list directory",
+        source,
+    })?;
+    let shard_name = |n: &str| {
+        ["train-", "val-"].iter().any(|p| {
+            n.strip_prefix(p)
+                .and_then(|r| r.strip_suffix(".bin"))
+                .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+        })
+    };
+    let mut extra: Vec<String> = entries
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| shard_name(n) && !listed.contains(n.as_str()))
+        .collect();
+    extra.sort();
+    match extra.first() {
+        None => Ok(()),
+        Some(first) => Err(DataError::Index {
+            path: index_path.to_path_buf(),
+            problem: format!(
+                "{first}{} in the directory but not listed in the index: the index was edited, or shards of another prepare were added (training would skip them)",
+                match extra.len() {
+                    1 => " is".to_string(),
+                    n => format!(" and {} more shard files are", n - 1),
+                }
+            ),
+        }),
+    }
+}
+
 /// What every shard of one directory is checked against.
 struct Check<'a> {
     dir: &'a Path,
     index: &'a Path,
     dtype: TokenDtype,
     vocab_size: usize,
+    /// The tokenizer's vocabulary as the index records it: no shard holds a token past it.
+    index_vocab: u64,
 }
 
 impl Check<'_> {
@@ -245,6 +292,12 @@ impl Check<'_> {
             )));
         }
         if let Some((token, offset)) = max {
+            if u64::from(token) >= self.index_vocab {
+                return Err(bad(format!(
+                    "holds token {token} (at token {offset}), but the index records vocab_size {}: the index was edited, or the shard written with another tokenizer",
+                    self.index_vocab
+                )));
+            }
             if token as usize >= self.vocab_size {
                 return Err(DataError::TokenOutOfRange {
                     path,
@@ -450,6 +503,25 @@ mod tests {
         let e = open(d, 8, 60).unwrap_err().to_string();
         assert!(
             e.contains("train-00000.bin") && e.contains("token 99 at offset 99"),
+            "{e}"
+        );
+
+        // The index edited: a vocabulary its shards exceed, a shard left out of it.
+        let mut index = fresh();
+        index.vocab_size = 60;
+        index.write(d).unwrap();
+        check(
+            err(),
+            "train-00000.bin",
+            "holds token 99 (at token 99), but the index records vocab_size 60",
+        );
+        let mut index = fresh();
+        index.train.remove(1);
+        index.write(d).unwrap();
+        let e = err();
+        assert!(
+            e.contains("train-00001.bin is in the directory but not listed in the index")
+                && e.contains("index.json"),
             "{e}"
         );
     }
