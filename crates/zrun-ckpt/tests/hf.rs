@@ -461,3 +461,43 @@ fn transformers_loads_the_export() {
     assert!(out.status.success(), "python failed:\n{stderr}");
     assert!(String::from_utf8_lossy(&out.stdout).contains("python: ok"));
 }
+
+/// A NaN or infinite weight is a damaged model: a read of a range holding it names the file,
+/// the tensor and the element (straight and transposed); ranges without it read.
+#[test]
+fn non_finite_weights_are_damage_naming_the_tensor_and_element() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path();
+    std::fs::write(dir.join("config.json"), b"{}").unwrap();
+    let mut w: Vec<f32> = (0..12).map(|i| i as f32).collect();
+    w[7] = f32::NAN;
+    let bf16_inf = half::bf16::from_f32(f32::INFINITY).to_le_bytes().to_vec();
+    let weight: Vec<u8> = w.iter().flat_map(|x| x.to_le_bytes()).collect();
+    std::fs::write(
+        dir.join("model.safetensors"),
+        safetensors_bytes(&[("w", "F32", &[3, 4], weight), ("b", "BF16", &[1], bf16_inf)]),
+    )
+    .unwrap();
+    let hf = HfDir::open(dir).unwrap();
+    let mut out = vec![0f32; 12];
+    let msg = one_line(
+        hf.read("w", 0, &mut out).unwrap_err(),
+        &[
+            "model.safetensors",
+            "tensor w holds NaN at element 7 of shape [3, 4]",
+            "damaged",
+        ],
+    );
+    assert!(!msg.contains('\n'));
+    // Element 7 = (1, 3) is element 3 * 3 + 1 = 10 of the (4, 3) transpose.
+    one_line(
+        hf.read_transposed("w", 0, &mut out).unwrap_err(),
+        &["tensor w holds NaN at element 7"],
+    );
+    hf.read("w", 0, &mut out[..7]).unwrap();
+    hf.read_transposed("w", 0, &mut out[..10]).unwrap();
+    one_line(
+        hf.read("b", 0, &mut out[..1]).unwrap_err(),
+        &["tensor b holds inf at element 0"],
+    );
+}

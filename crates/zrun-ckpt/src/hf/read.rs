@@ -321,7 +321,7 @@ impl HfDir {
             let from = (start + at) * size;
             convert(dtype, &src[from..from + part.len() * size], part);
         });
-        Ok(())
+        self.finite(name, e, out, |i| start + i)
     }
 
     /// Elements `[start, start + out.len())` of the transpose of the 2-D tensor `name`: for
@@ -337,7 +337,31 @@ impl HfDir {
         in_parallel(out, |at, part| {
             transpose(dtype, src, a, b, start + at, part)
         });
-        Ok(())
+        self.finite(name, e, out, |i| ((start + i) % a) * b + (start + i) / a)
+    }
+
+    /// Refuses a NaN or infinite weight in what was read of tensor `name`: no model trains or
+    /// samples from one (the loss is NaN at the first step, greedy sampling picks token 0),
+    /// so the file is damaged. `element` maps an index of `out` to the tensor's element.
+    fn finite(
+        &self,
+        name: &str,
+        e: &Entry,
+        out: &[f32],
+        element: impl Fn(usize) -> usize,
+    ) -> Result<()> {
+        match out.iter().position(|x| !x.is_finite()) {
+            None => Ok(()),
+            Some(i) => Err(Error::hf(
+                &self.files[e.file].path,
+                format!(
+                    "tensor {name} holds {} at element {} of shape {:?}: the weights are damaged; download or convert the model again",
+                    out[i],
+                    element(i),
+                    e.shape
+                ),
+            )),
+        }
     }
 
     /// Tensor `name`'s entry and readable type, once `[start, start + len)` is known to lie
