@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use zrun_train::data::{Eos, PrepareOptions, ShardIndex};
 
-use crate::launch::BadInput;
+use crate::launch::{output, BadInput, Level};
 
 /// Flags of `zrun prepare`.
 #[derive(clap::Args, Debug, Clone)]
@@ -104,6 +104,16 @@ pub fn run(args: &PrepareArgs) -> anyhow::Result<u8> {
     shown.finish();
     let p = result.map_err(|e| BadInput(e.to_string()))?;
     let secs = start.elapsed().as_secs_f64();
+    if let Some((n, first)) = &p.textless {
+        output::say(
+            Level::Warn,
+            &format!(
+                "warning: {n} of {} document(s) encoded to no token of their own (the first at {first}): --tokenizer {} drops what its vocabulary lacks; their text is not in the shards",
+                p.documents,
+                args.tokenizer.display()
+            ),
+        );
+    }
     let ix = &p.index;
     let (train, val) = (ShardIndex::tokens(&ix.train), ShardIndex::tokens(&ix.val));
     let val_part = if ix.val.is_empty() {

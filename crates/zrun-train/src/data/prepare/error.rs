@@ -115,6 +115,22 @@ pub enum PrepareError {
         /// The first foreign entry.
         name: String,
     },
+    /// Every document with text encoded to no token of its own: the tokenizer cannot encode
+    /// the inputs' text.
+    #[error(
+        "--tokenizer {}: every one of the {documents} document(s) with text encoded to no \
+         token (the first at {first}): the tokenizer drops what its vocabulary lacks (it has \
+         no unknown token); give the tokenizer of the model these shards are for",
+        tokenizer.display()
+    )]
+    Unencodable {
+        /// The tokenizer file.
+        tokenizer: PathBuf,
+        /// Documents with text.
+        documents: u64,
+        /// Where the first one is.
+        first: String,
+    },
     /// The inputs hold no token for the train split.
     #[error(
         "the inputs hold no text: {documents} document(s) gave no train token; check --field \

@@ -117,6 +117,9 @@ pub struct Prepared {
     pub val_documents: u64,
     /// Bad lines, rows or files skipped (`--skip-bad`).
     pub skipped: u64,
+    /// Documents with text that encoded to no token of their own (only the tokens an empty
+    /// document gets): the tokenizer dropped their text. With the first one's place.
+    pub textless: Option<(u64, String)>,
     /// The shards' element type.
     pub dtype: TokenDtype,
     /// How documents are separated, in words.
@@ -144,6 +147,15 @@ pub fn prepare(
     let dtype = TokenDtype::for_vocab(tok.vocab_size());
     let out = OutDir::open(&opts.out_dir)?;
     let (train, val, counts) = pipeline(opts, &tok, &inputs, out.path(), dtype, progress)?;
+    if let Some((n, first)) = &counts.textless {
+        if *n == counts.with_text {
+            return Err(PrepareError::Unencodable {
+                tokenizer: opts.tokenizer.clone(),
+                documents: *n,
+                first: first.clone(),
+            });
+        }
+    }
     let (train, train_tmps) = train.finish()?;
     let (val, val_tmps) = val.finish()?;
     // Removes what is left of the temporary files however this ends.
@@ -180,6 +192,7 @@ pub fn prepare(
         documents: counts.documents,
         val_documents: counts.val_documents,
         skipped: counts.skipped,
+        textless: counts.textless,
         dtype,
         separator: tok.separator(),
     })
@@ -239,10 +252,14 @@ impl Drop for Staged {
     }
 }
 
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 struct Counts {
     documents: u64,
     val_documents: u64,
+    /// Documents holding more than white space.
+    with_text: u64,
+    /// Of them, those the tokenizer encoded to nothing of their own, and the first's place.
+    textless: Option<(u64, String)>,
     skipped: u64,
     /// Inputs read, from the first (all but with `--limit-docs`).
     inputs_read: usize,
@@ -286,13 +303,15 @@ fn pipeline(
             .unwrap_or_else(|p| std::panic::resume_unwind(p));
         // The writer's own error first: the encoder stops when the writer is gone.
         let (train, val) = written?;
-        let val_documents = encoded?;
+        let e = encoded?;
         Ok((
             train,
             val,
             Counts {
                 documents,
-                val_documents,
+                val_documents: e.val_documents,
+                with_text: e.with_text,
+                textless: e.textless,
                 skipped,
                 inputs_read,
             },
@@ -337,8 +356,25 @@ fn read_all(
 /// Encoded pieces on their way to the writer.
 type Encoded = (Vec<Meta>, Vec<Vec<u32>>);
 
-/// The encoder, on the calling thread (rayon's pool does the work): returns the documents
-/// sent to val.
+/// What the encoder counted.
+#[derive(Default)]
+struct EncodedCounts {
+    /// Documents sent to val.
+    val_documents: u64,
+    /// Documents holding more than white space.
+    with_text: u64,
+    /// Of them, those encoded to no more tokens than an empty document, and the first's place.
+    textless: Option<(u64, String)>,
+}
+
+/// The document being encoded: tokens so far, whether it holds text, where it starts.
+struct Doc {
+    tokens: usize,
+    text: bool,
+    start: Option<Meta>,
+}
+
+/// The encoder, on the calling thread (rayon's pool does the work).
 fn encode_all(
     batches: Receiver<Result<Batch, PrepareError>>,
     out: SyncSender<Encoded>,
@@ -346,12 +382,25 @@ fn encode_all(
     inputs: &[Input],
     bytes_total: u64,
     progress: &mut dyn FnMut(&Progress),
-) -> Result<u64, PrepareError> {
+) -> Result<EncodedCounts, PrepareError> {
     let mut p = Progress {
         bytes_total,
         ..Progress::default()
     };
-    let mut val_documents = 0;
+    let mut c = EncodedCounts::default();
+    // What a document of no text encodes to (the template's tokens and the end of text): a
+    // document with text that gets no more lost its text to the tokenizer.
+    let empty = Piece {
+        text: "",
+        first: true,
+        last: true,
+    };
+    let blank = tok.encode_pieces(&[empty]).map_or(0, |ids| ids[0].len());
+    let mut doc = Doc {
+        tokens: 0,
+        text: false,
+        start: None,
+    };
     for batch in batches {
         let batch = batch?;
         let pieces: Vec<Piece<'_>> = batch
@@ -371,9 +420,28 @@ fn encode_all(
                 tokenizer: tok.path().to_path_buf(),
                 reason,
             })?;
+        for ((m, text), ids) in batch.meta.iter().zip(&batch.texts).zip(&ids) {
+            if m.first {
+                doc = Doc {
+                    tokens: 0,
+                    text: false,
+                    start: Some(*m),
+                };
+            }
+            doc.tokens += ids.len();
+            doc.text |= !text.trim().is_empty();
+            if m.last && doc.text {
+                c.with_text += 1;
+                if doc.tokens <= blank {
+                    let at = doc.start.as_ref().map(|s| place(inputs, s));
+                    let t = c.textless.get_or_insert((0, at.unwrap_or_default()));
+                    t.0 += 1;
+                }
+            }
+        }
         let started = batch.meta.iter().filter(|m| m.first);
         p.documents += started.clone().count() as u64;
-        val_documents += started.filter(|m| m.val).count() as u64;
+        c.val_documents += started.filter(|m| m.val).count() as u64;
         p.tokens += ids.iter().map(|v| v.len() as u64).sum::<u64>();
         p.bytes_read = batch.bytes_read;
         if out.send((batch.meta, ids)).is_err() {
@@ -381,7 +449,7 @@ fn encode_all(
         }
         progress(&p);
     }
-    Ok(val_documents)
+    Ok(c)
 }
 
 /// The writer thread: each piece's ids into its split's shards.

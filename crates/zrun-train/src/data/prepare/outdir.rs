@@ -21,6 +21,19 @@ pub(super) struct OutDir {
     dir: PathBuf,
     /// A previous prepare's files (not `.tmp`), removed at commit.
     old: Vec<PathBuf>,
+    /// This run created the directory: a run that fails removes it again (when empty).
+    created: bool,
+    /// The output is in place.
+    committed: bool,
+}
+
+impl Drop for OutDir {
+    fn drop(&mut self) {
+        if self.created && !self.committed {
+            // Only an empty directory goes: the temporary files were removed before.
+            let _ = std::fs::remove_dir(&self.dir);
+        }
+    }
 }
 
 /// Whether `name` is a file `zrun prepare` writes (module docs).
@@ -38,6 +51,7 @@ impl OutDir {
     /// Creates `dir` if missing, refuses it when it holds anything `zrun prepare` does not
     /// write, and removes a killed run's `.tmp` files.
     pub(super) fn open(dir: &Path) -> Result<OutDir, PrepareError> {
+        let created = !dir.exists();
         std::fs::create_dir_all(dir).map_err(write_error(dir, "create directory"))?;
         let mut old = Vec::new();
         let mut names: Vec<(String, PathBuf, bool)> = Vec::new();
@@ -67,6 +81,8 @@ impl OutDir {
         Ok(OutDir {
             dir: dir.to_path_buf(),
             old,
+            created,
+            committed: false,
         })
     }
 
@@ -77,9 +93,11 @@ impl OutDir {
 
     /// Replaces the previous output with the shards of `index` (written as `NAME.tmp`) and
     /// writes the index; returns its path.
-    pub(super) fn commit(self, index: &ShardIndex) -> Result<PathBuf, PrepareError> {
+    pub(super) fn commit(mut self, index: &ShardIndex) -> Result<PathBuf, PrepareError> {
         let index_path = self.dir.join(INDEX_FILE);
-        let mut old = self.old;
+        // Whatever happens now, the directory holds this run's or a previous run's files.
+        self.committed = true;
+        let mut old = std::mem::take(&mut self.old);
         old.sort_by_key(|p| p != &index_path);
         for p in &old {
             std::fs::remove_file(p).map_err(write_error(p, "remove the old"))?;

@@ -170,10 +170,11 @@ fn bad_inputs_and_outputs_name_the_file_and_leave_nothing() {
         e.starts_with("input ") && e.contains("latin1.txt") && e.contains("byte offset 3"),
         "{e}"
     );
-    let left: Vec<_> = std::fs::read_dir(&out).unwrap().collect();
+    // A failed run leaves nothing behind, not even the directory it made.
     assert!(
-        left.is_empty(),
-        "a failed run leaves nothing behind: {left:?}"
+        !out.exists(),
+        "{:?}",
+        std::fs::read_dir(&out).map(|d| d.count())
     );
     opts.inputs = vec![dir.path().join("missing.txt")];
     let e = run(&opts).unwrap_err().to_string();
@@ -182,6 +183,7 @@ fn bad_inputs_and_outputs_name_the_file_and_leave_nothing() {
         "{e}"
     );
     // A directory with someone else's file is refused and kept as it is.
+    std::fs::create_dir(&out).unwrap();
     std::fs::write(out.join("notes.md"), "mine").unwrap();
     opts.inputs = vec![good];
     let e = run(&opts).unwrap_err().to_string();
@@ -193,4 +195,56 @@ fn bad_inputs_and_outputs_name_the_file_and_leave_nothing() {
     opts.out_dir = file.join("sub");
     let e = run(&opts).unwrap_err().to_string();
     assert!(e.contains("file/sub") && e.contains("-o"), "{e}");
+}
+
+/// A tokenizer without an unknown token drops what its vocabulary lacks: documents that lose
+/// all their text are counted and placed, and when every document does, nothing is written.
+#[test]
+fn documents_the_tokenizer_cannot_encode_are_counted_or_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = dir.path().join("tokenizer.json");
+    std::fs::write(
+        &tok,
+        r#"{"version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [{"id": 2, "content": "<|endoftext|>", "single_word": false,
+              "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
+            "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "<|endoftext|>": 2},
+                      "merges": [], "unk_token": null}}"#,
+    )
+    .unwrap();
+    let docs = |name: &str, lines: &[&str]| {
+        let path = dir.path().join(name);
+        let text: String = lines
+            .iter()
+            .map(|l| format!("{{\"text\": \"{l}\"}}\n"))
+            .collect();
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let some = docs("some.jsonl", &["a b", "x y", "a", "yx"]);
+    let mut opts = PrepareOptions::new(tok.clone(), vec![some], dir.path().join("some"));
+    opts.val_fraction = 0.0;
+    let p = run(&opts).unwrap();
+    let (n, first) = p.textless.expect("counted");
+    assert_eq!(n, 2);
+    assert!(first.ends_with("some.jsonl:2"), "{first}");
+    assert_eq!(
+        split(&dir.path().join("some"), &p.index.train),
+        [0, 1, 2, 2, 0, 2, 2]
+    );
+    // Every document lost: an error naming the tokenizer and the first one, no output.
+    let none = docs("none.jsonl", &["x y", "z"]);
+    let out = dir.path().join("none");
+    let opts = PrepareOptions::new(tok, vec![none], out.clone());
+    let e = run(&opts).unwrap_err().to_string();
+    assert!(
+        e.contains("tokenizer.json")
+            && e.contains("every one of the 2 document(s)")
+            && e.contains("none.jsonl:1"),
+        "{e}"
+    );
+    // The directory this run created is gone with it.
+    assert!(!out.exists());
 }
