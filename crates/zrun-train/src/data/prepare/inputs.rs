@@ -275,7 +275,7 @@ fn space(b: u8) -> bool {
 /// the pre-tokenizers of GPT-2 and Llama 3 split anyway, so the pieces encode as the whole
 /// would; else after the last line break, else after the last space or tab, else at the last
 /// character boundary.
-pub(super) fn cut(text: &[u8], limit: usize) -> usize {
+pub(crate) fn cut(text: &[u8], limit: usize) -> usize {
     let head = &text[..limit];
     let alone = (2..=limit)
         .rev()

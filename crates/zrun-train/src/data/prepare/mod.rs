@@ -33,6 +33,7 @@ use std::sync::Arc;
 use sha2::Digest;
 
 pub use error::PrepareError;
+pub(crate) use inputs::cut;
 
 use super::index::{InputRecord, ShardIndex, TokenizerRecord, FORMAT, VERSION};
 use super::token_file::TokenDtype;

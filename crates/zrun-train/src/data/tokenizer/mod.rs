@@ -302,24 +302,53 @@ impl Tokenizer {
     }
 
     /// Encodes documents (in parallel) and appends their tokens to `out`, each followed by the
-    /// separator; `paths[i]` names `texts[i]` in errors.
+    /// separator; `paths[i]` names `texts[i]` in errors. A document longer than
+    /// [`super::PIECE_BYTES`] is encoded in pieces, as `zrun prepare` does: the library holds
+    /// a few hundred bytes per byte of a text it encodes at once.
     pub fn encode_documents(
         &self,
         texts: &[&str],
         paths: &[&Path],
         out: &mut Vec<u32>,
     ) -> Result<(), DataError> {
-        let pieces: Vec<Piece<'_>> = texts
-            .iter()
-            .map(|text| Piece {
-                text,
-                first: true,
-                last: true,
-            })
-            .collect();
+        self.encode_documents_in(texts, paths, out, super::PIECE_BYTES)
+    }
+
+    /// [`Tokenizer::encode_documents`] in pieces of at most `limit` bytes.
+    fn encode_documents_in(
+        &self,
+        texts: &[&str],
+        paths: &[&Path],
+        out: &mut Vec<u32>,
+        limit: usize,
+    ) -> Result<(), DataError> {
+        let mut pieces: Vec<Piece<'_>> = Vec::new();
+        let mut doc_of = Vec::new();
+        for (d, text) in texts.iter().enumerate() {
+            let mut rest: &str = text;
+            let mut first = true;
+            loop {
+                let end = if rest.len() > limit {
+                    super::prepare::cut(rest.as_bytes(), limit)
+                } else {
+                    rest.len()
+                };
+                let (piece, after) = rest.split_at(end);
+                pieces.push(Piece {
+                    text: piece,
+                    first,
+                    last: after.is_empty(),
+                });
+                doc_of.push(d);
+                if after.is_empty() {
+                    break;
+                }
+                (rest, first) = (after, false);
+            }
+        }
         let ids = self
             .encode_pieces(&pieces)
-            .map_err(|(i, reason)| self.encode_error(paths[i], &reason))?;
+            .map_err(|(i, reason)| self.encode_error(paths[doc_of[i]], &reason))?;
         for v in ids {
             out.extend_from_slice(&v);
         }
@@ -467,6 +496,25 @@ pub(crate) mod tests {
         // Without an end-of-text token, documents are joined as they are.
         let t = load(&word_level(&["a", "b"], &[]));
         assert!(t.separator().contains("without"));
+    }
+
+    #[test]
+    fn long_documents_encode_in_pieces_as_a_whole() {
+        let mut t = load(&word_level(&["a", "b"], &["<|endoftext|>"]));
+        t.set_eos(&Eos::Auto, "--eos").unwrap();
+        let long: String = (0..200)
+            .map(|i| ["a b\n", "b\n", "a a b\n"][i % 3])
+            .collect();
+        let texts = [long.as_str(), "b a", long.as_str()];
+        let p = Path::new("x.txt");
+        let (mut whole, mut cut) = (Vec::new(), Vec::new());
+        t.encode_documents_in(&texts, &[p; 3], &mut whole, usize::MAX)
+            .unwrap();
+        t.encode_documents_in(&texts, &[p; 3], &mut cut, 16)
+            .unwrap();
+        assert_eq!(cut, whole);
+        // One end-of-text per document, not per piece.
+        assert_eq!(cut.iter().filter(|&&i| i == 3).count(), 3);
     }
 
     #[test]
