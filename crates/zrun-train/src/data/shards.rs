@@ -88,6 +88,16 @@ pub(crate) fn open(dir: &Path, opts: &DataOptions) -> Result<Corpus, DataError> 
     let index_path = dir.join(INDEX_FILE);
     let dtype = index.token_dtype();
     unlisted(dir, &index_path, &index)?;
+    let shards = index.train.len() + index.val.len();
+    let maps = max_maps();
+    if shards + MAP_HEADROOM > maps {
+        return Err(DataError::Index {
+            path: index_path,
+            problem: format!(
+                "{shards} shards, each memory-mapped, but a process here maps at most {maps} regions (vm.max_map_count) and needs about {MAP_HEADROOM} for itself: raise vm.max_map_count, or give it fewer shards (a larger --shard-tokens)"
+            ),
+        });
+    }
     let check = Check {
         dir,
         index: &index_path,
@@ -118,6 +128,18 @@ pub(crate) fn open(dir: &Path, opts: &DataOptions) -> Result<Corpus, DataError> 
         t,
         seed,
     )
+}
+
+/// Memory regions a rank maps besides its shards (libraries, threads, allocator arenas).
+const MAP_HEADROOM: usize = 8192;
+
+/// The most memory regions a process may map (`vm.max_map_count`; Linux's default when the
+/// file cannot be read).
+fn max_maps() -> usize {
+    std::fs::read_to_string("/proc/sys/vm/max_map_count")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(65530)
 }
 
 /// Refuses a directory holding a shard of prepare's naming (`train-NNNNN.bin`,
@@ -522,6 +544,36 @@ mod tests {
         assert!(
             e.contains("train-00001.bin is in the directory but not listed in the index")
                 && e.contains("index.json"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn more_shards_than_a_process_maps_are_refused_before_any_is_opened() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let t: Vec<u32> = (0..100).collect();
+        let mut index = write_dir(d, TokenDtype::U16, &[&t], &[]);
+        let n = max_maps() - MAP_HEADROOM + 1;
+        if n > 1 << 20 {
+            eprintln!(
+                "vm.max_map_count is {}: too many shards to list here",
+                max_maps()
+            );
+            return;
+        }
+        // Listed, not written: the count is refused before any shard is looked at.
+        let rec = index.train[0].clone();
+        index.train = (0..n)
+            .map(|i| ShardRecord {
+                file: format!("train-{i:05}.bin"),
+                ..rec.clone()
+            })
+            .collect();
+        index.write(d).unwrap();
+        let e = open(d, 8, 1000).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("{n} shards")) && e.contains("vm.max_map_count"),
             "{e}"
         );
     }
