@@ -62,7 +62,8 @@ pub(super) fn read(
     let mut n = 0u64;
     loop {
         line.clear();
-        match reader.read_until(b'\n', &mut line) {
+        let mut capped = std::io::Read::take(&mut reader, MAX_LINE_BYTES as u64 + 1);
+        match capped.read_until(b'\n', &mut line) {
             Ok(0) => return Ok(()),
             Ok(_) => n += 1,
             Err(_) if skip_bad => {
@@ -70,6 +71,26 @@ pub(super) fn read(
                 return Ok(());
             }
             Err(e) => return Err(unreadable(input, n, op, &e).into()),
+        }
+        if line.len() > MAX_LINE_BYTES {
+            // One line would hold its whole size (a small compressed file can expand to
+            // gigabytes of one line): refused, or read past and skipped.
+            if !skip_bad {
+                return Err(bad_line(
+                    input,
+                    n,
+                    format!(
+                        "longer than {} MiB, the most one document may hold (split the document)",
+                        MAX_LINE_BYTES >> 20
+                    ),
+                )
+                .into());
+            }
+            sink.skip();
+            if let Err(e) = skip_line(&mut reader) {
+                return Err(unreadable(input, n, op, &e).into());
+            }
+            continue;
         }
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
@@ -91,6 +112,29 @@ pub(super) fn read(
                 return Err(bad_line(input, n, problem).into());
             }
             Err(e) => return Err(bad_line(input, n, format!("not a JSON object: {e}")).into()),
+        }
+    }
+}
+
+/// The longest line read: longer ones are refused (or skipped), so memory stays bounded.
+pub(super) const MAX_LINE_BYTES: usize = 256 << 20;
+
+/// Reads past the rest of the current line.
+fn skip_line(reader: &mut dyn BufRead) -> std::io::Result<()> {
+    loop {
+        let buf = reader.fill_buf()?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        match buf.iter().position(|&b| b == b'\n') {
+            Some(i) => {
+                reader.consume(i + 1);
+                return Ok(());
+            }
+            None => {
+                let all = buf.len();
+                reader.consume(all);
+            }
         }
     }
 }

@@ -248,3 +248,37 @@ fn documents_the_tokenizer_cannot_encode_are_counted_or_refused() {
     // The directory this run created is gone with it.
     assert!(!out.exists());
 }
+
+/// A line past the longest one document may hold (here a small gzip that expands to one line
+/// of 257 MiB) is refused naming the file and line, or skipped with `--skip-bad`, without
+/// being held whole.
+#[test]
+fn a_line_longer_than_a_document_may_be_is_refused_or_skipped() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let tok = dir.path().join("tokenizer.json");
+    std::fs::write(&tok, word_level(&["a", "b"], &["<|endoftext|>"])).unwrap();
+    let input = dir.path().join("bomb.jsonl.gz");
+    let mut gz = flate2::write::GzEncoder::new(
+        std::fs::File::create(&input).unwrap(),
+        flate2::Compression::fast(),
+    );
+    gz.write_all(b"{\"text\": \"").unwrap();
+    let chunk = vec![b'a'; 1 << 20];
+    for _ in 0..(super::jsonl::MAX_LINE_BYTES >> 20) + 1 {
+        gz.write_all(&chunk).unwrap();
+    }
+    gz.write_all(b"\"}\n{\"text\": \"a b\"}\n").unwrap();
+    gz.finish().unwrap();
+    let mut opts = PrepareOptions::new(tok, vec![input], dir.path().join("out"));
+    opts.val_fraction = 0.0;
+    let e = run(&opts).unwrap_err().to_string();
+    assert!(
+        e.contains("bomb.jsonl.gz:1:") && e.contains("longer than 256 MiB"),
+        "{e}"
+    );
+    opts.skip_bad = true;
+    let p = run(&opts).unwrap();
+    assert_eq!((p.documents, p.skipped), (1, 1));
+    assert_eq!(split(&dir.path().join("out"), &p.index.train), [0, 1, 3]);
+}
