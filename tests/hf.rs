@@ -280,23 +280,30 @@ fn bad_model_directories_are_one_line_errors() {
 fn tiny_checkpoint(name: &str) -> (Scratch, PathBuf) {
     let dir = scratch(name);
     let train = dir.join("train");
-    let sets = [
-        format!("log.dir=\"{}\"", train.display()),
-        "train.steps=2".into(),
-        "checkpoint.every=2".into(),
-        "train.eval_every=0".into(),
-        "train.micro_batch=2".into(),
-        "train.threads=1".into(),
-    ];
-    let mut a = vec!["configs/tiny-cpu.toml".to_string()];
-    a.extend(sets.into_iter().flat_map(|s| ["--set".to_string(), s]));
-    let refs: Vec<&str> = a.iter().map(String::as_str).collect();
-    let o = zrun(&refs);
+    let o = train_tiny(&train, 2, &[]);
     assert!(o.status.success(), "{}", stderr(&o));
     let ckpt = dir.join("step-00000002");
     std::fs::rename(train.join("ckpt/step-00000002"), &ckpt).unwrap();
     std::fs::remove_dir_all(&train).unwrap();
     (dir, ckpt)
+}
+
+/// Trains the demo's tiny GPT on 1 rank for `steps` steps into `log_dir`, saving the last
+/// step, with `more` overrides.
+fn train_tiny(log_dir: &Path, steps: u64, more: &[String]) -> std::process::Output {
+    let mut sets = vec![
+        format!("log.dir=\"{}\"", log_dir.display()),
+        format!("train.steps={steps}"),
+        format!("checkpoint.every={steps}"),
+        "train.eval_every=0".into(),
+        "train.micro_batch=2".into(),
+        "train.threads=1".into(),
+    ];
+    sets.extend_from_slice(more);
+    let mut a = vec!["configs/tiny-cpu.toml".to_string()];
+    a.extend(sets.into_iter().flat_map(|s| ["--set".to_string(), s]));
+    let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+    zrun(&refs)
 }
 
 /// The one error line of a refused command: exit code 2, exactly one line saying `error`.
@@ -495,19 +502,7 @@ fn a_manifest_without_its_own_hash_is_read_with_a_warning() {
     assert!(o.status.success() && warned(&o), "{}", stderr(&o));
     // A resume from it says so once, and saves a sealed checkpoint.
     let run = base.join("resumed");
-    let sets = [
-        format!("log.dir=\"{}\"", run.display()),
-        format!("checkpoint.resume=\"{c}\""),
-        "train.steps=3".into(),
-        "checkpoint.every=3".into(),
-        "train.eval_every=0".into(),
-        "train.micro_batch=2".into(),
-        "train.threads=1".into(),
-    ];
-    let mut a = vec!["configs/tiny-cpu.toml".to_string()];
-    a.extend(sets.into_iter().flat_map(|s| ["--set".to_string(), s]));
-    let refs: Vec<&str> = a.iter().map(String::as_str).collect();
-    let o = zrun(&refs);
+    let o = train_tiny(&run, 3, &[format!("checkpoint.resume=\"{c}\"")]);
     assert!(o.status.success(), "{}", stderr(&o));
     let err = stderr(&o);
     assert_eq!(err.matches("carries no hash of itself").count(), 1, "{err}");
