@@ -25,9 +25,9 @@ use zrun_comm::{
     chunk_offset, chunk_sizes, Backend, Communicator, ReduceOp, StoreServer, Topology,
 };
 use zrun_train::config::DeviceKind;
+use zrun_train::steptime::{merge_link_class, Link, LinkClass};
 
 use crate::launch::BadInput;
-use zrun_train::steptime::{merge_link_class, Link, LinkClass};
 
 /// Set in the ranks that `zrun bench comm` and `zrun bench ckpt` start themselves.
 pub(crate) const WORKER_ENV: &str = "ZRUN_BENCH_WORKER";

@@ -72,7 +72,8 @@ pub(super) fn read(
             }
             Err(e) => return Err(unreadable(input, n, op, &e).into()),
         }
-        if line.len() > MAX_LINE_BYTES {
+        // Cut short by the cap (a line of exactly the cap ends in its newline).
+        if line.len() > MAX_LINE_BYTES && line.last() != Some(&b'\n') {
             // One line would hold its whole size (a small compressed file can expand to
             // gigabytes of one line): refused, or read past and skipped.
             if !skip_bad {

@@ -434,9 +434,8 @@ fn encode_all(
             if m.last && doc.text {
                 c.with_text += 1;
                 if doc.tokens <= blank {
-                    let at = doc.start.as_ref().map(|s| place(inputs, s));
-                    let t = c.textless.get_or_insert((0, at.unwrap_or_default()));
-                    t.0 += 1;
+                    let first = || (0, doc.start.map_or(String::new(), |s| place(inputs, &s)));
+                    c.textless.get_or_insert_with(first).0 += 1;
                 }
             }
         }
