@@ -3,8 +3,9 @@
 //!
 //! Keys (all under `zrun/launcher/`):
 //! - `claim/K` (a counter, so a node rank used twice is caught), `nproc/K` (ranks on node K),
-//!   `restarts/K` (node K's `--max-restarts`, which every node must share), `beat/K` (node
-//!   K's heartbeat counter, beaten across every round).
+//!   `restarts/K` (node K's `--max-restarts`, which every node must share), `checked/K`
+//!   (node K has compared them), `beat/K` (node K's heartbeat counter, beaten across every
+//!   round).
 //! - Per round R (0 for the first start, `TORCHELASTIC_RESTART_COUNT`): `failures/R` (a
 //!   counter: the first node to fail in round R writes `failure/R`, the message every node
 //!   prints and the sign to stop its ranks), `exit/R/K` (node K's ranks all ended well in
@@ -249,16 +250,28 @@ impl Rendezvous {
                 .with_context(|| format!("store key {name} is not a rank count"))?;
             counts.push(n);
         }
+        let mut mismatch = None;
         for (j, name) in per_node("restarts", plan.nnodes, false).iter().enumerate() {
             let theirs = String::from_utf8_lossy(&client.get(name)?).into_owned();
-            if theirs != plan.max_restarts.to_string() {
-                return Err(BadInput(format!(
+            if mismatch.is_none() && theirs != plan.max_restarts.to_string() {
+                mismatch = Some(format!(
                     "--max-restarts {} on node {k} but {theirs} on node {j}: the nodes restart together; give every node the same --max-restarts",
                     plan.max_restarts
-                ))
-                .into());
+                ));
             }
         }
+        // Every node says it has checked; node 0 keeps the store up until all have, so that
+        // a refusal is every node's own, not a store closed under a node still reading.
+        let said = client.set(&key(&format!("checked/{k}")), b"1");
+        if let Some(message) = mismatch {
+            if k == 0 {
+                let names = per_node("checked", plan.nnodes, true);
+                let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+                let _ = client.wait(&refs, BYE_TIMEOUT);
+            }
+            return Err(BadInput(message).into());
+        }
+        said?;
         let layout = Layout {
             rank_offset: counts[..k].iter().sum(),
             world_size: counts.iter().sum(),
