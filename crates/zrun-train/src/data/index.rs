@@ -38,6 +38,21 @@ pub const VERSION: u32 = 1;
 /// The largest index read (bytes): about a million shards.
 const MAX_INDEX_BYTES: u64 = 256 << 20;
 
+/// The file name of shard `i` of `split` (`train` or `val`): `train-00000.bin`.
+pub fn shard_file(split: &str, i: usize) -> String {
+    format!("{split}-{i:05}.bin")
+}
+
+/// Whether `name` has the form [`shard_file`] writes: `train-` or `val-`, five or more
+/// digits, `.bin`.
+pub fn is_shard_file(name: &str) -> bool {
+    ["train-", "val-"].iter().any(|p| {
+        name.strip_prefix(p)
+            .and_then(|r| r.strip_suffix(".bin"))
+            .is_some_and(|d| d.len() >= 5 && d.bytes().all(|b| b.is_ascii_digit()))
+    })
+}
+
 /// A shard's `xxh3` field: the XXH3-128 `hasher` holds, as 32 lowercase hex digits.
 pub fn xxh3_hex(hasher: &xxhash_rust::xxh3::Xxh3) -> String {
     format!("{:032x}", hasher.digest128())
@@ -270,6 +285,24 @@ impl ShardIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shard_names_are_what_prepare_writes() {
+        assert_eq!(shard_file("train", 7), "train-00007.bin");
+        assert_eq!(shard_file("val", 123456), "val-123456.bin");
+        for name in [shard_file("train", 0), shard_file("val", 123456)] {
+            assert!(is_shard_file(&name), "{name}");
+        }
+        for name in [
+            "train-1.bin",
+            "train-00001.bin.tmp",
+            "test-00001.bin",
+            "train-0000a.bin",
+            "train.bin",
+        ] {
+            assert!(!is_shard_file(name), "{name}");
+        }
+    }
 
     fn index() -> ShardIndex {
         let shard = |file: &str, tokens: u64| ShardRecord {

@@ -20,7 +20,7 @@ use memmap2::Mmap;
 use xxhash_rust::xxh3::Xxh3;
 
 use super::corpus::{decode, Corpus, TokenStore};
-use super::index::{xxh3_hex, ShardIndex, ShardRecord, INDEX_FILE};
+use super::index::{is_shard_file, xxh3_hex, ShardIndex, ShardRecord, INDEX_FILE};
 use super::token_file::{self, TokenDtype, HEADER_BYTES};
 use super::tokens::max_token_with;
 use super::{DataError, DataOptions};
@@ -158,16 +158,9 @@ fn unlisted(dir: &Path, index_path: &Path, index: &ShardIndex) -> Result<(), Dat
         op: "list directory",
         source,
     })?;
-    let shard_name = |n: &str| {
-        ["train-", "val-"].iter().any(|p| {
-            n.strip_prefix(p)
-                .and_then(|r| r.strip_suffix(".bin"))
-                .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
-        })
-    };
     let mut extra: Vec<String> = entries
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| shard_name(n) && !listed.contains(n.as_str()))
+        .filter(|n| is_shard_file(n) && !listed.contains(n.as_str()))
         .collect();
     extra.sort();
     match extra.first() {

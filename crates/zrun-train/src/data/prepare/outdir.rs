@@ -10,7 +10,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::super::index::{ShardIndex, INDEX_FILE};
+use super::super::index::{is_shard_file, ShardIndex, INDEX_FILE};
 use super::super::token_file::write_error;
 use super::error::PrepareError;
 use super::writer::tmp_name;
@@ -39,12 +39,7 @@ impl Drop for OutDir {
 /// Whether `name` is a file `zrun prepare` writes (module docs).
 fn ours(name: &str) -> bool {
     let base = name.strip_suffix(".tmp").unwrap_or(name);
-    let shard = |prefix: &str| {
-        base.strip_prefix(prefix)
-            .and_then(|r| r.strip_suffix(".bin"))
-            .is_some_and(|d| d.len() >= 5 && d.bytes().all(|b| b.is_ascii_digit()))
-    };
-    [INDEX_FILE, "train.bin", "val.bin"].contains(&base) || shard("train-") || shard("val-")
+    [INDEX_FILE, "train.bin", "val.bin"].contains(&base) || is_shard_file(base)
 }
 
 impl OutDir {

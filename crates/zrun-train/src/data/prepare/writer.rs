@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use xxhash_rust::xxh3::Xxh3;
 
-use super::super::index::{xxh3_hex, ShardRecord};
+use super::super::index::{shard_file, xxh3_hex, ShardRecord};
 use super::super::token_file::{write_error, TokenDtype, TokenWriter};
 use super::super::DataError;
 
@@ -97,7 +97,7 @@ impl SplitWriter {
     }
 
     fn file_name(&self, i: usize) -> String {
-        format!("{}-{i:05}.bin", self.split)
+        shard_file(self.split, i)
     }
 
     /// Finishes the open shard (header, sync) and hashes it.
