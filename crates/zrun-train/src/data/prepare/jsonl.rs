@@ -61,19 +61,19 @@ pub(super) fn read(
     let mut line = Vec::new();
     let mut n = 0u64;
     loop {
-        line.clear();
-        let mut capped = std::io::Read::take(&mut reader, MAX_LINE_BYTES as u64 + 1);
-        match capped.read_until(b'\n', &mut line) {
-            Ok(0) => return Ok(()),
-            Ok(_) => n += 1,
+        let read = match next_line(&mut reader, &mut line, MAX_LINE_BYTES) {
+            Ok(Line::End) => return Ok(()),
+            Ok(read) => {
+                n += 1;
+                read
+            }
             Err(_) if skip_bad => {
                 sink.skip();
                 return Ok(());
             }
             Err(e) => return Err(unreadable(input, n, op, &e).into()),
-        }
-        // Cut short by the cap (a line of exactly the cap ends in its newline).
-        if line.len() > MAX_LINE_BYTES && line.last() != Some(&b'\n') {
+        };
+        if read == Line::TooLong {
             // One line would hold its whole size (a small compressed file can expand to
             // gigabytes of one line): refused, or read past and skipped.
             if !skip_bad {
@@ -119,6 +119,32 @@ pub(super) fn read(
 
 /// The longest line read: longer ones are refused (or skipped), so memory stays bounded.
 pub(super) const MAX_LINE_BYTES: usize = 256 << 20;
+
+/// How reading one line ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Line {
+    /// Nothing was left.
+    End,
+    /// The whole line (with its newline, when it has one).
+    Read,
+    /// The line holds more than the cap besides its newline: `line` has the first cap + 1
+    /// bytes, the rest is unread.
+    TooLong,
+}
+
+/// Reads the next line into `line`, holding at most `cap` bytes of it besides its newline.
+fn next_line(reader: &mut dyn BufRead, line: &mut Vec<u8>, cap: usize) -> std::io::Result<Line> {
+    line.clear();
+    let mut capped = std::io::Read::take(reader, cap as u64 + 1);
+    if capped.read_until(b'\n', line)? == 0 {
+        return Ok(Line::End);
+    }
+    Ok(if line.len() > cap && line.last() != Some(&b'\n') {
+        Line::TooLong
+    } else {
+        Line::Read
+    })
+}
 
 /// Reads past the rest of the current line.
 fn skip_line(reader: &mut dyn BufRead) -> std::io::Result<()> {
@@ -316,6 +342,25 @@ fn lines_of(r: impl std::io::Read) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A line of exactly the cap (its newline besides) is read whole; one byte more is too
+    /// long, and the next line is read after skipping its rest.
+    #[test]
+    fn lines_up_to_the_cap_are_read_and_longer_ones_cut() {
+        let mut reader: &[u8] = b"abcd\nabcde\nxy\nabcdefghij";
+        let mut line = Vec::new();
+        let mut next = |reader: &mut &[u8]| {
+            let how = next_line(reader, &mut line, 4).unwrap();
+            (how, String::from_utf8(line.clone()).unwrap())
+        };
+        assert_eq!(next(&mut reader), (Line::Read, "abcd\n".into()));
+        assert_eq!(next(&mut reader), (Line::TooLong, "abcde".into()));
+        skip_line(&mut reader).unwrap();
+        assert_eq!(next(&mut reader), (Line::Read, "xy\n".into()));
+        assert_eq!(next(&mut reader), (Line::TooLong, "abcde".into()));
+        skip_line(&mut reader).unwrap();
+        assert_eq!(next(&mut reader).0, Line::End);
+    }
 
     #[test]
     fn only_the_field_is_taken() {
