@@ -73,9 +73,7 @@ pub fn consolidate(dir: &Path, out: &Path, dtype: OutDtype) -> Result<Consolidat
                 let _ = std::fs::remove_file(&tmp);
                 Error::io("rename into place", &tmp, e)
             })?;
-            if let Some(w) = ckpt.unsealed_warning() {
-                tracing::warn!("{w}");
-            }
+            ckpt.warn_if_unsealed();
             Ok(Consolidated {
                 path: out.to_path_buf(),
                 tensors,

@@ -39,18 +39,18 @@ impl Checkpoint {
         })
     }
 
-    /// A warning when the manifest is format version 1, written before manifests carried
-    /// their own hash: a damaged or hand-edited one that still passes the table checks cannot
-    /// be told from the one the run saved. `None` for a sealed manifest. The caller logs it
-    /// once, when the checkpoint was used (rank 0 of a resume; consolidate, export and sample
-    /// once they succeed, so a refused one prints its error alone).
-    pub fn unsealed_warning(&self) -> Option<String> {
-        (self.manifest.format_version < 2).then(|| {
-            format!(
+    /// Warns when the manifest is format version 1, written before manifests carried their
+    /// own hash: a damaged or hand-edited one that still passes the table checks cannot be
+    /// told from the one the run saved. Silent for a sealed manifest. Called once, when the
+    /// checkpoint was used (rank 0 of a resume; consolidate, export and sample once they
+    /// succeed, so a refused one prints its error alone).
+    pub fn warn_if_unsealed(&self) {
+        if self.manifest.format_version < 2 {
+            tracing::warn!(
                 "checkpoint {}: manifest.json is format version 1, which carries no hash of itself, so an edit to it cannot be detected (its rank files are still verified); checkpoints this zrun saves are version 2",
                 self.dir.display()
-            )
-        })
+            );
+        }
     }
 
     /// The dtype of the moments in the rank files.

@@ -321,9 +321,7 @@ impl Checkpointer {
         }
         let ckpt = opened?;
         if self.rank == 0 {
-            if let Some(w) = ckpt.unsealed_warning() {
-                tracing::warn!("{w}");
-            }
+            ckpt.warn_if_unsealed();
         }
         for (device, state) in rng {
             zrun_torch_ext::rng::set_state(device, &state)?;

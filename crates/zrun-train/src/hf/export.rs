@@ -305,9 +305,7 @@ fn write_export(
         Err(why) => (Vec::new(), Some(why)),
     };
     // Said once the export is made: a refused one prints its error alone.
-    if let Some(w) = ckpt.unsealed_warning() {
-        tracing::warn!("{w}");
-    }
+    ckpt.warn_if_unsealed();
     Ok(Exported {
         files,
         tensors,
@@ -404,9 +402,7 @@ pub fn load_full(path: &Path) -> Result<Loaded, Error> {
     }
     // Nothing read is used before every rank file matches its hash.
     reader.verify_all()?;
-    if let Some(w) = ckpt.unsealed_warning() {
-        tracing::warn!("{w}");
-    }
+    ckpt.warn_if_unsealed();
     Ok(Loaded {
         arch,
         model,
