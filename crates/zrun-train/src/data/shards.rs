@@ -84,12 +84,16 @@ pub fn shard_dir(path: &Path) -> Option<PathBuf> {
 
 /// Opens a shard directory: the index, then every shard checked and mapped.
 pub(crate) fn open(dir: &Path, opts: &DataOptions) -> Result<Corpus, DataError> {
+    open_within(dir, opts, max_maps())
+}
+
+/// [`open`] in a process that maps at most `maps` memory regions.
+fn open_within(dir: &Path, opts: &DataOptions, maps: usize) -> Result<Corpus, DataError> {
     let index = ShardIndex::read(dir)?;
     let index_path = dir.join(INDEX_FILE);
     let dtype = index.token_dtype();
     unlisted(dir, &index_path, &index)?;
     let shards = index.train.len() + index.val.len();
-    let maps = max_maps();
     if shards + MAP_HEADROOM > maps {
         return Err(DataError::Index {
             path: index_path,
@@ -547,28 +551,36 @@ mod tests {
         let d = dir.path();
         let t: Vec<u32> = (0..100).collect();
         let mut index = write_dir(d, TokenDtype::U16, &[&t], &[]);
-        let n = max_maps() - MAP_HEADROOM + 1;
-        if n > 1 << 20 {
-            eprintln!(
-                "vm.max_map_count is {}: too many shards to list here",
-                max_maps()
-            );
-            return;
-        }
         // Listed, not written: the count is refused before any shard is looked at.
         let rec = index.train[0].clone();
-        index.train = (0..n)
+        index.train = (0..3)
             .map(|i| ShardRecord {
                 file: format!("train-{i:05}.bin"),
                 ..rec.clone()
             })
             .collect();
         index.write(d).unwrap();
-        let e = open(d, 8, 1000).unwrap_err().to_string();
+        let opts = DataOptions {
+            source: DataSource::Tokens {
+                path: d.to_path_buf(),
+            },
+            seq_len: 8,
+            vocab_size: 1000,
+            seed: 3,
+            eval_fraction: 0.2,
+        };
+        let e = open_within(d, &opts, MAP_HEADROOM + 2)
+            .unwrap_err()
+            .to_string();
         assert!(
-            e.contains(&format!("{n} shards")) && e.contains("vm.max_map_count"),
+            e.contains("3 shards") && e.contains("vm.max_map_count"),
             "{e}"
         );
+        // One region more and the count passes: the first missing shard is what fails.
+        let e = open_within(d, &opts, MAP_HEADROOM + 3)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("train-00001.bin"), "{e}");
     }
 
     /// The open's cost on a large directory: `ZRUN_OPEN_COST_DIR=DIR ZRUN_OPEN_COST_GB=4 cargo
