@@ -303,6 +303,24 @@ fn text_errors_name_the_file_the_key_and_the_fix() {
         e.contains("no *.txt files") && e.contains("data.path"),
         "{e}"
     );
+
+    // A file of documents for zrun prepare is refused (its raw JSON would be trained on),
+    // with the command that encodes it; the same text as .txt is read.
+    let line = "{\"text\": \"plenty of text here\"}\n";
+    for name in ["docs.jsonl", "docs.JSON.gz", "docs.parquet"] {
+        let p = dir.path().join(name);
+        std::fs::write(&p, line).unwrap();
+        let e = open_err(&opts(p, 256));
+        assert!(
+            e.contains(name)
+                && e.contains("zrun prepare")
+                && e.contains("data.source = \"tokens\""),
+            "{e}"
+        );
+    }
+    let txt = dir.path().join("docs.txt");
+    std::fs::write(&txt, line).unwrap();
+    Dataset::open(&opts(txt, 256)).unwrap();
 }
 
 /// A token file with llm.c's header, written through the public writer.

@@ -99,6 +99,21 @@ pub enum DataError {
         /// The directory.
         path: PathBuf,
     },
+    /// A text source pointed at a file of documents that `zrun prepare` reads.
+    #[error(
+        "data.path {}: a {kind} file, but data.source = \"text\" trains on a file's raw \
+         text (for JSON its keys and quotes too); encode its documents with zrun prepare \
+         --tokenizer tokenizer.json -o DIR {} and set data.source = \"tokens\", data.path = \
+         DIR (or rename it to .txt if its raw text is what to train on)",
+        path.display(),
+        path.display()
+    )]
+    TextOfDocuments {
+        /// The file.
+        path: PathBuf,
+        /// What its name says it holds: "JSON Lines", "Parquet".
+        kind: &'static str,
+    },
     /// The text source needs 256 byte tokens.
     #[error(
         "model.vocab_size {vocab_size} is below 256, but the text source uses byte-level \

@@ -17,6 +17,12 @@ pub(crate) fn open(
     tokenizer: Option<&Path>,
     opts: &DataOptions,
 ) -> Result<Corpus, DataError> {
+    if let Some(kind) = documents_kind(path) {
+        return Err(DataError::TextOfDocuments {
+            path: path.to_path_buf(),
+            kind,
+        });
+    }
     if let Some(tokenizer) = tokenizer {
         return open_encoded(path, tokenizer, opts);
     }
@@ -59,6 +65,26 @@ pub(crate) fn open(
         opts.seed,
         opts.eval_fraction,
     )
+}
+
+/// What a file named like `zrun prepare`'s document inputs holds (JSON Lines, Parquet, maybe
+/// compressed); `None` for any other path.
+fn documents_kind(path: &Path) -> Option<&'static str> {
+    let name = path.file_name()?.to_str()?.to_ascii_lowercase();
+    let name = [".gz", ".zst"]
+        .iter()
+        .find_map(|z| name.strip_suffix(z))
+        .unwrap_or(&name);
+    if [".jsonl", ".json", ".ndjson"]
+        .iter()
+        .any(|e| name.ends_with(e))
+    {
+        Some("JSON Lines")
+    } else if name.ends_with(".parquet") {
+        Some("Parquet")
+    } else {
+        None
+    }
 }
 
 /// Opens text encoded by the tokenizer at `tokenizer`, whose vocabulary must fit
