@@ -257,6 +257,11 @@ impl Check<'_> {
             }
             r => r.map_err(io("read"))?,
         };
+        if !meta.is_file() {
+            return Err(bad(
+                "not a regular file (a directory, pipe or device)".into()
+            ));
+        }
         if meta.len() != rec.bytes {
             let how = if meta.len() < rec.bytes {
                 "truncated: "
@@ -464,7 +469,12 @@ mod tests {
         let t: Vec<u32> = (0..100).collect();
         let fresh = || {
             for e in std::fs::read_dir(d).unwrap() {
-                std::fs::remove_file(e.unwrap().path()).unwrap();
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    std::fs::remove_dir(&p).unwrap();
+                } else {
+                    std::fs::remove_file(&p).unwrap();
+                }
             }
             write_dir(d, TokenDtype::U16, &[&t, &t[..50]], &[&t[..40]])
         };
@@ -482,6 +492,9 @@ mod tests {
         assert!(open(d, 8, 1000).is_ok());
         std::fs::remove_file(d.join("train-00001.bin")).unwrap();
         check(err(), "train-00001.bin", "missing");
+        // A directory in a shard's place is no shard at all, not a truncated one.
+        std::fs::create_dir(d.join("train-00001.bin")).unwrap();
+        check(err(), "train-00001.bin", "not a regular file");
 
         fresh();
         let p = d.join("val-00000.bin");
