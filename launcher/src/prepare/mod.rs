@@ -115,6 +115,15 @@ pub fn run(args: &PrepareArgs) -> anyhow::Result<u8> {
         );
     }
     let ix = &p.index;
+    if let Some(why) = zrun_train::data::too_many_to_map(ix.train.len() + ix.val.len()) {
+        output::say(
+            Level::Warn,
+            &format!(
+                "warning: {}: {why}; training on this machine refuses the directory as it is",
+                p.index_path.display()
+            ),
+        );
+    }
     let (train, val) = (ShardIndex::tokens(&ix.train), ShardIndex::tokens(&ix.val));
     let val_part = if ix.val.is_empty() {
         "no val shards".to_string()

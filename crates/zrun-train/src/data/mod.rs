@@ -40,7 +40,7 @@ pub use loader::Loader;
 pub use prepare::{
     prepare, PrepareError, PrepareOptions, Prepared, Progress, DEFAULT_SHARD_TOKENS, PIECE_BYTES,
 };
-pub use shards::shard_dir;
+pub use shards::{shard_dir, too_many_to_map};
 pub use token_file::{TokenDtype, TokenWriter};
 pub use tokenizer::{tokenizer_path, Eos, Tokenizer};
 

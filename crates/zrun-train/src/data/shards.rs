@@ -93,13 +93,10 @@ fn open_within(dir: &Path, opts: &DataOptions, maps: usize) -> Result<Corpus, Da
     let index_path = dir.join(INDEX_FILE);
     let dtype = index.token_dtype();
     unlisted(dir, &index_path, &index)?;
-    let shards = index.train.len() + index.val.len();
-    if shards + MAP_HEADROOM > maps {
+    if let Some(problem) = too_many_within(index.train.len() + index.val.len(), maps) {
         return Err(DataError::Index {
             path: index_path,
-            problem: format!(
-                "{shards} shards, each memory-mapped, but a process here maps at most {maps} regions (vm.max_map_count) and needs about {MAP_HEADROOM} for itself: raise vm.max_map_count, or give it fewer shards (a larger --shard-tokens)"
-            ),
+            problem,
         });
     }
     let check = Check {
@@ -132,6 +129,19 @@ fn open_within(dir: &Path, opts: &DataOptions, maps: usize) -> Result<Corpus, Da
         t,
         seed,
     )
+}
+
+/// Why a process on this machine cannot map `shards` shards, when it cannot: more than
+/// `vm.max_map_count` allows beside what the process maps for itself.
+pub fn too_many_to_map(shards: usize) -> Option<String> {
+    too_many_within(shards, max_maps())
+}
+
+/// [`too_many_to_map`] where a process maps at most `maps` regions.
+fn too_many_within(shards: usize, maps: usize) -> Option<String> {
+    (shards + MAP_HEADROOM > maps).then(|| format!(
+        "{shards} shards, each memory-mapped, but a process here maps at most {maps} regions (vm.max_map_count) and needs about {MAP_HEADROOM} for itself: raise vm.max_map_count, or give it fewer shards (a larger --shard-tokens)"
+    ))
 }
 
 /// Memory regions a rank maps besides its shards (libraries, threads, allocator arenas).
