@@ -200,8 +200,8 @@ impl ShardIndex {
         }
         if self.version != VERSION {
             return Err(format!(
-                "version {} is not {VERSION}, the one this zrun reads; prepare the data again \
-                 with this zrun",
+                "version {} is not {VERSION}, the version this zrun reads and \
+                 writes",
                 self.version
             ));
         }
@@ -370,8 +370,9 @@ mod tests {
             edit(&mut bad);
             bad.write(dir.path()).unwrap();
             let e = ShardIndex::read(dir.path()).unwrap_err().to_string();
+            // One problem, one fix.
             assert!(
-                e.contains(needle) && e.contains("index.json"),
+                e.contains(needle) && e.contains("index.json") && e.matches("again").count() == 1,
                 "{needle}: {e}"
             );
             assert!(!e.contains('\n'), "{e}");
