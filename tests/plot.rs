@@ -244,7 +244,11 @@ fn bad_input_is_one_line_and_exit_2() {
     std::fs::write(bad.join("summary.json"), "{\"steps\": 5,").unwrap();
     let o = zrun(&["plot", bad.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    assert!(stderr(&o).contains("summary.json"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("summary.json:1:") && stderr(&o).contains("move it away"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[test]

@@ -175,7 +175,8 @@ pub fn load(dir: &Path, notes: &mut Vec<String>) -> anyhow::Result<Run> {
     let summary = match read_text(&spath) {
         Ok(t) => Some(serde_json::from_str::<Summary>(&t).map_err(|e| {
             BadInput(format!(
-                "{}:{}:{}: {}",
+                "{}:{}:{}: {}; it is not a summary zrun wrote (edited or cut short): move it \
+                 away to plot from metrics.jsonl alone",
                 spath.display(),
                 e.line(),
                 e.column(),
@@ -221,7 +222,8 @@ pub fn parse_metrics(
             }
             Err(e) => {
                 return Err(BadInput(format!(
-                    "{}:{}:{}: {}",
+                    "{}:{}:{}: {}; it is not a metrics line zrun wrote (edited, or another \
+                     tool's file): plot a run's log.dir, or mend or delete the line",
                     path.display(),
                     i + 1,
                     e.column(),
@@ -335,6 +337,7 @@ mod tests {
         let (res, _) = parse(&format!("{OLD}\n{{\"step\": 3}}\n"));
         let e = res.unwrap_err();
         assert!(e.to_string().contains("missing field `loss`"), "{e}");
+        assert!(e.to_string().contains("mend or delete the line"), "{e}");
         assert!(e.downcast_ref::<BadInput>().is_some());
     }
 
