@@ -28,6 +28,35 @@ fn tokens(values: &[u16]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
+/// A usage error is one line: clap's message, its list and tip, and the help to read.
+#[test]
+fn usage_errors_are_one_line_naming_the_help() {
+    for (args, needles) in [
+        (
+            &["--nproc", "abc", "t.toml"][..],
+            &["'--nproc <N>'", "see zrun --help"][..],
+        ),
+        (
+            &["prepare", "--bogus", "x"],
+            &["'--bogus'", "use '-- --bogus'", "see zrun prepare --help"],
+        ),
+        (
+            &["prepare"],
+            &[
+                "--tokenizer <FILE>, --output <DIR>",
+                "see zrun prepare --help",
+            ],
+        ),
+        (
+            &["bench", "comm", "--nproc", "x"],
+            &["invalid value 'x'", "see zrun bench comm --help"],
+        ),
+    ] {
+        rejects(args, needles);
+        assert_eq!(stderr(&zrun(args)).lines().count(), 1, "{args:?}");
+    }
+}
+
 #[test]
 fn missing_config_file() {
     rejects(

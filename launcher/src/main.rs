@@ -187,8 +187,18 @@ fn run() -> u8 {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
-            // Help, the version, or a usage error (clap's own message and status).
-            let _ = e.print();
+            use clap::error::ErrorKind;
+            if matches!(
+                e.kind(),
+                ErrorKind::DisplayHelp
+                    | ErrorKind::DisplayVersion
+                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            ) {
+                let _ = e.print();
+            } else {
+                let args: Vec<String> = std::env::args().skip(1).collect();
+                eprintln!("zrun: {}", usage_error(&e.render().to_string(), &args));
+            }
             return u8::try_from(e.exit_code()).unwrap_or(2);
         }
     };
@@ -248,6 +258,42 @@ fn run() -> u8 {
 
 /// `e` and its causes, as `{e:#}` joins them, without a cause whose words the error before
 /// it already states (most errors quote their OS error in their own message).
+/// clap's several-line usage error (`error: ...`, a list, a tip, the usage) as one line: the
+/// error, its list, the tip, and the help to read (`zrun prepare --help` for a subcommand's).
+fn usage_error(rendered: &str, args: &[String]) -> String {
+    let mut lines = rendered.lines().map(str::trim).filter(|l| !l.is_empty());
+    let mut out = lines.next().unwrap_or("error: bad arguments").to_string();
+    let mut listed = Vec::new();
+    let mut tips = Vec::new();
+    for l in lines {
+        if l.starts_with("Usage: ") || l.starts_with("For more information") {
+            break;
+        }
+        match l.strip_prefix("tip: ") {
+            Some(tip) => tips.push(tip),
+            None => listed.push(l),
+        }
+    }
+    if !listed.is_empty() {
+        out = format!("{} {}", out.trim_end_matches(':'), listed.join(", "));
+    }
+    for tip in tips {
+        out.push_str("; ");
+        out.push_str(tip);
+    }
+    // The subcommands named in the arguments, as far as they go.
+    let mut help = vec!["zrun".to_string()];
+    let mut cmd = <Cli as clap::CommandFactory>::command();
+    for a in args {
+        let Some(sub) = cmd.find_subcommand(a).cloned() else {
+            break;
+        };
+        help.push(a.clone());
+        cmd = sub;
+    }
+    format!("{out}; see {} --help", help.join(" "))
+}
+
 fn stated(e: &anyhow::Error) -> String {
     let mut out = String::new();
     for cause in e.chain() {
