@@ -24,11 +24,13 @@ fn summary(dir: &std::path::Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
 }
 
-fn trains_on(n: usize) {
+/// Trains the demo for 20 steps on `n` ranks; with `bare`, from an environment without
+/// `LD_LIBRARY_PATH` (the binary finds libtorch through its RUNPATH, launcher and ranks).
+fn trains_on(n: usize, bare: bool) {
     let d = scratch(&format!("ranks{n}"));
     let nproc = n.to_string();
     let set = log_dir_set(&d);
-    let out = zrun(&[
+    let args = [
         "--nproc",
         &nproc,
         "configs/tiny-cpu.toml",
@@ -36,7 +38,18 @@ fn trains_on(n: usize) {
         "train.steps=20",
         "--set",
         &set,
-    ]);
+    ];
+    let out = if bare {
+        std::process::Command::new(env!("CARGO_BIN_EXE_zrun"))
+            .args(args)
+            .current_dir(root())
+            .env_remove("LD_LIBRARY_PATH")
+            .env_remove("VIRTUAL_ENV")
+            .output()
+            .unwrap()
+    } else {
+        zrun(&args)
+    };
     let (o, e) = (stdout(&out), stderr(&out));
     assert!(out.status.success(), "{o}{e}");
     let s = summary(&d);
@@ -60,12 +73,12 @@ fn trains_on(n: usize) {
 
 #[test]
 fn two_cpu_ranks_train_and_exit_0() {
-    trains_on(2);
+    trains_on(2, true);
 }
 
 #[test]
 fn four_cpu_ranks_train_and_exit_0() {
-    trains_on(4);
+    trains_on(4, false);
 }
 
 #[test]

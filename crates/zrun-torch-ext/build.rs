@@ -153,6 +153,9 @@ fn main() {
     // tch links these too; naming them after our static library keeps the link order right
     // whatever order the linker sees the crates in.
     println!("cargo:rustc-link-search=native={}", torch.lib_dir.display());
+    // For the crates that depend on this one (DEP_ZRUN_TORCH_EXT_LIBTORCH_LIB): the zrun
+    // binary records it as its RUNPATH.
+    println!("cargo:libtorch_lib={}", torch.lib_dir.display());
     if torch_cuda {
         println!("cargo:rustc-link-lib=dylib=torch_cuda");
     }
