@@ -43,7 +43,7 @@ fn usage_errors_are_one_line_naming_the_help() {
         (
             &["prepare"],
             &[
-                "--tokenizer <FILE>, --output <DIR>",
+                "provided: --tokenizer <FILE>, --output <DIR>",
                 "see zrun prepare --help",
             ],
         ),

@@ -275,7 +275,7 @@ fn usage_error(rendered: &str, args: &[String]) -> String {
         }
     }
     if !listed.is_empty() {
-        out = format!("{} {}", out.trim_end_matches(':'), listed.join(", "));
+        out = format!("{out} {}", listed.join(", "));
     }
     for tip in tips {
         out.push_str("; ");
