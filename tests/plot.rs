@@ -5,7 +5,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{scratch, stderr, stdout, zrun};
+use common::{root, scratch, stderr, stdout, zrun};
 use serde_json::json;
 
 /// What a synthetic run has.
@@ -219,6 +219,16 @@ fn bad_input_is_one_line_and_exit_2() {
     assert!(
         err.contains(&empty.join("metrics.jsonl").display().to_string()),
         "{err}"
+    );
+
+    // A file given for a run directory (the config, say) is named as such.
+    let cfg = root().join("configs/tiny-cpu.toml");
+    let o = zrun(&["plot", cfg.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("a file, not a run directory"),
+        "{}",
+        stderr(&o)
     );
 
     let bad = dir.join("bad");

@@ -162,6 +162,13 @@ impl Run {
 /// a missing summary) go to `notes`; a missing or malformed file is [`BadInput`] naming it.
 pub fn load(dir: &Path, notes: &mut Vec<String>) -> anyhow::Result<Run> {
     let name = run_name(dir);
+    if dir.is_file() {
+        return Err(BadInput(format!(
+            "{}: a file, not a run directory; give a run's log.dir (the directory holding metrics.jsonl)",
+            dir.display()
+        ))
+        .into());
+    }
     let path = dir.join("metrics.jsonl");
     let text = read_text(&path).map_err(|e| {
         BadInput(format!(
