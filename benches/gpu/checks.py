@@ -76,7 +76,6 @@ from table import table
 
 HERE = Path(__file__).resolve().parent
 H100_BF16_PEAK_TFLOPS = 989.0
-GB = 1e9
 # ZRUN_GPU_ROUNDS=1 runs one interleaved round where a check runs several, and leaves out
 # the speed check's side that only informs (stage 3 without prefetch): for a short lease.
 # ZRUN_GPU_8B_TIMEOUT caps the 8B run (seconds; the steps it logged are still reported), and
