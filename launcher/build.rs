@@ -1,4 +1,4 @@
-//! Records in the zrun binary's RUNPATH the libtorch it was linked against (and, when the
+//! Names the backends built in for `zrun --version`, and records in the zrun binary's RUNPATH the libtorch it was linked against (and, when the
 //! project's `.venv` has it, the folder with the `libnccl.so` link that `make setup` makes), so
 //! the binary runs from any shell without `scripts/env.sh`. A RUNPATH comes after
 //! `LD_LIBRARY_PATH`, which still chooses another libtorch or NCCL where it is set (the GPU
@@ -16,6 +16,18 @@ fn rpath(dir: &Path) {
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
+    // For `zrun --version`.
+    let feature = |f: &str| std::env::var_os(format!("CARGO_FEATURE_{f}")).is_some();
+    let mut backends = String::from("tcp");
+    if feature("MPI") {
+        backends.push_str(", mpi");
+    }
+    backends.push_str(if feature("CUDA") {
+        ", nccl; CUDA"
+    } else {
+        "; CPU only"
+    });
+    println!("cargo:rustc-env=ZRUN_BACKENDS={backends}");
     println!("cargo:rerun-if-env-changed=VIRTUAL_ENV");
     if let Some(lib) = std::env::var_os("DEP_ZRUN_TORCH_EXT_LIBTORCH_LIB") {
         rpath(Path::new(&lib));

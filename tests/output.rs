@@ -327,6 +327,19 @@ fn workers_get_the_output_settings_and_nothing_else_leaks() {
     assert_eq!(o.matches("\"message\":\"f=json q=1 p=\"").count(), 2, "{o}");
 }
 
+/// `zrun --version` names the backends this build has (what a bug report needs first).
+#[test]
+fn version_names_the_backends_built_in() {
+    let out = zrun(&["--version"]);
+    let v = stdout(&out);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let head = format!("zrun {} (backends: tcp", env!("CARGO_PKG_VERSION"));
+    assert!(v.starts_with(&head), "{v}");
+    assert_eq!(v.contains(", mpi"), cfg!(feature = "mpi"), "{v}");
+    assert_eq!(v.contains(", nccl; CUDA"), cfg!(feature = "cuda"), "{v}");
+    assert_eq!(v.contains("; CPU only"), !cfg!(feature = "cuda"), "{v}");
+}
+
 #[test]
 fn zrun_alone_prints_the_usage_and_exits_2() {
     let out = zrun(&[]);

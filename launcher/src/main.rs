@@ -56,11 +56,20 @@ use std::path::PathBuf;
 use launch::{output, BadInput, LaunchFlags, Level, Program, Style};
 use zrun_comm::{Topology, TopologySource};
 
+/// `zrun --version`: the version and the backends built in (a bug report's first line; set by
+/// build.rs from the features).
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (backends: ",
+    env!("ZRUN_BACKENDS"),
+    ")"
+);
+
 /// Command line of `zrun`.
 #[derive(Parser, Debug)]
 #[command(
     name = "zrun",
-    version,
+    version = VERSION,
     about = "Sharded data-parallel training (ZeRO stages 0-3) on CPUs and GPUs",
     args_conflicts_with_subcommands = true,
     subcommand_negates_reqs = true
