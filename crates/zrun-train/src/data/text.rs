@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 
 use super::corpus::{Corpus, TokenStore};
+use super::prepare::Format;
 use super::tokenizer::Tokenizer;
 use super::{DataError, DataOptions};
 
@@ -67,23 +68,13 @@ pub(crate) fn open(
     )
 }
 
-/// What a file named like `zrun prepare`'s document inputs holds (JSON Lines, Parquet, maybe
-/// compressed); `None` for any other path.
+/// What a file named like `zrun prepare`'s document inputs holds (JSON Lines or Parquet, by
+/// prepare's own reading of the name); `None` for text.
 fn documents_kind(path: &Path) -> Option<&'static str> {
-    let name = path.file_name()?.to_str()?.to_ascii_lowercase();
-    let name = [".gz", ".zst"]
-        .iter()
-        .find_map(|z| name.strip_suffix(z))
-        .unwrap_or(&name);
-    if [".jsonl", ".json", ".ndjson"]
-        .iter()
-        .any(|e| name.ends_with(e))
-    {
-        Some("JSON Lines")
-    } else if name.ends_with(".parquet") {
-        Some("Parquet")
-    } else {
-        None
+    match super::prepare::format_of(path) {
+        Ok(Format::JsonLines(_)) => Some("JSON Lines"),
+        Ok(Format::Parquet) => Some("Parquet"),
+        Ok(Format::Text) | Err(_) => None,
     }
 }
 

@@ -18,7 +18,7 @@ use super::error::PrepareError;
 
 /// How a JSON Lines file is compressed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Compression {
+pub(crate) enum Compression {
     /// Not at all.
     None,
     /// gzip (`.gz`), one or more members.
@@ -29,7 +29,7 @@ pub(super) enum Compression {
 
 /// An input file's format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Format {
+pub(crate) enum Format {
     /// UTF-8 text, the whole file one document.
     Text,
     /// One JSON object per line.
@@ -59,7 +59,7 @@ const UNREAD: [(&str, &str, &str); 4] = [
 ];
 
 /// The format named by a file's name; an error for a compression zrun does not read.
-pub(super) fn format_of(path: &Path) -> Result<Format, String> {
+pub(crate) fn format_of(path: &Path) -> Result<Format, String> {
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().to_lowercase())

@@ -33,13 +33,13 @@ use std::sync::Arc;
 use sha2::Digest;
 
 pub use error::PrepareError;
-pub(crate) use inputs::cut;
+pub(crate) use inputs::{cut, format_of, Format};
 
 use super::index::{InputRecord, ShardIndex, TokenizerRecord, FORMAT, VERSION};
 use super::token_file::TokenDtype;
 use super::tokenizer::{Eos, Piece, Tokenizer};
 use batches::{Batch, Halt, Meta, Origin, Sink};
-use inputs::{Format, Input};
+use inputs::Input;
 use outdir::OutDir;
 use writer::SplitWriter;
 
