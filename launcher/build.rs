@@ -1,8 +1,8 @@
-//! Names the backends built in for `zrun --version`, and records in the zrun binary's RUNPATH the libtorch it was linked against (and, when the
-//! project's `.venv` has it, the folder with the `libnccl.so` link that `make setup` makes), so
-//! the binary runs from any shell without `scripts/env.sh`. A RUNPATH comes after
-//! `LD_LIBRARY_PATH`, which still chooses another libtorch or NCCL where it is set (the GPU
-//! machine's, for a carried binary).
+//! Names the backends built in for `zrun --version`, and records in the zrun binary's
+//! RUNPATH the libtorch it was linked against (and, when the project's `.venv` has it, the
+//! folder with the `libnccl.so` link that `make setup` makes), so the binary runs from any
+//! shell without `scripts/env.sh`. A RUNPATH comes after `LD_LIBRARY_PATH`, which still
+//! chooses another libtorch or NCCL where it is set (the GPU machine's, for a carried binary).
 
 use std::path::Path;
 

@@ -389,8 +389,8 @@ mod tests {
         index
     }
 
-    fn open(path: &Path, seq_len: usize, vocab_size: usize) -> Result<Dataset, DataError> {
-        Dataset::open(&DataOptions {
+    fn options(path: &Path, seq_len: usize, vocab_size: usize) -> DataOptions {
+        DataOptions {
             source: DataSource::Tokens {
                 path: path.to_path_buf(),
             },
@@ -398,7 +398,11 @@ mod tests {
             vocab_size,
             seed: 3,
             eval_fraction: 0.2,
-        })
+        }
+    }
+
+    fn open(path: &Path, seq_len: usize, vocab_size: usize) -> Result<Dataset, DataError> {
+        Dataset::open(&options(path, seq_len, vocab_size))
     }
 
     /// Every sample of a split, as rows of T + 1 tokens.
@@ -583,15 +587,7 @@ mod tests {
             })
             .collect();
         index.write(d).unwrap();
-        let opts = DataOptions {
-            source: DataSource::Tokens {
-                path: d.to_path_buf(),
-            },
-            seq_len: 8,
-            vocab_size: 1000,
-            seed: 3,
-            eval_fraction: 0.2,
-        };
+        let opts = options(d, 8, 1000);
         let e = open_within(d, &opts, MAP_HEADROOM + 2)
             .unwrap_err()
             .to_string();
