@@ -28,9 +28,25 @@ fn tokens(values: &[u16]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
-/// A usage error is one line: clap's message, its list and tip, and the help to read.
+/// A usage error is one line: clap's message, its list and tip, and the help to read; an
+/// argument that is not UTF-8 does not make it panic.
 #[test]
 fn usage_errors_are_one_line_naming_the_help() {
+    use std::os::unix::ffi::OsStrExt;
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_zrun"))
+        .args([
+            "--nproc".as_ref(),
+            "x".as_ref(),
+            std::ffi::OsStr::from_bytes(b"\xff.toml"),
+        ])
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.starts_with("zrun: error: invalid value 'x'") && !err.contains("panicked"),
+        "{err}"
+    );
     for (args, needles) in [
         (
             &["--nproc", "abc", "t.toml"][..],
@@ -52,8 +68,14 @@ fn usage_errors_are_one_line_naming_the_help() {
             &["invalid value 'x'", "see zrun bench comm --help"],
         ),
     ] {
-        rejects(args, needles);
-        assert_eq!(stderr(&zrun(args)).lines().count(), 1, "{args:?}");
+        let out = zrun(args);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        assert!(err.starts_with("zrun: error: "), "{err}");
+        for n in needles {
+            assert!(err.contains(n), "{args:?}: {err} lacks {n:?}");
+        }
     }
 }
 

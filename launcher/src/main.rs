@@ -205,7 +205,11 @@ fn run() -> u8 {
             ) {
                 let _ = e.print();
             } else {
-                let args: Vec<String> = std::env::args().skip(1).collect();
+                // Lossy: an argument that is not UTF-8 must not panic here.
+                let args: Vec<String> = std::env::args_os()
+                    .skip(1)
+                    .map(|a| a.to_string_lossy().into_owned())
+                    .collect();
                 eprintln!("zrun: {}", usage_error(&e.render().to_string(), &args));
             }
             return u8::try_from(e.exit_code()).unwrap_or(2);
