@@ -1,5 +1,15 @@
-"""Helpers of the GPU checks: losses of a run and per-step comparisons of pairs of runs."""
+"""Helpers of the GPU checks: losses of a run, per-step comparisons of pairs of runs, and a
+run's steady step time."""
 import concurrent.futures
+import os
+import statistics
+
+# ZRUN_GPU_ROUNDS=1 runs one interleaved round where a check runs several, and leaves out
+# the speed check's side that only informs (stage 3 without prefetch): for a short lease.
+# ZRUN_GPU_8B_TIMEOUT caps the 8B run (seconds; the steps it logged are still reported), and
+# ZRUN_GPU_8B_MICRO_BATCH sets its micro-batch (1; "auto": the largest of 16, 8, 4, 2 the
+# estimate fits).
+ROUNDS = int(os.environ.get("ZRUN_GPU_ROUNDS", "0")) or None
 
 
 def losses(run):
@@ -52,3 +62,15 @@ def rank_pairs(tag, w2_sets=(), env=None):
             pairs.append((key, (f"{tag}1-{key}", "small", 1, common + ["train.micro_batch=12"]),
                           w2 + ((env,) if env else ())))
     return pairs
+
+
+def steady(run, skip=5):
+    """Median step time, tokens/s and MFU over the steps after the first `skip`."""
+    ms = [m for m in run.get("metrics", []) if m.get("step", 0) > skip and "step_time_s" in m]
+    if not ms:
+        return None
+    st = statistics.median(m["step_time_s"] for m in ms)
+    tok = ms[0]["tokens"] / ms[0]["step"]
+    mfu = [m["mfu"] for m in ms if m.get("mfu") is not None]
+    return {"step_time_s": st, "tokens_per_s": tok / st,
+            "mfu": statistics.median(mfu) if mfu else None}

@@ -58,7 +58,10 @@ def table(results):
             fig = f"{len(r['rows'])} pairs, worst relative loss gap {worst:.2e}, comm wrong {wrong}"
         elif key == "delay" and "delayed_over_bound" in r:
             fig = (f"delayed step x{r['delayed_over_bound']:.2f}, split "
-                   f"x{r.get('fresh_over_bound', float('nan')):.2f} of max(no offload, CPU AdamW), "
+                   f"x{r.get('fresh_over_bound', float('nan')):.2f}"
+                   + (f" (copies in line x{r['fresh_in_line_over_bound']:.2f})"
+                      if "fresh_in_line_over_bound" in r else "")
+                   + " of max(no offload, CPU AdamW), "
                    + (f"split's loss gap {r['loss_gap']:.2%}" if r.get("loss_gap") is not None
                       else "loss gap not measured (check K)"))
         elif key == "delay_loss" and "by_lr" in r:

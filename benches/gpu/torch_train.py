@@ -17,7 +17,6 @@ which changes no FLOP.
 """
 import argparse
 import json
-import math
 import statistics
 import sys
 import time

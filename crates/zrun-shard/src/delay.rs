@@ -67,11 +67,26 @@ pub(crate) struct Delay {
     pub v: Option<Tensor>,
 }
 
+/// Queues the copy of host `src` (pinned) into device `dst` without blocking the host: on
+/// CUDA on the upload stream, where it overlaps the kernels queued after it (a delayed step's
+/// backward) instead of holding them up; [`HostOptimizer::refreshed_queued`] makes the
+/// compute stream wait for it before the step's end reads `dst`. `ZRUN_UPLOAD_STREAM=0`
+/// queues it on the compute stream instead (to compare the two: benches/gpu check k).
+pub(crate) fn upload(dst: &Tensor, src: &Tensor) -> std::result::Result<(), zrun_torch_ext::Error> {
+    static SIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *SIDE.get_or_init(|| std::env::var("ZRUN_UPLOAD_STREAM").as_deref() != Ok("0")) {
+        zrun_torch_ext::copy_to_device_on_side_stream(dst, src)
+    } else {
+        zrun_torch_ext::copy_async(dst, src)
+    }
+}
+
 /// Queues the copy of unit `u`'s slice of `src` (the shard-layout buffer a finished delayed
 /// update left, [`HostOptimizer::refreshed`]) into this rank's slice of the compute
-/// parameters `params`: from pinned memory it does not block the host. Written through an
-/// alias with its own version counter, so that it may run during backward, while autograd
-/// still holds views of the earlier units (which share the parameters' counter).
+/// parameters `params` ([`upload`]). Written through an alias with its own version counter,
+/// so that it may run during backward, while autograd still holds views of the earlier units
+/// (which share the parameters' counter); nothing queued after it in the step reads or
+/// writes that slice.
 pub(crate) fn refresh_unit(
     mover: &Mover,
     params: &Tensor,
@@ -81,7 +96,7 @@ pub(crate) fn refresh_unit(
 ) -> Result<()> {
     let dst = mover.owned_params(params, u, stage)?.data();
     let from = mover.shard_of(src, u)?;
-    zrun_torch_ext::copy_async(&dst, &from).map_err(|e| {
+    upload(&dst, &from).map_err(|e| {
         Error::Unsupported(format!(
             "copy parameters of unit `{}` to the device: {e}",
             mover.layout.units[u].unit

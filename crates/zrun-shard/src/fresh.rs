@@ -43,7 +43,7 @@ const PIECE: i64 = 1 << 24;
 pub(crate) fn copy_v(mover: &Mover, dev: &Tensor, host: &Tensor, u: usize) -> Result<()> {
     let dst = mover.shard_of(dev, u)?;
     let src = mover.shard_of(host, u)?;
-    zrun_torch_ext::copy_async(&dst, &src).map_err(|e| {
+    crate::delay::upload(&dst, &src).map_err(|e| {
         Error::Unsupported(format!(
             "copy v of unit `{}` to the device: {e}",
             mover.layout.units[u].unit

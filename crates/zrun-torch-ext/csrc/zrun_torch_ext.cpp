@@ -609,12 +609,15 @@ int zrun_ext_event_record_current(int64_t device, void** out, char** err) {
   });
 }
 
-// One side stream per CUDA device, from libtorch's pool, for copies that overlap compute.
-c10::Stream side_stream(const c10::impl::DeviceGuardImplInterface* impl, c10::Device dev) {
+// Two side streams per CUDA device, from libtorch's pool, for copies that overlap compute:
+// kind 0 to the host, kind 1 to the device (apart, so that the two directions' copy engines
+// run at once).
+c10::Stream side_stream(const c10::impl::DeviceGuardImplInterface* impl, c10::Device dev,
+                        size_t kind = 0) {
   static std::mutex lock;
   static std::vector<std::optional<c10::Stream>> streams;
   std::lock_guard<std::mutex> held(lock);
-  size_t i = static_cast<size_t>(dev.index());
+  size_t i = static_cast<size_t>(dev.index()) * 2 + kind;
   if (streams.size() <= i) {
     streams.resize(i + 1);
   }
@@ -622,6 +625,56 @@ c10::Stream side_stream(const c10::impl::DeviceGuardImplInterface* impl, c10::De
     streams[i] = impl->getStreamFromGlobalPool(dev, /*isHighPriority=*/false);
   }
   return *streams[i];
+}
+
+// Copies host tensor `src` into CUDA tensor `dst` on the device's upload stream, once the work
+// queued so far on the current stream is done, so the copy overlaps the kernels queued after
+// it (which must neither read nor write `dst`); zrun_ext_join_uploads makes the current stream
+// wait for it. Not CUDA: an ordinary copy.
+int zrun_ext_copy_to_device_on_side_stream(const at::Tensor* dst, const at::Tensor* src,
+                                           char** err) {
+  return guard(err, [&] {
+    at::Tensor d = *dst;
+    if (!dst->is_cuda()) {
+      d.copy_(*src);
+      return ZR_OK;
+    }
+    if (src->is_cuda()) {
+      return refuse(err, "the source must be host memory");
+    }
+    const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+    c10::Device dev = dst->device();
+    c10::Stream side = side_stream(impl, dev, 1);
+    c10::Event before(c10::DeviceType::CUDA);
+    before.record(impl->getStream(dev));
+    before.block(side);
+    impl->recordDataPtrOnStream(dst->storage().data_ptr(), side);
+    c10::Stream previous = impl->exchangeStream(side);
+    try {
+      d.copy_(*src, /*non_blocking=*/true);
+    } catch (...) {
+      impl->exchangeStream(previous);
+      throw;
+    }
+    impl->exchangeStream(previous);
+    return ZR_OK;
+  });
+}
+
+// Makes CUDA device `device`'s current stream wait (on the device, not the host) for every
+// copy queued so far on its upload stream.
+int zrun_ext_join_uploads(int64_t device, char** err) {
+  return guard(err, [&] {
+    if (!cuda_device_ready(device)) {
+      return refuse(err, "cuda:" + std::to_string(device) + " is not available");
+    }
+    const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+    c10::Device dev(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
+    c10::Event copied(c10::DeviceType::CUDA);
+    copied.record(side_stream(impl, dev, 1));
+    copied.block(impl->getStream(dev));
+    return ZR_OK;
+  });
 }
 
 // Copies CUDA tensor `src` into pinned host tensor `dst` on the device's side stream, once

@@ -238,6 +238,43 @@ pub fn copy_async(dst: &tch::Tensor, src: &tch::Tensor) -> Result<(), Error> {
     })
 }
 
+/// Copies host tensor `src` into CUDA tensor `dst` on an upload stream of `dst`'s device, once
+/// the work queued so far on the current stream is done: the copy overlaps the kernels queued
+/// after it, which must neither read nor write `dst` until [`join_uploads`] (from pinned
+/// memory the host goes on at once; `src` must stay unchanged until the copy has run).
+/// Elsewhere (`dst` not on CUDA) an ordinary copy.
+pub fn copy_to_device_on_side_stream(dst: &tch::Tensor, src: &tch::Tensor) -> Result<(), Error> {
+    let mut err = ptr::null_mut();
+    // SAFETY: both tensors are live and borrowed for the call; `err` is a valid out-pointer;
+    // the shim catches every C++ exception.
+    let status = unsafe {
+        ffi::zrun_ext_copy_to_device_on_side_stream(
+            dst.as_ptr().cast(),
+            src.as_ptr().cast(),
+            &mut err,
+        )
+    };
+    ffi::check(status, err, || {
+        format!(
+            "copy {} elements to the device on a side stream",
+            src.numel()
+        )
+    })
+}
+
+/// Makes CUDA device `device`'s current stream wait, on the device, for every copy queued so
+/// far by [`copy_to_device_on_side_stream`] there: the kernels queued after this see them
+/// done. Refused where that device is not available.
+pub fn join_uploads(device: usize) -> Result<(), Error> {
+    let mut err = ptr::null_mut();
+    let index = i64::try_from(device).unwrap_or(i64::MAX);
+    // SAFETY: `err` is a valid out-pointer; the shim catches every C++ exception.
+    let status = unsafe { ffi::zrun_ext_join_uploads(index, &mut err) };
+    ffi::check(status, err, || {
+        format!("wait for the copies to cuda:{device}")
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -260,6 +297,8 @@ mod tests {
             assert!(empty_pinned(4, Kind::Float).is_err());
             let e = CudaEvent::record_current(0).err().expect("refused");
             assert!(e.to_string().contains("cuda:0 is not available"), "{e}");
+            let e = join_uploads(0).expect_err("refused");
+            assert!(e.to_string().contains("cuda:0 is not available"), "{e}");
         }
     }
 
@@ -271,6 +310,36 @@ mod tests {
         assert!(dst.equal(&src));
         let bad = Tensor::zeros([2], (Kind::Float, Device::Cpu));
         assert!(copy_async(&bad, &src).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn a_side_stream_upload_follows_the_work_before_it_and_is_joined() -> anyhow::Result<()> {
+        let src = Tensor::from_slice(&[1.0f32, 2.0, 3.0]);
+        if !Cuda::is_available() {
+            // Without CUDA: an ordinary copy.
+            let dst = Tensor::zeros([3], (Kind::Float, Device::Cpu));
+            copy_to_device_on_side_stream(&dst, &src)?;
+            assert!(dst.equal(&src));
+            return Ok(());
+        }
+        let n = 1 << 24;
+        let mut host = empty_pinned(n, Kind::Float)?;
+        host.f_copy_(&Tensor::f_arange(n, (Kind::Float, Device::Cpu))?)?;
+        let dev = Device::Cuda(0);
+        let mut dst = Tensor::f_zeros([n], (Kind::Float, dev))?;
+        // Work queued before the copy that writes `dst` late: the copy must come after it.
+        let a = Tensor::f_ones([4096, 4096], (Kind::Float, dev))?;
+        let slow = (0..8).try_fold(a.shallow_clone(), |x, _| x.f_matmul(&a))?;
+        dst.f_copy_(&slow.f_sum(Kind::Float)?.f_expand([n], false)?)?;
+        copy_to_device_on_side_stream(&dst, &host)?;
+        join_uploads(0)?;
+        let back = dst.f_to(Device::Cpu)?;
+        assert!(
+            back.equal(&host),
+            "the upload raced the work queued before it"
+        );
+        assert!(copy_to_device_on_side_stream(&dst, &dst).is_err());
         Ok(())
     }
 

@@ -142,6 +142,12 @@ extern "C" {
         out: *mut *mut c_void,
         err: *mut *mut c_char,
     ) -> c_int;
+    pub(crate) fn zrun_ext_copy_to_device_on_side_stream(
+        dst: *const c_void,
+        src: *const c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    pub(crate) fn zrun_ext_join_uploads(device: i64, err: *mut *mut c_char) -> c_int;
     pub(crate) fn zrun_ext_count_allocations_begin(err: *mut *mut c_char) -> c_int;
     pub(crate) fn zrun_ext_count_allocations_end(
         count: *mut i64,

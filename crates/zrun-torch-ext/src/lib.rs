@@ -64,8 +64,9 @@ pub use cpu_alloc::{
     install_cpu_caching_allocator, reset_cpu_peak, CpuMemoryStats,
 };
 pub use cuda::{
-    copy_async, cuda_mem_info, cuda_memory, current_cuda_device, empty_pinned, pinned_bytes,
-    reset_cuda_peak, set_allocator_settings, set_cuda_device, CudaEvent, CudaMemory,
+    copy_async, copy_to_device_on_side_stream, cuda_mem_info, cuda_memory, current_cuda_device,
+    empty_pinned, join_uploads, pinned_bytes, reset_cuda_peak, set_allocator_settings,
+    set_cuda_device, CudaEvent, CudaMemory,
 };
 pub use error::Error;
 #[doc(hidden)]

@@ -113,11 +113,15 @@ impl HostOptimizer {
         first.and(joined)
     }
 
-    /// After the new parameters' copies to the device are queued: the event the next delayed
-    /// update waits for before it overwrites what they read (CUDA; nothing to wait for on CPU,
-    /// where the copies are done when queued).
+    /// After the new parameters' copies to the device are queued (on the upload stream,
+    /// `delay::upload`): makes the compute stream wait for them, and records the event the
+    /// next delayed update waits for before it overwrites what they read (CUDA; nothing to
+    /// wait for on CPU, where the copies are done when queued).
     pub(crate) fn refreshed_queued(&mut self) -> Result<()> {
         if let Device::Cuda(i) = self.device {
+            zrun_torch_ext::join_uploads(i).map_err(|e| {
+                Error::Unsupported(format!("wait for the parameters' refresh: {e}"))
+            })?;
             let e = zrun_torch_ext::CudaEvent::record_current(i)
                 .map_err(|e| Error::Unsupported(format!("record the parameters' refresh: {e}")))?;
             self.refreshed_ready = Some(e);

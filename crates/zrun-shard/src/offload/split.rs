@@ -123,9 +123,10 @@ impl HostOptimizer {
     /// step after a skipped one): the same values a job that had just updated it writes.
     pub(crate) fn predict_now(&mut self, layout: &ShardLayout, lr: f64) -> Result<()> {
         self.finish()?;
-        // The device may still read these buffers (copies queued on its stream): wait.
+        // The device may still read these buffers (copies queued on its upload stream): wait.
         if let Device::Cuda(i) = self.device {
-            zrun_torch_ext::CudaEvent::record_current(i)
+            zrun_torch_ext::join_uploads(i)
+                .and_then(|()| zrun_torch_ext::CudaEvent::record_current(i))
                 .and_then(|e| e.synchronize())
                 .map_err(|e| Error::Unsupported(format!("wait for the device's copies: {e}")))?;
         }
