@@ -440,6 +440,8 @@ fn delayed_sets(dir: &Path, steps: u64, every: u64) -> Vec<String> {
         "zero.offload_optimizer=\"cpu\"",
         "zero.offload_delay=1",
         "zero.offload_delay_warmup=2",
+        // the plain delay (the split, its default, is a_split_delayed_update_resumes_bitwise's)
+        "zero.offload_delay_fresh=false",
     ] {
         s.extend(set(kv.into()));
     }

@@ -219,9 +219,8 @@ pub struct Fit {
 /// The estimator's configuration for `cfg`.
 pub fn estimate_config(cfg: &Config) -> Result<EstimateConfig, Error> {
     let arch = cfg.arch()?;
-    let fresh = cfg.zero.offload_optimizer == Offload::Cpu
-        && cfg.delay().is_some()
-        && cfg.zero.offload_delay_fresh;
+    let fresh =
+        cfg.zero.offload_optimizer == Offload::Cpu && cfg.delay().is_some() && cfg.delay_fresh();
     Ok(EstimateConfig {
         stage: cfg.zero.stage,
         precision: cfg.zero.precision,

@@ -210,7 +210,7 @@ impl Run {
                 },
                 oom_recovery: t.on_oom == crate::config::OnOom::Shrink,
                 offload_delay: cfg.delay(),
-                offload_delay_fresh: cfg.zero.offload_delay_fresh,
+                offload_delay_fresh: cfg.delay_fresh(),
                 shard_group: (group < rank.world_size).then_some(group),
                 loss_chunk: t.loss_chunk(),
                 one_micro_step: t.grad_accum == 1,
@@ -479,7 +479,7 @@ impl Run {
                      parameters one update stale"
                 );
                 // Measured (docs/config.md): gpt2-medium at lr 3e-4 stalls with it.
-                if self.cfg.zero.offload_delay_fresh {
+                if self.cfg.delay_fresh() {
                     tracing::info!(
                         "zero.offload_delay_fresh: the device applies each gradient's own \
                          share of its update at once, so the next forward runs on nearly the \
@@ -489,7 +489,7 @@ impl Run {
                     tracing::warn!(
                         "zero.offload_delay = 1 lowers the largest learning rate that trains \
                      (stale updates through AdamW's momentum): at lr {} compare the loss with \
-                     a run with zero.offload_delay = 0, or set zero.offload_delay_fresh = true \
+                     a run with zero.offload_delay = 0, or drop zero.offload_delay_fresh = false \
                      (docs/config.md)",
                         t.lr
                     );

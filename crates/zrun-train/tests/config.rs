@@ -458,3 +458,26 @@ fn the_delay_switches_on_after_the_learning_rate_warm_up_unless_told() {
         assert_eq!(delay(&["zero.offload_delay=1", &set]), Some(w));
     }
 }
+
+#[test]
+fn a_delayed_update_is_split_unless_told_otherwise() {
+    let (_p_dir, p) = write(
+        "delay.toml",
+        "[zero]\nstage = 2\noffload_optimizer = \"cpu\"\noffload_delay = 1\n",
+    );
+    let split = |sets: &[&str]| {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        let cfg = Config::load(&p, &sets).unwrap();
+        let est = zrun_train::memory::estimate_config(&cfg).unwrap();
+        assert_eq!(cfg.delay_fresh(), est.offload_delay_fresh, "{sets:?}");
+        est.offload_delay_fresh
+    };
+    assert!(split(&[]), "the split is the default");
+    assert!(split(&["zero.offload_delay_fresh=true"]));
+    assert!(
+        !split(&["zero.offload_delay_fresh=false"]),
+        "the plain delay"
+    );
+    // Without the delay there is nothing to split; asking for it is refused.
+    assert!(!split(&["zero.offload_delay=0"]));
+}

@@ -236,11 +236,11 @@ impl Config {
                 "delays the CPU AdamW's update: set zero.offload_optimizer = \"cpu\", or zero.offload_delay = 0",
             );
         }
-        if z.offload_delay_fresh && z.offload_delay == 0 {
+        if z.offload_delay_fresh == Some(true) && z.offload_delay == 0 {
             return bad(
                 "zero.offload_delay_fresh",
                 true,
-                "splits the delayed update: set zero.offload_delay = 1, or zero.offload_delay_fresh = false",
+                "splits the delayed update: set zero.offload_delay = 1, or leave zero.offload_delay_fresh out",
             );
         }
         if z.offload_delay == 1 && self.train.on_oom == super::OnOom::Shrink {

@@ -269,11 +269,13 @@ pub struct ZeroConfig {
     /// and `train.warmup_steps` ([`Config::delay`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub offload_delay_warmup: Option<u64>,
-    /// Splits each delayed update (`offload_delay = 1`): the device applies the newest
-    /// gradient's share at once and the CPU the rest, so the next forward runs on nearly the
-    /// undelayed model (zrun-shard's `fresh.rs`); costs the device its gradient shard and v
-    /// (bf16) beside the parameters.
-    pub offload_delay_fresh: bool,
+    /// Splits each delayed update (`offload_delay = 1`; on by default): the device applies
+    /// the newest gradient's share at once and the CPU the rest, so the next forward runs on
+    /// nearly the undelayed model (zrun-shard's `fresh.rs`); costs the device its gradient
+    /// shard and v (bf16) beside the parameters. Unset: on ([`Config::delay_fresh`]); set to
+    /// true without the delay: refused.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub offload_delay_fresh: Option<bool>,
     /// Ranks one copy of the model states is sharded over (hybrid sharding): `"all"`
     /// (default), `"node"` or a divisor of the world size; replicated across the groups.
     pub shard_group: ShardGroup,
@@ -311,6 +313,13 @@ impl Config {
         (z.offload_delay > 0).then_some(warmup)
     }
 
+    /// Whether updates are delayed and split (`zero.offload_delay_fresh`, on with the delay
+    /// unless set false: in check K of 2026-11-29, benches/README.md, the plain delay
+    /// stalled where the split did not).
+    pub fn delay_fresh(&self) -> bool {
+        self.delay().is_some() && self.zero.offload_delay_fresh.unwrap_or(true)
+    }
+
     /// The shard group size for `world` ranks of this config once resolved (`"node"` not
     /// yet resolved counts as one node of `world` ranks).
     pub fn shard_group_size(&self, world: usize) -> Result<usize, ConfigError> {
@@ -332,7 +341,7 @@ impl Default for ZeroConfig {
             optimizer_state_dtype: StateDtype::Fp32,
             offload_delay: 0,
             offload_delay_warmup: None,
-            offload_delay_fresh: false,
+            offload_delay_fresh: None,
             shard_group: ShardGroup::All,
         }
     }
