@@ -9,7 +9,7 @@ from runs import ROUNDS, losses, steady
 DELAY_SIDES = {"no offload": ['zero.offload_optimizer="none"'],
                "offload": ['zero.offload_optimizer="cpu"'],
                "offload delay 1": ['zero.offload_optimizer="cpu"', "zero.offload_delay=1",
-                                   "zero.offload_delay_warmup=3"],
+                                   "zero.offload_delay_warmup=3", "zero.offload_delay_fresh=false"],
                "offload delay 1 fresh": ['zero.offload_optimizer="cpu"', "zero.offload_delay=1",
                                          "zero.offload_delay_warmup=3",
                                          "zero.offload_delay_fresh=true"]}
@@ -26,7 +26,8 @@ DELAY_ENV = {"offload delay 1 fresh, copies in line": {"ZRUN_UPLOAD_STREAM": "0"
 # The split delay (`zero.offload_delay_fresh`) applies each gradient's own share of its update
 # on the device at once: the staleness is gone from the stability (docs/config.md).
 DELAY_LOSS_SIDES = {"offload": ['zero.offload_optimizer="cpu"'],
-                    "offload delay 1": ['zero.offload_optimizer="cpu"', "zero.offload_delay=1"],
+                    "offload delay 1": ['zero.offload_optimizer="cpu"', "zero.offload_delay=1",
+                                        "zero.offload_delay_fresh=false"],
                     "offload delay 1 fresh": ['zero.offload_optimizer="cpu"', "zero.offload_delay=1",
                                               "zero.offload_delay_fresh=true"]}
 # Which delayed sides run at each learning rate (five runs share the GPU at once).
