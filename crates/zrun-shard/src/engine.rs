@@ -31,7 +31,8 @@ pub struct EngineConfig {
     pub stage: Stage,
     /// Compute precision.
     pub precision: Precision,
-    /// dtype of gradient reduction and accumulation (fp32 unless asked).
+    /// dtype of gradient reduction and accumulation (fp32 unless asked; bf16 for a split
+    /// delayed update whose gradients are exactly bf16, `host_grads::split_in_bf16`).
     pub reduce_dtype: ReduceDtype,
     /// Recompute each unit's forward in its backward, keeping only unit inputs.
     pub activation_checkpointing: bool,
@@ -220,7 +221,7 @@ impl Engine {
     pub fn new(
         model: Arc<dyn Model>,
         comm: Arc<dyn Communicator>,
-        cfg: EngineConfig,
+        mut cfg: EngineConfig,
     ) -> Result<Engine> {
         let (rank, world) = (comm.rank() as i64, comm.world_size() as i64);
         let group = match (cfg.stage, cfg.shard_group) {
@@ -284,7 +285,14 @@ impl Engine {
         zrun_torch_ext::cpu_empty_cache();
         let host_grads = crate::host_grads::applies(&cfg);
         let tied = model.units().iter().any(|u| u.tied().is_some());
-        let host_grad_kind = if host_grads {
+        let eligible =
+            crate::gradients_on_host(cfg.stage, cfg.offload, cfg.one_micro_step, cfg.oom_recovery);
+        let split_bf16 =
+            crate::host_grads::split_in_bf16(eligible, cfg.fresh(), &layout, cfg.precision, tied);
+        if split_bf16 {
+            cfg.reduce_dtype = ReduceDtype::Bf16;
+        }
+        let host_grad_kind = if host_grads || split_bf16 {
             crate::host_grads::host_grad_kind(&layout, cfg.precision, tied)
         } else {
             Kind::Float

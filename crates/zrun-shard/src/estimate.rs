@@ -37,6 +37,8 @@ pub struct EstimateConfig {
     pub cuda: bool,
     /// Whether a micro-step that runs out of memory is recovered from (its reserve counts).
     pub oom_recovery: bool,
+    /// Whether every step is one micro-step (no gradient accumulation).
+    pub one_micro_step: bool,
     /// Whether updates are delayed (`zero.offload_delay`): the host then keeps a gradient
     /// copy of its own.
     pub offload_delay: bool,
@@ -53,15 +55,47 @@ pub struct EstimateConfig {
 }
 
 impl EstimateConfig {
+    /// This config as the engine runs it on `layout`: a split delayed update whose gradients
+    /// are exactly bf16 values reduces in bf16 (`host_grads::split_in_bf16`).
+    pub fn resolved(&self, layout: &ShardLayout) -> EstimateConfig {
+        let eligible = crate::gradients_on_host(
+            self.stage,
+            self.offload,
+            self.one_micro_step,
+            self.oom_recovery,
+        );
+        let fresh = self.offload_delay && self.offload_delay_fresh;
+        let mut cfg = *self;
+        if crate::host_grads::split_in_bf16(eligible, fresh, layout, self.precision, self.tied) {
+            cfg.reduce_dtype = ReduceDtype::Bf16;
+        }
+        cfg
+    }
+
+    /// Whether the host's gradients are bf16 (on the host only, or a split delayed update's
+    /// copy of its device buffer, where they are exactly bf16 values).
+    fn bf16_host_grads(&self, layout: &ShardLayout) -> bool {
+        let eligible = self.host_grads
+            || (self.offload_delay
+                && self.offload_delay_fresh
+                && crate::gradients_on_host(
+                    self.stage,
+                    self.offload,
+                    self.one_micro_step,
+                    self.oom_recovery,
+                ));
+        eligible
+            && crate::host_grads::host_grad_kind(layout, self.precision, self.tied)
+                == tch::Kind::BFloat16
+    }
+
     /// Bytes per element of the gradients on the host (offloaded, staged or host only) and of
     /// a unit's gradient held on the device while it is made (host only).
     fn host_grad_bytes(&self, layout: &ShardLayout) -> (i64, i64) {
-        if !self.host_grads {
-            return (4, self.reduce_dtype.kind().elt_size_in_bytes() as i64);
-        }
-        match crate::host_grads::host_grad_kind(layout, self.precision, self.tied) {
-            tch::Kind::BFloat16 => (2, 2),
-            _ => (4, self.reduce_dtype.kind().elt_size_in_bytes() as i64),
+        if self.bf16_host_grads(layout) {
+            (2, 2)
+        } else {
+            (4, self.reduce_dtype.kind().elt_size_in_bytes() as i64)
         }
     }
 }
@@ -172,6 +206,7 @@ impl MemoryLedger {
     /// they live and the fixed buffers (AdamW scratch, host gradient staging, the
     /// out-of-memory reserve of stages 2-3), computed without allocating.
     pub fn planned(layout: &ShardLayout, cfg: &EstimateConfig) -> MemoryLedger {
+        let cfg = &cfg.resolved(layout);
         let mut m = MemoryLedger::plan(layout, cfg.stage, cfg.precision, cfg.reduce_dtype);
         if cfg.host_grads {
             m.grads = 0;
@@ -300,6 +335,7 @@ fn loss_bytes(model: &dyn Model, tokens: i64, cfg: &EstimateConfig) -> LossBytes
 /// layout ([`ShardLayout::hybrid`]) the model states are those of its shard group's size
 /// (the all-reduce across the replica group runs in place on the gradient shards).
 pub fn estimate(model: &dyn Model, layout: &ShardLayout, cfg: &EstimateConfig) -> Estimate {
+    let cfg = &cfg.resolved(layout);
     let ledger = MemoryLedger::planned(layout, cfg);
     let units = model.units();
     let n = units.len();
@@ -614,6 +650,7 @@ impl Engine {
             seq_len,
             eval_batch: micro_batch,
             oom_recovery: c.oom_recovery,
+            one_micro_step: c.one_micro_step,
             offload_delay: c.offload_delay.is_some(),
             offload_delay_fresh: c.fresh(),
             cuda: c.device.is_cuda(),

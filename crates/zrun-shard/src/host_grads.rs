@@ -42,6 +42,21 @@ pub(crate) fn host_grad_kind(layout: &ShardLayout, precision: Precision, tied: b
     }
 }
 
+/// Whether a split delayed update (`fresh.rs`, which keeps the gradient shard on the device
+/// where it could live on the host only: `eligible`, [`gradients_on_host`]) holds gradients
+/// that are exactly bf16 values ([`host_grad_kind`]): its device buffer and the host's copy
+/// then hold them as bf16, `reduce_dtype = "bf16"`, which trains exactly as fp32 there (it
+/// sums none), in half the bytes on both sides.
+pub(crate) fn split_in_bf16(
+    eligible: bool,
+    fresh: bool,
+    layout: &ShardLayout,
+    precision: Precision,
+    tied: bool,
+) -> bool {
+    fresh && eligible && host_grad_kind(layout, precision, tied) == Kind::BFloat16
+}
+
 /// Whether the engine of `cfg` keeps its gradients on the host only.
 pub(crate) fn applies(cfg: &EngineConfig) -> bool {
     // A split delayed update reads the gradients on the device at the step's end.

@@ -239,3 +239,50 @@ fn a_split_run_with_skipped_fp16_steps_submits_nothing_on_a_skip_and_trains() {
     assert!(losses.iter().all(|l| l.is_finite()));
     assert!(losses[39] < losses[0], "{losses:?}");
 }
+
+#[test]
+fn a_split_rank_alone_in_bf16_keeps_its_gradients_in_bf16_and_trains_the_same() {
+    use zrun_shard::Precision;
+    // A rank alone, bf16 compute, one micro-step a step, no tied parameter: the gradients
+    // are autograd's bf16 values, so the device buffer and the host's copy hold them as bf16.
+    // `one_micro_step: false` (nothing announced) keeps them fp32: the same run otherwise.
+    let cfg = |one_micro_step| EngineConfig {
+        precision: Precision::Bf16,
+        one_micro_step,
+        oom_recovery: false,
+        offload: Offload::Cpu,
+        offload_delay: Some(2),
+        offload_delay_fresh: true,
+        ..EngineConfig::fp32(Stage::Zero2, Device::Cpu, SEED, adamw())
+    };
+    let run = |one_micro_step| {
+        let mut e = Engine::new(model(), single(), cfg(one_micro_step)).unwrap();
+        let losses: Vec<f64> = (1..=10)
+            .map(|t| {
+                let (x, y) = batch(t);
+                let l = e.forward_backward(&x, &y, 1.0).unwrap();
+                e.step(LR, 1.0).unwrap();
+                l
+            })
+            .collect();
+        (e, losses)
+    };
+    let ((bf16, l16), (fp32, l32)) = (run(true), run(false));
+    assert_eq!(l16, l32, "bf16 gradients trained otherwise");
+    let s = bf16.layout().shard_numel();
+    assert_eq!(fp32.memory().grads - bf16.memory().grads, 2 * s);
+    // The host's copy and unit 0's spare: half the bytes too.
+    let spare = bf16.layout().units[0].shard_len();
+    assert_eq!(
+        fp32.memory().buffers - bf16.memory().buffers,
+        2 * (s + spare)
+    );
+    // The estimate plans what the engine holds.
+    for e in [&bf16, &fp32] {
+        let ec = e.estimate_config(4, 24);
+        assert_eq!(
+            zrun_shard::MemoryLedger::planned(e.layout(), &ec),
+            e.memory()
+        );
+    }
+}

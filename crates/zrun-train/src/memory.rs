@@ -233,6 +233,7 @@ pub fn estimate_config(cfg: &Config) -> Result<EstimateConfig, Error> {
         seq_len: arch.seq_len(),
         eval_batch: cfg.train.micro_batch as i64,
         oom_recovery: cfg.train.on_oom == crate::config::OnOom::Shrink,
+        one_micro_step: cfg.train.grad_accum == 1,
         offload_delay: cfg.zero.offload_optimizer == Offload::Cpu && cfg.delay().is_some(),
         offload_delay_fresh: fresh,
         loss_chunk: cfg.train.loss_chunk(),

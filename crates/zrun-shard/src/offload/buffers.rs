@@ -134,6 +134,7 @@ mod tests {
             eval_batch: 1,
             cuda: true,
             oom_recovery: false,
+            one_micro_step: true,
             offload_delay_fresh: false,
             offload_delay: false,
             loss_chunk: 0,
