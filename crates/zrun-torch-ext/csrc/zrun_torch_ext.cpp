@@ -627,6 +627,26 @@ c10::Stream side_stream(const c10::impl::DeviceGuardImplInterface* impl, c10::De
   return *streams[i];
 }
 
+// Queues `dst.copy_(src, non_blocking)` on `side` once the work queued so far on `dev`'s
+// current stream is done; `cuda` (the copy's CUDA tensor) stays reserved for `side` until
+// the copy has run.
+void copy_on_side_stream(const c10::impl::DeviceGuardImplInterface* impl, c10::Device dev,
+                         c10::Stream side, at::Tensor dst, const at::Tensor& src,
+                         const at::Tensor& cuda) {
+  c10::Event before(c10::DeviceType::CUDA);
+  before.record(impl->getStream(dev));
+  before.block(side);
+  impl->recordDataPtrOnStream(cuda.storage().data_ptr(), side);
+  c10::Stream previous = impl->exchangeStream(side);
+  try {
+    dst.copy_(src, /*non_blocking=*/true);
+  } catch (...) {
+    impl->exchangeStream(previous);
+    throw;
+  }
+  impl->exchangeStream(previous);
+}
+
 // Copies host tensor `src` into CUDA tensor `dst` on the device's upload stream, once the work
 // queued so far on the current stream is done, so the copy overlaps the kernels queued after
 // it (which must neither read nor write `dst`); zrun_ext_join_uploads makes the current stream
@@ -644,19 +664,7 @@ int zrun_ext_copy_to_device_on_side_stream(const at::Tensor* dst, const at::Tens
     }
     const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
     c10::Device dev = dst->device();
-    c10::Stream side = side_stream(impl, dev, 1);
-    c10::Event before(c10::DeviceType::CUDA);
-    before.record(impl->getStream(dev));
-    before.block(side);
-    impl->recordDataPtrOnStream(dst->storage().data_ptr(), side);
-    c10::Stream previous = impl->exchangeStream(side);
-    try {
-      d.copy_(*src, /*non_blocking=*/true);
-    } catch (...) {
-      impl->exchangeStream(previous);
-      throw;
-    }
-    impl->exchangeStream(previous);
+    copy_on_side_stream(impl, dev, side_stream(impl, dev, 1), d, *src, *dst);
     return ZR_OK;
   });
 }
@@ -690,19 +698,7 @@ int zrun_ext_copy_to_host_on_side_stream(const at::Tensor* dst, const at::Tensor
     const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
     c10::Device dev = src->device();
     c10::Stream side = side_stream(impl, dev);
-    c10::Event made(c10::DeviceType::CUDA);
-    made.record(impl->getStream(dev));
-    made.block(side);
-    impl->recordDataPtrOnStream(src->storage().data_ptr(), side);
-    c10::Stream previous = impl->exchangeStream(side);
-    try {
-      at::Tensor d = *dst;
-      d.copy_(*src, /*non_blocking=*/true);
-    } catch (...) {
-      impl->exchangeStream(previous);
-      throw;
-    }
-    impl->exchangeStream(previous);
+    copy_on_side_stream(impl, dev, side, *dst, *src, *src);
     auto done = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
     done->record(side);
     *out = done.release();
