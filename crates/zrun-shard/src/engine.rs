@@ -283,10 +283,12 @@ impl Engine {
         // their pages, beside the offloaded state allocated next (pinned, outside it) and
         // for good: no host tensor of that size comes later on a GPU. Return them now.
         zrun_torch_ext::cpu_empty_cache();
-        let host_grads = crate::host_grads::applies(&cfg);
         let tied = model.units().iter().any(|u| u.tied().is_some());
         let eligible =
             crate::gradients_on_host(cfg.stage, cfg.offload, cfg.one_micro_step, cfg.oom_recovery);
+        // Gradients on the host only, but for a split delayed update, which reads them on the
+        // device at the step's end.
+        let host_grads = eligible && !cfg.fresh();
         let split_bf16 =
             crate::host_grads::split_in_bf16(eligible, cfg.fresh(), &layout, cfg.precision, tied);
         if split_bf16 {

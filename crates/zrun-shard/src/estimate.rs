@@ -55,17 +55,26 @@ pub struct EstimateConfig {
 }
 
 impl EstimateConfig {
-    /// This config as the engine runs it on `layout`: a split delayed update whose gradients
-    /// are exactly bf16 values reduces in bf16 (`host_grads::split_in_bf16`).
-    pub fn resolved(&self, layout: &ShardLayout) -> EstimateConfig {
-        let eligible = crate::gradients_on_host(
+    /// Whether the gradients could live on the host only ([`crate::gradients_on_host`]).
+    fn eligible(&self) -> bool {
+        crate::gradients_on_host(
             self.stage,
             self.offload,
             self.one_micro_step,
             self.oom_recovery,
-        );
-        let fresh = self.offload_delay && self.offload_delay_fresh;
+        )
+    }
+
+    /// Whether updates are delayed and split.
+    fn fresh(&self) -> bool {
+        self.offload_delay && self.offload_delay_fresh
+    }
+
+    /// This config as the engine runs it on `layout`: a split delayed update whose gradients
+    /// are exactly bf16 values reduces in bf16 (`host_grads::split_in_bf16`).
+    fn resolved(&self, layout: &ShardLayout) -> EstimateConfig {
         let mut cfg = *self;
+        let (eligible, fresh) = (self.eligible(), self.fresh());
         if crate::host_grads::split_in_bf16(eligible, fresh, layout, self.precision, self.tied) {
             cfg.reduce_dtype = ReduceDtype::Bf16;
         }
@@ -75,16 +84,7 @@ impl EstimateConfig {
     /// Whether the host's gradients are bf16 (on the host only, or a split delayed update's
     /// copy of its device buffer, where they are exactly bf16 values).
     fn bf16_host_grads(&self, layout: &ShardLayout) -> bool {
-        let eligible = self.host_grads
-            || (self.offload_delay
-                && self.offload_delay_fresh
-                && crate::gradients_on_host(
-                    self.stage,
-                    self.offload,
-                    self.one_micro_step,
-                    self.oom_recovery,
-                ));
-        eligible
+        (self.host_grads || (self.fresh() && self.eligible()))
             && crate::host_grads::host_grad_kind(layout, self.precision, self.tied)
                 == tch::Kind::BFloat16
     }
@@ -243,7 +243,7 @@ impl MemoryLedger {
             };
             // A split delayed update: v on the device (bf16, counted as optimizer state on
             // it), and on the host v and the base where no staging buffer holds it.
-            let split = if cfg.offload_delay && cfg.offload_delay_fresh {
+            let split = if cfg.fresh() {
                 m.optimizer = 2 * shard;
                 2 * shard + if staging == 0 { 4 * shard } else { 0 }
             } else {

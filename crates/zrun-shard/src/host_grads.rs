@@ -1,7 +1,7 @@
 //! Gradients on the host only, ZeRO-Offload's placement of them: with the optimizer offloaded
 //! at stages 2-3, every step one micro-step announced by [`Engine::prepare_step`]
-//! ([`EngineConfig::one_micro_step`]) and no out-of-memory recovery, a unit's gradient shard
-//! is final as soon as its backward (and reduction) is done. It is made in a buffer of its
+//! ([`crate::EngineConfig::one_micro_step`]) and no out-of-memory recovery, a unit's gradient
+//! shard is final as soon as its backward (and reduction) is done. It is made in a buffer of its
 //! own on the device, handed to the host optimizer (copied into the host's gradients,
 //! asynchronously on CUDA, where the copy's stream keeps the buffer from reuse until it has
 //! read it) and dropped. The device keeps no gradient shard: for llama3.1-8b at W=1, 29.9 GiB
@@ -12,7 +12,7 @@
 //! With gradient accumulation the shards must be summed across micro-steps, and a step that
 //! runs out of memory is dropped with its gradients: both keep the device's gradient shard.
 
-use crate::engine::{EarlyStep, Engine, EngineConfig};
+use crate::engine::{EarlyStep, Engine};
 use crate::{Context, Error, Offload, Precision, Result, ShardLayout, Stage};
 use tch::{Kind, Tensor};
 
@@ -55,12 +55,6 @@ pub(crate) fn split_in_bf16(
     tied: bool,
 ) -> bool {
     fresh && eligible && host_grad_kind(layout, precision, tied) == Kind::BFloat16
-}
-
-/// Whether the engine of `cfg` keeps its gradients on the host only.
-pub(crate) fn applies(cfg: &EngineConfig) -> bool {
-    // A split delayed update reads the gradients on the device at the step's end.
-    gradients_on_host(cfg.stage, cfg.offload, cfg.one_micro_step, cfg.oom_recovery) && !cfg.fresh()
 }
 
 /// The sum of the squares of the gradients handed to the host this step: in f64 on CPU; on
