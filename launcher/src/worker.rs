@@ -149,12 +149,18 @@ struct BadInput(#[from] zrun_comm::Error);
 /// How long a rank that stops because another failed waits before it exits.
 pub const FOLLOW_DELAY: std::time::Duration = std::time::Duration::from_millis(1500);
 
-/// Whether `e` says another rank failed and this one stops with it.
+/// Whether `e` says another rank failed and this one stops with it: a failure shared at a
+/// point every rank passes together, or a collective that lost its peer, waited for it in
+/// vain or was refused after such a loss.
 pub fn follows(e: &anyhow::Error) -> bool {
-    matches!(
-        e.downcast_ref::<zrun_train::Error>(),
-        Some(zrun_train::Error::Follows { .. })
-    )
+    match e.downcast_ref::<zrun_train::Error>() {
+        Some(zrun_train::Error::Follows { .. }) => true,
+        Some(zrun_train::Error::Engine(zrun_shard::Error::Comm(c))) => c.blames_a_peer(),
+        Some(_) => false,
+        None => e
+            .downcast_ref::<zrun_comm::Error>()
+            .is_some_and(zrun_comm::Error::blames_a_peer),
+    }
 }
 
 /// The exit code of a rank that ended with `e`: 3 when a stop signal ended it after a
@@ -177,4 +183,44 @@ pub fn is_bad_input(e: &anyhow::Error) -> bool {
             .is_some_and(|e| e.is_bad_input())
         || e.downcast_ref::<zrun_models::Error>().is_some()
         || e.downcast_ref::<BadInput>().is_some()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lost() -> zrun_comm::Error {
+        zrun_comm::Error::PeerLost {
+            rank: 0,
+            op: "all_reduce",
+            bytes: 8,
+            peer: 1,
+            detail: "receive: Connection reset by peer".into(),
+        }
+    }
+
+    #[test]
+    fn a_rank_that_lost_its_peer_lets_the_peer_be_named_first() {
+        // As the trainer returns it: the engine's collective failed.
+        let e = anyhow::Error::from(zrun_train::Error::Engine(zrun_shard::Error::Comm(lost())));
+        assert!(follows(&e));
+        assert!(follows(&anyhow::Error::from(lost()).context("step 7")));
+        let timeout = zrun_comm::Error::Timeout {
+            rank: 0,
+            op: "reduce_scatter",
+            bytes: 8,
+            peer: "1".into(),
+            timeout: Duration::from_secs(1),
+        };
+        assert!(follows(&anyhow::Error::from(timeout)));
+        // A fault of this rank's own is named as its own.
+        let own = zrun_comm::Error::InvalidArgument {
+            rank: 0,
+            op: "all_reduce",
+            detail: "wrong dtype".into(),
+        };
+        let own = zrun_train::Error::Engine(zrun_shard::Error::Comm(own));
+        assert!(!follows(&anyhow::Error::from(own)));
+        assert!(!follows(&anyhow::anyhow!("data file gone")));
+    }
 }

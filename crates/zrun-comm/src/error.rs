@@ -188,3 +188,15 @@ pub enum Error {
         source: tch::TchError,
     },
 }
+
+impl Error {
+    /// True when this error says another rank failed: its connection broke, it did not answer
+    /// in time, or the communicator is unusable after such a failure. The rank reporting it
+    /// is most likely not the cause, so its launcher should hear of the cause first.
+    pub fn blames_a_peer(&self) -> bool {
+        matches!(
+            self,
+            Error::PeerLost { .. } | Error::Timeout { .. } | Error::Poisoned { .. }
+        )
+    }
+}
