@@ -283,7 +283,7 @@ fn print_alternatives(s: &Setting, alts: &[Fit], current: &Choice) {
         c.micro_batch * c.grad_accum
     );
     println!(
-        "  {:<5} {:<7} {:<4} {:>12}  {:<34} cost",
+        "  {:<5} {:<11} {:<4} {:>12}  {:<34} cost",
         "stage",
         "offload",
         "ckpt",
@@ -332,9 +332,13 @@ fn print_alternatives(s: &Setting, alts: &[Fit], current: &Choice) {
         };
         let mark = if key == this { "  <- the config" } else { "" };
         println!(
-            "  {:<5} {:<7} {:<4} {:>12}  {:<34} {}{mark}",
+            "  {:<5} {:<11} {:<4} {:>12}  {:<34} {}{mark}",
             key.stage.to_string(),
-            if key.offload { "cpu" } else { "none" },
+            match (key.offload, key.delayed) {
+                (true, true) => "cpu delayed",
+                (true, false) => "cpu",
+                (false, _) => "none",
+            },
             on_off(key.activation_checkpointing),
             peak,
             other,

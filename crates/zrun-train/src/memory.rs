@@ -82,18 +82,23 @@ pub struct Choice {
     pub micro_batch: usize,
     /// Micro-steps per optimizer step.
     pub grad_accum: usize,
-    /// The config delays its offloaded updates (`zero.offload_delay`): a choice without
-    /// offload then turns the delay off too (it needs offload).
-    #[serde(skip)]
+    /// The offloaded update is delayed one step (`zero.offload_delay = 1`); only with offload,
+    /// and only where the config asks for the delay.
     pub delayed: bool,
+    /// The config delays its offloaded updates: a choice without the delay turns it off
+    /// (`zero.offload_delay = 0`).
+    #[serde(skip)]
+    pub config_delays: bool,
 }
 
 impl Choice {
     /// Every choice at `per_rank` sequences per rank per step, in the planner's order of
     /// preference: stages 0-3, offload off then on (stages 1-3), checkpointing off then on,
-    /// and every micro-batch dividing `per_rank`, largest first, grad_accum making up the
-    /// rest. `delayed`: the config delays its offloaded updates.
-    pub fn space(per_rank: usize, delayed: bool) -> Vec<Choice> {
+    /// the delay on then off (with offload, where the config delays its updates: the delayed
+    /// update needs more device memory and less time), and every micro-batch dividing
+    /// `per_rank`, largest first, grad_accum making up the rest. `config_delays`: the config
+    /// delays its offloaded updates.
+    pub fn space(per_rank: usize, config_delays: bool) -> Vec<Choice> {
         let mut out = Vec::new();
         for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
             for offload in [false, true] {
@@ -101,15 +106,23 @@ impl Choice {
                     continue;
                 }
                 for activation_checkpointing in [false, true] {
-                    for mb in (1..=per_rank).rev().filter(|m| per_rank.is_multiple_of(*m)) {
-                        out.push(Choice {
-                            stage,
-                            offload,
-                            activation_checkpointing,
-                            micro_batch: mb,
-                            grad_accum: per_rank / mb,
-                            delayed,
-                        });
+                    let delays: &[bool] = if offload && config_delays {
+                        &[true, false]
+                    } else {
+                        &[false]
+                    };
+                    for &delayed in delays {
+                        for mb in (1..=per_rank).rev().filter(|m| per_rank.is_multiple_of(*m)) {
+                            out.push(Choice {
+                                stage,
+                                offload,
+                                activation_checkpointing,
+                                micro_batch: mb,
+                                grad_accum: per_rank / mb,
+                                delayed,
+                                config_delays,
+                            });
+                        }
                     }
                 }
             }
@@ -125,7 +138,8 @@ impl Choice {
             activation_checkpointing: cfg.zero.activation_checkpointing,
             micro_batch: cfg.train.micro_batch,
             grad_accum: cfg.train.grad_accum,
-            delayed: cfg.zero.offload_delay > 0,
+            delayed: cfg.zero.offload_delay > 0 && cfg.zero.offload_optimizer == Offload::Cpu,
+            config_delays: cfg.zero.offload_delay > 0,
         }
     }
 
@@ -138,8 +152,8 @@ impl Choice {
         } else {
             Offload::None
         };
-        if !self.offload {
-            c.zero.offload_delay = 0; // nothing to delay
+        if !self.delayed {
+            c.zero.offload_delay = 0; // nothing to delay, or not delayed
         }
         c.zero.activation_checkpointing = self.activation_checkpointing;
         c.train.micro_batch = self.micro_batch;
@@ -162,19 +176,21 @@ impl Choice {
             format!("train.micro_batch={}", self.micro_batch),
             format!("train.grad_accum={}", self.grad_accum),
         ];
-        if self.delayed && !self.offload {
+        if self.config_delays && !self.delayed {
             sets.push("zero.offload_delay=0".into());
         }
         sets
     }
 
-    /// Cheaper first: fewer collectives (lower stage), no offload, no recomputation, then
-    /// the largest micro-batch (fewer, larger kernels).
-    fn rank_key(&self) -> (u8, bool, bool, std::cmp::Reverse<usize>) {
+    /// Cheaper first: fewer collectives (lower stage), no offload, no recomputation, the
+    /// delayed update (the host's step off the critical path) where the config asks for
+    /// it, then the largest micro-batch (fewer, larger kernels).
+    fn rank_key(&self) -> (u8, bool, bool, bool, std::cmp::Reverse<usize>) {
         (
             self.stage.number(),
             self.offload,
             self.activation_checkpointing,
+            self.config_delays && self.offload && !self.delayed,
             std::cmp::Reverse(self.micro_batch),
         )
     }
@@ -188,7 +204,9 @@ impl Choice {
             Stage::Zero3 => "all-gather per unit twice + reduce-scatter per unit",
         }
         .to_string()];
-        if self.offload {
+        if self.delayed {
+            parts.push("optimizer on the host, its update one step late".into());
+        } else if self.offload {
             parts.push("optimizer on the host".into());
         }
         if self.activation_checkpointing {
@@ -624,6 +642,7 @@ pub fn resolve_auto(cfg: &Config, world: usize, fixed: i64, limit: i64) -> Resul
             let c = f.choice;
             (auto.stage || c.stage == fixed_choice.stage)
                 && c.offload == fixed_choice.offload
+                && c.delayed == fixed_choice.delayed
                 && c.activation_checkpointing == fixed_choice.activation_checkpointing
                 && (auto.micro_batch
                     || (c.micro_batch, c.grad_accum)
@@ -693,6 +712,63 @@ mod tests {
             );
         }
         assert!(without > 0, "no alternative without offload was tried");
+    }
+
+    /// A config with the (split) delayed update that does not fit is offered the same choice
+    /// without the delay, which needs less device memory; where both fit, the delay (faster)
+    /// comes first.
+    #[test]
+    fn a_delayed_config_that_does_not_fit_is_offered_the_update_undelayed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.toml");
+        std::fs::write(
+            &path,
+            "[model]\npreset = \"tiny\"\n[zero]\nstage = 2\noffload_optimizer = \"cpu\"\noffload_delay = 1\n",
+        )
+        .unwrap();
+        let cfg = Config::load(&path, &[]).unwrap();
+        let own = Choice::of(&cfg);
+        assert!(own.delayed);
+        let undelayed = Choice {
+            delayed: false,
+            ..own
+        };
+        let peak = |c: Choice| estimate_ranks(&c.apply(&cfg), 2, 0, None).unwrap()[0].peak_bytes;
+        let (with, without) = (peak(own), peak(undelayed));
+        assert!(with > without, "delayed {with} vs undelayed {without}");
+        let same_knobs = |f: &&Fit| {
+            (
+                f.choice.stage,
+                f.choice.activation_checkpointing,
+                f.choice.micro_batch,
+            ) == (own.stage, own.activation_checkpointing, own.micro_batch)
+                && f.choice.offload
+        };
+        // Room for both: the delayed one first.
+        let alts = alternatives(&cfg, 2, 0, Some(with * 2)).unwrap();
+        let both: Vec<&Fit> = alts.iter().filter(same_knobs).collect();
+        assert_eq!(both.len(), 2);
+        assert!(both[0].choice.delayed && both[0].fits && both[1].fits);
+        // Room for the undelayed one only: it is there, with the override that turns the
+        // delay off, and it loads on top of the config.
+        let limit = (without as f64 * (1.0 + MARGIN)).ceil() as i64;
+        assert!(fits(0, without, Some(limit)) && !fits(0, with, Some(limit)));
+        let alts = alternatives(&cfg, 2, 0, Some(limit)).unwrap();
+        let fit = alts
+            .iter()
+            .filter(same_knobs)
+            .find(|f| f.fits)
+            .expect("the undelayed update at the same knobs fits");
+        assert!(!fit.choice.delayed);
+        assert!(fit
+            .choice
+            .overrides()
+            .contains(&"zero.offload_delay=0".to_string()));
+        let loaded = Config::load(&path, &fit.choice.overrides()).unwrap();
+        assert_eq!(loaded.zero.offload_delay, 0);
+        assert!(!alts
+            .iter()
+            .any(|f| f.choice.delayed && f.fits && same_knobs(&f)));
     }
 
     #[test]

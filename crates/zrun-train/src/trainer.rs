@@ -39,6 +39,7 @@ fn resolve_auto(
         u64::from(c.activation_checkpointing),
         c.micro_batch as u64,
         c.grad_accum as u64,
+        u64::from(c.delayed),
     ]
     .iter()
     .flat_map(|x| x.to_le_bytes())
@@ -52,7 +53,8 @@ fn resolve_auto(
         activation_checkpointing: word(2) == 1,
         micro_batch: word(3) as usize,
         grad_accum: word(4) as usize,
-        delayed: c.delayed,
+        delayed: word(5) == 1,
+        config_delays: c.config_delays,
     };
     if rank.rank == 0 {
         tracing::info!(
