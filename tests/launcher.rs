@@ -289,6 +289,49 @@ fn a_failing_worker_is_named_and_the_others_are_stopped() {
 }
 
 #[test]
+fn an_error_every_rank_prints_is_shown_once() {
+    // Every rank meets the same bad input and says so; rank 0 exits 2 once all have.
+    let id = run_id("same");
+    let script = "echo 'zrun: error: data.path x: not found' >&2; sleep 1; \
+                  if [ \"$RANK\" = 0 ]; then exit 2; fi; exec sleep 60";
+    let mut job = Job::start(
+        &[
+            "exec", "--nproc", "3", "--run-id", &id, "--", "sh", "-c", script,
+        ],
+        &[],
+    );
+    let status = job.exit_within(Duration::from_secs(30));
+    assert_eq!(status.code(), Some(2));
+    let err = job.stderr();
+    let shown = err
+        .lines()
+        .filter(|l| l.starts_with("[rank ") && l.ends_with("] zrun: error: data.path x: not found"))
+        .count();
+    assert_eq!(shown, 1, "{err}");
+    let first = err
+        .lines()
+        .find_map(|l| l.strip_suffix("] zrun: error: data.path x: not found"))
+        .and_then(|l| l.strip_prefix("[rank "))
+        .unwrap_or_default()
+        .to_string();
+    let others: Vec<&str> = ["0", "1", "2"]
+        .into_iter()
+        .filter(|r| *r != first)
+        .collect();
+    let want = format!(
+        "zrun: ranks {} and {} printed the same error as rank {first} (shown once)",
+        others[0], others[1]
+    );
+    assert!(err.contains(&want), "{want}: {err}");
+    // The failing rank's own last lines still hold it.
+    assert!(
+        err.contains("    | zrun: error: data.path x: not found"),
+        "{err}"
+    );
+    assert_job_gone(&id);
+}
+
+#[test]
 fn a_worker_failing_in_training_reports_its_last_lines() {
     // The data file vanishes after the config check: every rank fails at start with a
     // bad-input error, and zrun passes exit code 2 on.

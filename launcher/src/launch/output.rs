@@ -175,15 +175,57 @@ pub fn say_with(level: Level, msg: &str, last_lines: &[String]) {
     write(true, text.as_bytes());
 }
 
+/// The error lines (`zrun: error: ...`) ranks printed in this round, in order, each with the
+/// ranks that printed it, the one shown first.
+static ERRORS: Mutex<Vec<(String, Vec<usize>)>> = Mutex::new(Vec::new());
+
 /// Relays one line of rank `rank` (without its newline) to stdout or stderr, as it came;
-/// `prefix`: tag it `[rank R] ` in human format.
+/// `prefix`: tag it `[rank R] ` in human format. An error line another rank already printed
+/// word for word (every rank meeting the same bad input) is shown once: [`say_repeats`]
+/// names the others. The rank's log file and last lines keep it.
 pub fn relay(rank: usize, prefix: bool, to_stderr: bool, line: &str) {
+    if prefix && style().format == LogFormat::Human && line.starts_with("zrun: error: ") {
+        let mut seen = ERRORS.lock().unwrap_or_else(|p| p.into_inner());
+        match seen.iter_mut().find(|(l, _)| l == line) {
+            Some((_, ranks)) => {
+                ranks.push(rank);
+                return;
+            }
+            None => seen.push((line.to_string(), vec![rank])),
+        }
+    }
     let text = match style().format {
         LogFormat::Human if prefix => format!("[rank {rank}] {line}\n"),
         LogFormat::Human => format!("{line}\n"),
         LogFormat::Json => format!("{}\n", json_worker_line(rank, to_stderr, line)),
     };
     write(to_stderr, text.as_bytes());
+}
+
+/// Says which ranks printed an error line that was shown once, and forgets this round's
+/// error lines.
+pub fn say_repeats() {
+    let seen = std::mem::take(&mut *ERRORS.lock().unwrap_or_else(|p| p.into_inner()));
+    for (_, ranks) in seen {
+        if let [first, others @ ..] = ranks.as_slice() {
+            if !others.is_empty() {
+                say(Level::Error, &repeats(*first, others));
+            }
+        }
+    }
+}
+
+/// "rank 2 printed the same error as rank 1 (shown once)", or "ranks 0, 2 and 3 ...".
+fn repeats(first: usize, others: &[usize]) -> String {
+    let mut sorted = others.to_vec();
+    sorted.sort_unstable();
+    let names: Vec<String> = sorted.iter().map(usize::to_string).collect();
+    let who = match names.as_slice() {
+        [one] => format!("rank {one}"),
+        [init @ .., last] => format!("ranks {} and {last}", init.join(", ")),
+        [] => String::new(),
+    };
+    format!("{who} printed the same error as rank {first} (shown once)")
 }
 
 /// Writes bytes a logger formatted (whole lines) to stderr, above the progress line.
@@ -292,6 +334,18 @@ impl tracing_subscriber::fmt::time::FormatTime for Clock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn repeated_errors_are_named_in_one_line() {
+        assert_eq!(
+            repeats(1, &[3, 0, 2]),
+            "ranks 0, 2 and 3 printed the same error as rank 1 (shown once)"
+        );
+        assert_eq!(
+            repeats(0, &[1]),
+            "rank 1 printed the same error as rank 0 (shown once)"
+        );
+    }
 
     #[test]
     fn a_ranks_json_line_gets_its_rank_in_front() {

@@ -85,7 +85,7 @@ impl Job<'_> {
         self.rdzv.set_round(round);
         let mut sup = self.start(round)?;
         let r = Round { job: self, round };
-        Ok(match sup.watch(|| self.rdzv.news()) {
+        let next = match sup.watch(|| self.rdzv.news()) {
             // The ranks' last lines are printed before zrun's own and before it exits.
             Outcome::Success => {
                 sup.drain();
@@ -98,7 +98,9 @@ impl Job<'_> {
             Outcome::Failed { rank, status } => r.failed(&mut sup, rank, status),
             Outcome::Signalled(sig) => r.signalled(&mut sup, sig),
             Outcome::Remote(news) => r.remote(&mut sup, news),
-        })
+        };
+        output::say_repeats();
+        Ok(next)
     }
 
     /// Starts this node's ranks; when one cannot start, stops the others and tells the
