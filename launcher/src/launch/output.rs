@@ -203,7 +203,7 @@ pub fn relay(rank: usize, prefix: bool, to_stderr: bool, line: &str) {
 }
 
 /// Says which ranks printed an error line that was shown once, and forgets this round's
-/// error lines.
+/// error lines (a second call says nothing).
 pub fn say_repeats() {
     let seen = std::mem::take(&mut *ERRORS.lock().unwrap_or_else(|p| p.into_inner()));
     for (_, ranks) in seen {

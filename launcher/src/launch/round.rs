@@ -99,6 +99,7 @@ impl Job<'_> {
             Outcome::Signalled(sig) => r.signalled(&mut sup, sig),
             Outcome::Remote(news) => r.remote(&mut sup, news),
         };
+        // After any other end (a signal, another node's failure); said once.
         output::say_repeats();
         Ok(next)
     }
@@ -287,6 +288,8 @@ impl Round<'_> {
             Some(w) => self.not_restarted(w),
         };
         let failed = format!("rank {rank}{here} failed{first}: {how}{others}{then}");
+        // Before the failure, so that the failing rank's last lines stay the last ones.
+        output::say_repeats();
         if self.job.rdzv.layout.world_size > 1 && !tail.is_empty() {
             match output::style().format {
                 output::LogFormat::Human => {
