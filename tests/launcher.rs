@@ -333,10 +333,11 @@ fn an_error_every_rank_prints_is_shown_once() {
 
 #[test]
 fn a_worker_failing_in_training_reports_its_last_lines() {
-    // The data file vanishes after the config check: every rank fails at start with a
-    // bad-input error, and zrun passes exit code 2 on.
+    // The data file is there but not a token file (an odd number of bytes): every rank
+    // fails at start with a bad-input error, and zrun passes exit code 2 on.
     let d = scratch("fail");
-    let bin = d.join("gone.bin");
+    let bin = d.join("odd.bin");
+    std::fs::write(&bin, [1u8, 2, 3]).unwrap();
     let cfg = write(
         &d,
         "c.toml",
@@ -353,8 +354,32 @@ fn a_worker_failing_in_training_reports_its_last_lines() {
     assert!(err.contains("failed first: exited with code 2"), "{err}");
     assert!(
         err.lines()
-            .any(|l| l.starts_with("    | ") && l.contains("gone.bin")),
+            .any(|l| l.starts_with("    | ") && l.contains("odd.bin")),
         "the failing rank's last lines are quoted: {err}"
+    );
+}
+
+#[test]
+fn a_missing_data_path_is_refused_before_any_rank_starts() {
+    let d = scratch("nodata");
+    let bin = d.join("gone.bin");
+    let cfg = write(
+        &d,
+        "c.toml",
+        format!(
+            "[data]\nsource = \"tokens\"\npath = \"{}\"\n[log]\ndir = \"{}\"\n",
+            bin.display(),
+            d.display()
+        )
+        .as_bytes(),
+    );
+    let out = zrun(&["--nproc", "2", &cfg]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.starts_with("zrun: error: data.path ") && err.contains("gone.bin: not found"),
+        "{err}"
     );
 }
 

@@ -104,6 +104,17 @@ pub struct Cursor {
     pub next_sample: u64,
 }
 
+/// Refuses a `data.path` that does not exist, with the error a rank opening it gives: cheap
+/// enough for the launcher to check once before any rank starts (the ranks check the rest).
+pub fn check_path(cfg: &crate::config::Config) -> Result<(), DataError> {
+    use crate::config::DataKind;
+    match (cfg.data.source, cfg.data.path.as_deref()) {
+        (DataKind::Tokens, Some(p)) => tokens::present(p),
+        (DataKind::Text, Some(p)) => text::present(p),
+        _ => Ok(()),
+    }
+}
+
 /// The concrete source behind a [`Dataset`].
 #[derive(Debug)]
 enum Source {

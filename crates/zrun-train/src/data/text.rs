@@ -32,12 +32,7 @@ pub(crate) fn open(
             vocab_size: opts.vocab_size,
         });
     }
-    if !path.exists() {
-        return Err(DataError::NotFound {
-            path: path.to_path_buf(),
-            expected: "a UTF-8 text file, or a directory of *.txt files",
-        });
-    }
+    present(path)?;
     let label = format!("text {}", path.display());
     let store = if path.is_dir() {
         let files = txt_files(path)?;
@@ -78,6 +73,17 @@ fn documents_kind(path: &Path) -> Option<&'static str> {
     }
 }
 
+/// Refuses a `data.path` of text that does not exist.
+pub(crate) fn present(path: &Path) -> Result<(), DataError> {
+    if path.exists() {
+        return Ok(());
+    }
+    Err(DataError::NotFound {
+        path: path.to_path_buf(),
+        expected: "a UTF-8 text file, or a directory of *.txt files",
+    })
+}
+
 /// Opens text encoded by the tokenizer at `tokenizer`, whose vocabulary must fit
 /// `model.vocab_size`.
 fn open_encoded(path: &Path, tokenizer: &Path, opts: &DataOptions) -> Result<Corpus, DataError> {
@@ -89,12 +95,7 @@ fn open_encoded(path: &Path, tokenizer: &Path, opts: &DataOptions) -> Result<Cor
             vocab_size: opts.vocab_size,
         });
     }
-    if !path.exists() {
-        return Err(DataError::NotFound {
-            path: path.to_path_buf(),
-            expected: "a UTF-8 text file, or a directory of *.txt files",
-        });
-    }
+    present(path)?;
     let files = if path.is_dir() {
         txt_files(path)?
     } else {

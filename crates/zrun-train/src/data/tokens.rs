@@ -16,14 +16,7 @@ const SCAN_CHUNK: usize = 1 << 20;
 /// Opens a shard directory (a directory holding `index.json`, or that file), a `.bin` file,
 /// or a directory with `train.bin` and optionally `val.bin`.
 pub(crate) fn open(path: &Path, opts: &DataOptions) -> Result<Corpus, DataError> {
-    if !path.exists() {
-        return Err(DataError::NotFound {
-            path: path.to_path_buf(),
-            expected: "a token-shard directory (with index.json) or its index.json, a token \
-                       .bin file, or a directory holding train.bin (and optionally val.bin) \
-                       as zrun prepare or nanoGPT's prepare.py writes them",
-        });
-    }
+    present(path)?;
     if let Some(dir) = shards::shard_dir(path) {
         return shards::open(&dir, opts);
     }
@@ -50,6 +43,19 @@ pub(crate) fn open(path: &Path, opts: &DataOptions) -> Result<Corpus, DataError>
     let store = map(path, opts.vocab_size)?;
     let label = format!("tokens {} ({})", path.display(), store.describe());
     Corpus::with_held_out(label, store, path, t, seed, opts.eval_fraction)
+}
+
+/// Refuses a `data.path` of tokens that does not exist.
+pub(crate) fn present(path: &Path) -> Result<(), DataError> {
+    if path.exists() {
+        return Ok(());
+    }
+    Err(DataError::NotFound {
+        path: path.to_path_buf(),
+        expected: "a token-shard directory (with index.json) or its index.json, a token .bin \
+                   file, or a directory holding train.bin (and optionally val.bin) as zrun \
+                   prepare or nanoGPT's prepare.py writes them",
+    })
 }
 
 /// Maps a token file after checking its header (if any) against its size and that every
