@@ -393,7 +393,11 @@ fn train(cli: &Cli) -> anyhow::Result<u8> {
     // Check the config once here, so a mistake is one line rather than one per rank: its
     // keys, and its backend and device against this build and this machine's GPUs.
     let cfg = zrun_train::config::Config::load(config, &cli.set)?;
-    zrun_train::data::check_path(&cfg).map_err(|e| BadInput(e.to_string()))?;
+    if cli.launch.nnodes.unwrap_or(1) <= 1 {
+        // One node: a missing data.path is one line here. Across nodes each node may lack
+        // it alone, so its ranks say so and the store tells the other nodes.
+        zrun_train::data::check_path(&cfg).map_err(|e| BadInput(e.to_string()))?;
+    }
     // The ranks inherit this process's CUDA_VISIBLE_DEVICES: they see what it sees.
     let caps = zrun_train::config::Capabilities::detect();
     let nproc = cli.launch.nproc.unwrap_or(caps.gpus.max(1));
