@@ -10,6 +10,7 @@ mod launcher_restarts;
 
 use std::collections::HashMap;
 use std::io::Read;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 fn run_id(name: &str) -> String {
@@ -331,15 +332,10 @@ fn an_error_every_rank_prints_is_shown_once() {
     assert_job_gone(&id);
 }
 
-#[test]
-fn a_worker_failing_in_training_reports_its_last_lines() {
-    // The data file is there but not a token file (an odd number of bytes): every rank
-    // fails at start with a bad-input error, and zrun passes exit code 2 on.
-    let d = scratch("fail");
-    let bin = d.join("odd.bin");
-    std::fs::write(&bin, [1u8, 2, 3]).unwrap();
-    let cfg = write(
-        &d,
+/// A config in `d` training on the token file `bin`, logging to `d`.
+fn tokens_config(d: &Path, bin: &Path) -> String {
+    write(
+        d,
         "c.toml",
         format!(
             "[data]\nsource = \"tokens\"\npath = \"{}\"\n[log]\ndir = \"{}\"\n",
@@ -347,8 +343,17 @@ fn a_worker_failing_in_training_reports_its_last_lines() {
             d.display()
         )
         .as_bytes(),
-    );
-    let out = zrun(&["--nproc", "2", &cfg]);
+    )
+}
+
+#[test]
+fn a_worker_failing_in_training_reports_its_last_lines() {
+    // The data file is there but not a token file (an odd number of bytes): every rank
+    // fails at start with a bad-input error, and zrun passes exit code 2 on.
+    let d = scratch("fail");
+    let bin = d.join("odd.bin");
+    std::fs::write(&bin, [1u8, 2, 3]).unwrap();
+    let out = zrun(&["--nproc", "2", &tokens_config(&d, &bin)]);
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("failed first: exited with code 2"), "{err}");
@@ -363,17 +368,7 @@ fn a_worker_failing_in_training_reports_its_last_lines() {
 fn a_missing_data_path_is_refused_before_any_rank_starts() {
     let d = scratch("nodata");
     let bin = d.join("gone.bin");
-    let cfg = write(
-        &d,
-        "c.toml",
-        format!(
-            "[data]\nsource = \"tokens\"\npath = \"{}\"\n[log]\ndir = \"{}\"\n",
-            bin.display(),
-            d.display()
-        )
-        .as_bytes(),
-    );
-    let out = zrun(&["--nproc", "2", &cfg]);
+    let out = zrun(&["--nproc", "2", &tokens_config(&d, &bin)]);
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");

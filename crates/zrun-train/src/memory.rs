@@ -685,21 +685,24 @@ mod tests {
         );
     }
 
-    /// `train.loss_chunk = "auto"` (the default, absent or written): the full logits on a GPU
-    /// where the estimate with them fits, chunks where it does not and on CPU; a number is
-    /// kept. The full logits cost memory, so the limit between the two estimates decides.
-    /// A config that delays its offloaded updates: every alternative's `--set` lines load on
-    /// top of it (a choice without offload must turn the delay off, which needs offload).
-    #[test]
-    fn alternatives_of_a_delayed_config_are_valid_overrides_of_it() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("t.toml");
+    /// A tiny stage-2 config with the optimizer offloaded and its update delayed, in `dir`.
+    fn delayed_config(dir: &std::path::Path) -> (std::path::PathBuf, Config) {
+        let path = dir.join("t.toml");
         std::fs::write(
             &path,
             "[model]\npreset = \"tiny\"\n[zero]\nstage = 2\noffload_optimizer = \"cpu\"\noffload_delay = 1\n",
         )
         .unwrap();
         let cfg = Config::load(&path, &[]).unwrap();
+        (path, cfg)
+    }
+
+    /// A config that delays its offloaded updates: every alternative's `--set` lines load on
+    /// top of it (a choice without offload must turn the delay off, which needs offload).
+    #[test]
+    fn alternatives_of_a_delayed_config_are_valid_overrides_of_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, cfg) = delayed_config(dir.path());
         let mut without = 0;
         for f in alternatives(&cfg, 2, 0, None).unwrap() {
             without += usize::from(!f.choice.offload);
@@ -720,13 +723,7 @@ mod tests {
     #[test]
     fn a_delayed_config_that_does_not_fit_is_offered_the_update_undelayed() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("t.toml");
-        std::fs::write(
-            &path,
-            "[model]\npreset = \"tiny\"\n[zero]\nstage = 2\noffload_optimizer = \"cpu\"\noffload_delay = 1\n",
-        )
-        .unwrap();
-        let cfg = Config::load(&path, &[]).unwrap();
+        let (path, cfg) = delayed_config(dir.path());
         let own = Choice::of(&cfg);
         assert!(own.delayed);
         let undelayed = Choice {
