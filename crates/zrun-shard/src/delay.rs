@@ -36,9 +36,10 @@
 //! that unit: by the next backward for the units it waited for (behind that unit's backward,
 //! which is the last reader of its parameters in the step), by [`Engine::catch_up`] for the
 //! rest. The copies overlap the CPU's work on the other units, and only the last unit's is
-//! left when the update ends. The next update's jobs write the buffers they read: those
-//! made during backward are complete by then (the loss was read since, on their stream), so
-//! only the first job of a unit refreshed by the catch-up waits for an event after them.
+//! left when the update ends. The copies go on an upload stream (see [`upload`]), and the
+//! next update's jobs write the buffers they read, so its first job waits for an event after
+//! them all (with the copies on the compute stream, a read of the loss saw those of backward
+//! done, and only the first job of a unit the catch-up copied waits).
 
 use crate::engine::Optimizer;
 use crate::offload::HostOptimizer;
@@ -73,12 +74,28 @@ pub(crate) struct Delay {
 /// compute stream wait for it before the step's end reads `dst`. `ZRUN_UPLOAD_STREAM=0`
 /// queues it on the compute stream instead (to compare the two: benches/gpu check k).
 pub(crate) fn upload(dst: &Tensor, src: &Tensor) -> std::result::Result<(), zrun_torch_ext::Error> {
-    static SIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *SIDE.get_or_init(|| std::env::var("ZRUN_UPLOAD_STREAM").as_deref() != Ok("0")) {
+    if on_upload_stream() {
         zrun_torch_ext::copy_to_device_on_side_stream(dst, src)
     } else {
         zrun_torch_ext::copy_async(dst, src)
     }
+}
+
+/// Whether [`upload`] queues its copies on the upload stream (the default) rather than the
+/// compute stream: a read of the loss then does not wait for them.
+pub(crate) fn on_upload_stream() -> bool {
+    static SIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SIDE.get_or_init(|| std::env::var("ZRUN_UPLOAD_STREAM").as_deref() != Ok("0"))
+}
+
+/// Whether the next delayed update's job of unit `u`, the first it sends of those not sent
+/// yet (they go last unit first and run in order), waits for the event after the last
+/// update's copies to the device before it overwrites what they read. The units the last
+/// catch-up copied (up to `late`) need it. Those copied during backward were complete when
+/// the loss was read, where they were queued on the compute stream; on the upload stream
+/// nothing waited for them but that event, so then the first job waits, whichever unit.
+pub(crate) fn waits_for_refresh(u: usize, late: Option<usize>, upload_stream: bool) -> bool {
+    upload_stream || late.is_none_or(|l| u <= l)
 }
 
 /// Queues the copy of unit `u`'s slice of `src` (the shard-layout buffer a finished delayed
@@ -311,5 +328,24 @@ impl Engine {
             None => self.params_from_host_master()?,
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::waits_for_refresh;
+
+    /// The copies of units refreshed during backward: on the compute stream a read of the
+    /// loss saw them done, so the next update starts on those units at once; on the upload
+    /// stream nothing did, so its first job waits whichever unit it is.
+    #[test]
+    fn the_next_update_waits_for_uploads_nothing_else_waited_for() {
+        // Units 3 and 2 went during backward, 1 and 0 at the catch-up.
+        let late = Some(1);
+        assert!(!waits_for_refresh(3, late, false));
+        assert!(waits_for_refresh(1, late, false));
+        assert!(waits_for_refresh(3, late, true));
+        // Every unit at the catch-up (or all at once after a prediction).
+        assert!(waits_for_refresh(3, None, false));
     }
 }

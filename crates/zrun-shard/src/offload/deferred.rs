@@ -44,16 +44,17 @@ impl HostOptimizer {
         // unit 0's copy, into its own buffer, is waited for by its job alone.
         let mut first = self.stage_segments(segments, true)?;
         self.begin_step()?;
-        // The jobs overwrite the staging slices the last update's new parameters were copied
-        // to the device from. The copies made during backward are complete (the loss was read
-        // since, on the stream they were queued on); the first job (the worker runs them in
-        // order) of a unit copied at the catch-up waits until the device has read them all.
+        // The jobs overwrite the staging slices (and a split's v) the last update's new
+        // values were copied to the device from: the first job (the worker runs them in
+        // order) that could find a copy unfinished waits until the device has read them all
+        // (`delay::waits_for_refresh`).
         let mut refreshed = self.refreshed_ready.take();
         let late = self.refreshed_late.take();
+        let upload_stream = crate::delay::on_upload_stream();
         for u in (0..layout.units.len()).rev() {
             let mut job = self.job(layout, u, lr, grad_scale, None)?;
             job.split = self.split_out(layout, u, next_lr)?;
-            if late.is_none_or(|l| u <= l) {
+            if crate::delay::waits_for_refresh(u, late, upload_stream) {
                 job.ready.extend(refreshed.take());
             }
             if u == 0 {

@@ -100,9 +100,8 @@ pub(crate) struct HostOptimizer {
     /// (CUDA): the next delayed update writes the buffers they read only once it completes.
     refreshed_ready: Option<zrun_torch_ext::CudaEvent>,
     /// The highest unit whose new parameters the last catch-up copied
-    /// ([`HostOptimizer::finish_each`]; the others went during backward, before a read of the
-    /// loss waited for them): the next delayed update's job of it is the first that waits for
-    /// `refreshed_ready`.
+    /// ([`HostOptimizer::finish_each`]; the others went during backward): see
+    /// `delay::waits_for_refresh`.
     refreshed_late: Option<usize>,
 }
 
