@@ -5,6 +5,10 @@ the earlier results) and summed up in a table on stdout.
     python3 benches/gpu/checks.py --zrun .gpu/zrun --out "$OUT/results.json" [--only a,c]
 
 Checks (one GPU; several ranks share it over the tcp backend, which stages CUDA tensors):
+  u  ext       the unit tests of zrun's libtorch extension (zrun-torch-ext, packed beside the
+               binary), whose CUDA parts run only on a GPU: side-stream copies ordered after
+               the work before them (the delayed update's upload stream), pinned blocks,
+               events, storage release; all pass, and libtorch sees the GPU
   x  kernels   zrun's own CUDA kernels (NVRTC): `zrun bench kernels`, the fused (and the chunked)
                loss, SwiGLU, the rotary embedding, the bias (alone and after GELU) and
                LayerNorm sums, AdamW with the bf16 parameters, the gradient layout and the
@@ -645,7 +649,27 @@ def check_kernels(c):
             "rows": rows, **({} if ok else {"output": out[-3000:]})}
 
 
-CHECKS = {"x": ("kernels", check_kernels), "a": ("nccl", check_nccl), "i": ("nccl_ranks", check_nccl_ranks), "m": ("llama", check_llama),
+def check_ext(c):
+    """The CUDA extension's unit tests on the GPU (`cargo test -p zrun-torch-ext --features
+    cuda --lib`, built by `run.sh pack`), one thread, with ZRUN_EXPECT_CUDA=1."""
+    exe = c.zrun.parent / "torch-ext-tests"
+    if not exe.exists():
+        return {"pass": False, "error": f"{exe} missing: run benches/gpu/run.sh pack"}
+    t0 = time.time()
+    try:
+        p = subprocess.run([str(exe), "--test-threads", "1"], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "ZRUN_EXPECT_CUDA": "1"})
+    except subprocess.TimeoutExpired:
+        return {"pass": False, "error": "timed out after 300 s"}
+    out = p.stdout + p.stderr
+    ran = [x for x in out.splitlines() if x.startswith("test ") and " ... " in x]
+    failed = [x for x in ran if x.endswith(" FAILED")]
+    return {"pass": p.returncode == 0 and bool(ran) and not failed, "rc": p.returncode,
+            "tests": len(ran), "failed": failed, "seconds": round(time.time() - t0, 1),
+            **({} if p.returncode == 0 else {"output": out[-3000:]})}
+
+
+CHECKS = {"u": ("ext", check_ext), "x": ("kernels", check_kernels), "a": ("nccl", check_nccl), "i": ("nccl_ranks", check_nccl_ranks), "m": ("llama", check_llama),
           "p": ("profile", check_profile),
           "n": ("8b", check_8b),
           "j": ("nccl_kill", check_nccl_kill), "l": ("nccl_hybrid", check_nccl_hybrid), "k": ("delay", check_delay), "K": ("delay_loss", check_delay_loss), "c": ("speed", check_speed), "e": ("offload", check_offload),
@@ -668,7 +692,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--zrun", required=True, help="the zrun binary built with --features cuda")
     ap.add_argument("--out", required=True, help="the JSON file of results")
-    ap.add_argument("--only", default="a,i,l,j,p,c,m,n,e,K,k,d,b,g,f,h",
+    ap.add_argument("--only", default="u,x,a,i,l,j,p,c,m,n,e,K,k,d,b,g,f,h",
                     help="checks to run, in this order; checks joined by + run side by side "
                     "(for those that time nothing: i+l+j+K)")
     args = ap.parse_args()

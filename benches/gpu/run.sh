@@ -5,7 +5,7 @@
 #                                      in .gpu/ (git-ignored) for the device tool's carry
 #   bash benches/gpu/run.sh [CHECKS]   on the GPU machine (repo root, carry [".gpu"]): point
 #                                      the loader at its torch and NCCL, run the checks
-#                                      (default all: x,a,i,l,j,p,c,m,n,e,K,k,d,b,g,f,h; + runs checks side by side), write $OUT/results.json
+#                                      (default all: u,x,a,i,l,j,p,c,m,n,e,K,k,d,b,g,f,h; + runs checks side by side), write $OUT/results.json
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
@@ -14,7 +14,16 @@ if [ "${1:-}" = pack ]; then
     cargo build --release -p zrun --features cuda
     mkdir -p .gpu
     strip -o .gpu/zrun target/release/zrun
-    ls -la .gpu/zrun
+    # The CUDA extension's unit tests (check u), whose CUDA parts run only where a GPU is.
+    tests="$(cargo test --release -p zrun-torch-ext --features cuda --lib --no-run \
+        --message-format=json | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
+        print(m["executable"])')"
+    strip -o .gpu/torch-ext-tests "$tests"
+    ls -la .gpu/zrun .gpu/torch-ext-tests
     echo 'now: run(command="bash benches/gpu/run.sh", carry=[".gpu"])'
     exit 0
 fi
@@ -29,4 +38,4 @@ export PYTHONUNBUFFERED=1
 OUT_DIR="${OUT:-$ROOT/.gpu}"
 nvidia-smi -L
 exec $PY benches/gpu/checks.py --zrun .gpu/zrun --out "$OUT_DIR/results.json" \
-    --only "${1:-x,a,i,l,j,p,c,m,n,e,K,k,d,b,g,f,h}"
+    --only "${1:-u,x,a,i,l,j,p,c,m,n,e,K,k,d,b,g,f,h}"

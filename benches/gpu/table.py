@@ -71,6 +71,8 @@ def table(results):
                             for lr, v in r["by_lr"].items())
         elif key == "nccl_kill":
             fig = f"exit {r.get('rc')} {r.get('exit_after_kill_s')} s after the kill, named {r.get('named')}"
+        elif key == "ext" and "tests" in r:
+            fig = f"{r['tests']} tests, failing {r['failed']}"
         elif key == "nccl":
             fig = f"{len(r.get('rows', []))} rows, wrong {sum(x['wrong'] for x in r.get('rows', []))}"
         lines.append(f"{key:8} {'PASS' if r.get('pass') else 'FAIL'}  {fig}")

@@ -281,6 +281,19 @@ mod tests {
     use crate::{resize_storage, storage_nbytes};
     use tch::{Cuda, Device, Kind, Tensor};
 
+    /// Where the GPU checks run these tests (`ZRUN_EXPECT_CUDA=1`, benches/gpu check u),
+    /// libtorch must see the GPU: else every CUDA test here would take its CPU branch and
+    /// pass without having run.
+    #[test]
+    fn cuda_is_seen_where_it_is_expected() {
+        if std::env::var("ZRUN_EXPECT_CUDA").as_deref() == Ok("1") {
+            assert!(
+                Cuda::is_available(),
+                "ZRUN_EXPECT_CUDA=1 but libtorch sees no GPU"
+            );
+        }
+    }
+
     #[test]
     fn pinned_blocks_round_to_powers_of_two_and_events_need_cuda() {
         assert_eq!(pinned_bytes(0), 0);
