@@ -222,14 +222,18 @@ fn json(s: &Search, c: &Candidate) -> serde_json::Value {
 fn row(s: &Search, label: &str, c: &Candidate) -> String {
     let ch = &c.choice;
     format!(
-        "  {label:>4} {:>12} {:>6.1}% {:>9.3} {:>11} {:>5} {:>6} {:>7} {:>4} {:>9}",
+        "  {label:>4} {:>12} {:>6.1}% {:>9.3} {:>11} {:>5} {:>6} {:>11} {:>4} {:>9}",
         thousands(c.step.tokens_per_s),
         c.step.mfu * 100.0,
         c.step.step_s,
         human(c.peak_bytes + c.fixed_bytes),
         ch.stage.to_string(),
         s.group_value(c.group).trim_matches('"'),
-        if ch.offload { "cpu" } else { "none" },
+        match (ch.offload, ch.delayed) {
+            (true, true) => "cpu delayed",
+            (true, false) => "cpu",
+            (false, _) => "none",
+        },
         if ch.activation_checkpointing {
             "on"
         } else {
@@ -407,7 +411,7 @@ pub fn plan(a: &PlanArgs, name: &str) -> anyhow::Result<u8> {
         .into());
     };
     println!(
-        "  {:>4} {:>12} {:>7} {:>9} {:>11} {:>5} {:>6} {:>7} {:>4} {:>9}",
+        "  {:>4} {:>12} {:>7} {:>9} {:>11} {:>5} {:>6} {:>11} {:>4} {:>9}",
         "rank",
         "tokens/s/GPU",
         "MFU",
