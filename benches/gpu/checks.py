@@ -56,7 +56,8 @@ Checks (one GPU; several ranks share it over the tcp backend, which stages CUDA 
                least the CPU AdamW): no offload, offload, and offload with
                zero.offload_delay = 1 (ZeRO-Offload's delayed update), plain and split
                (zero.offload_delay_fresh; and the split with its copies to the device on the
-               compute stream, ZRUN_UPLOAD_STREAM=0), interleaved; target: the split's step
+               compute stream, ZRUN_UPLOAD_STREAM=0, and with each micro-batch read in line,
+               ZRUN_READ_AHEAD=0), interleaved; target: the split's step
                <= 1.1 x max(the step without offload, the CPU AdamW alone),
                and the loss after 200 steps within 1% of the undelayed offload run (K:
                a 50-step learning-rate warm-up, and the delay on once it ends, its default;

@@ -16,7 +16,11 @@ DELAY_SIDES = {"no offload": ['zero.offload_optimizer="none"'],
 # The split again with its copies to the device on the compute stream, as before 2026-11-29
 # (ZRUN_UPLOAD_STREAM=0, delay.rs `upload`): what the upload stream saves.
 DELAY_SIDES["offload delay 1 fresh, copies in line"] = DELAY_SIDES["offload delay 1 fresh"]
-DELAY_ENV = {"offload delay 1 fresh, copies in line": {"ZRUN_UPLOAD_STREAM": "0"}}
+# And with each micro-batch read in line, as before 2026-11-30 (ZRUN_READ_AHEAD=0, loader.rs):
+# what reading the next one ahead saves.
+DELAY_SIDES["offload delay 1 fresh, read in line"] = DELAY_SIDES["offload delay 1 fresh"]
+DELAY_ENV = {"offload delay 1 fresh, copies in line": {"ZRUN_UPLOAD_STREAM": "0"},
+             "offload delay 1 fresh, read in line": {"ZRUN_READ_AHEAD": "0"}}
 
 
 # The 200-step runs take a learning-rate warm-up and the delay's default warm-up (as long as it),
@@ -103,7 +107,8 @@ def check_delay(c, rounds=2):
            "gpu_step_over_cpu_adamw": med["no offload"] / adam,
            "delayed_over_bound": med["offload delay 1"] / bound,
            "fresh_over_bound": med["offload delay 1 fresh"] / bound,
-           "fresh_in_line_over_bound": med["offload delay 1 fresh, copies in line"] / bound}
+           "fresh_in_line_over_bound": med["offload delay 1 fresh, copies in line"] / bound,
+           "fresh_read_in_line_over_bound": med["offload delay 1 fresh, read in line"] / bound}
     # check K (delay_loss) measures the loss after 200 steps (the split's gap)
     loss = c.results["checks"].get("delay_loss") or {}
     out["loss_gap"] = loss.get("loss_gap")

@@ -61,6 +61,8 @@ def table(results):
                    f"x{r.get('fresh_over_bound', float('nan')):.2f}"
                    + (f" (copies in line x{r['fresh_in_line_over_bound']:.2f})"
                       if "fresh_in_line_over_bound" in r else "")
+                   + (f" (read in line x{r['fresh_read_in_line_over_bound']:.2f})"
+                      if "fresh_read_in_line_over_bound" in r else "")
                    + " of max(no offload, CPU AdamW), "
                    + (f"split's loss gap {r['loss_gap']:.2%}" if r.get("loss_gap") is not None
                       else "loss gap not measured (check K)"))
