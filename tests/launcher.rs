@@ -5,12 +5,13 @@
 mod common;
 use common::*;
 
+// A rank that fails or is killed: which rank is named, what of its output is shown.
+mod launcher_failures;
 // --max-restarts and the stop signals (SIGTERM, SIGUSR1, exit code 3).
 mod launcher_restarts;
 
 use std::collections::HashMap;
 use std::io::Read;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 fn run_id(name: &str) -> String {
@@ -215,167 +216,6 @@ fn ranks_sharing_one_gpu_over_nccl_get_a_host_id_each() {
     assert!(ids[0] != "none" && ids[0] != ids[1], "{o}");
     let o = run(&[]);
     assert_eq!(o.matches(" none none none").count(), 2, "{o}");
-}
-
-#[test]
-fn sigkill_to_a_worker_mid_training_ends_the_job() {
-    let d = scratch("kill");
-    let id = run_id("kill");
-    let set = log_dir_set(&d);
-    let mut job = Job::start(
-        &[
-            "--nproc",
-            "2",
-            "--run-id",
-            &id,
-            "configs/tiny-cpu.toml",
-            "--set",
-            "train.steps=100000",
-            "--set",
-            &set,
-        ],
-        &[],
-    );
-    // both ranks are in the training loop
-    assert!(
-        job.wait_for(Duration::from_secs(60), |t| {
-            t.contains("[rank 0]") && t.contains("[rank 1]") && t.contains("training")
-        }),
-        "{}",
-        job.text()
-    );
-    std::thread::sleep(Duration::from_millis(1500));
-    let victim = rank_pid(&id, 1);
-    let t = Instant::now();
-    signal(victim, libc::SIGKILL);
-    let status = job.exit_within(Duration::from_secs(15));
-    assert!(t.elapsed() < Duration::from_secs(15));
-    assert!(!status.success());
-    let err = job.stderr();
-    assert!(
-        err.contains("zrun: rank 1 failed first: killed by signal 9 (SIGKILL)"),
-        "{err}"
-    );
-    assert_job_gone(&id);
-}
-
-#[test]
-fn a_failing_worker_is_named_and_the_others_are_stopped() {
-    let id = run_id("exit4");
-    // Ranks 0 and 2 would sleep for a minute; rank 1 exits 4 once they run.
-    let script = "if [ \"$RANK\" = 1 ]; then sleep 0.5; echo giving up; exit 4; fi; exec sleep 60";
-    let mut job = Job::start(
-        &[
-            "exec", "--nproc", "3", "--run-id", &id, "--", "sh", "-c", script,
-        ],
-        &[],
-    );
-    let t = Instant::now();
-    let status = job.exit_within(Duration::from_secs(30));
-    assert_eq!(status.code(), Some(1));
-    assert!(
-        t.elapsed() < Duration::from_secs(10),
-        "the others were not stopped"
-    );
-    let err = job.stderr();
-    assert!(
-        err.contains("zrun: rank 1 failed first: exited with code 4; stopped the other 2 ranks"),
-        "{err}"
-    );
-    assert!(
-        err.contains("last 1 lines of rank 1") && err.contains("| giving up"),
-        "{err}"
-    );
-    assert_job_gone(&id);
-}
-
-#[test]
-fn an_error_every_rank_prints_is_shown_once() {
-    // Every rank meets the same bad input and says so; rank 0 exits 2 once all have.
-    let id = run_id("same");
-    let script = "echo 'zrun: error: data.path x: not found' >&2; sleep 1; \
-                  if [ \"$RANK\" = 0 ]; then exit 2; fi; exec sleep 60";
-    let mut job = Job::start(
-        &[
-            "exec", "--nproc", "3", "--run-id", &id, "--", "sh", "-c", script,
-        ],
-        &[],
-    );
-    let status = job.exit_within(Duration::from_secs(30));
-    assert_eq!(status.code(), Some(2));
-    let err = job.stderr();
-    let shown = err
-        .lines()
-        .filter(|l| l.starts_with("[rank ") && l.ends_with("] zrun: error: data.path x: not found"))
-        .count();
-    assert_eq!(shown, 1, "{err}");
-    let first = err
-        .lines()
-        .find_map(|l| l.strip_suffix("] zrun: error: data.path x: not found"))
-        .and_then(|l| l.strip_prefix("[rank "))
-        .unwrap_or_default()
-        .to_string();
-    let others: Vec<&str> = ["0", "1", "2"]
-        .into_iter()
-        .filter(|r| *r != first)
-        .collect();
-    let want = format!(
-        "zrun: ranks {} and {} printed the same error as rank {first} (shown once)",
-        others[0], others[1]
-    );
-    assert!(err.contains(&want), "{want}: {err}");
-    // The failing rank's own last lines still hold it.
-    assert!(
-        err.contains("    | zrun: error: data.path x: not found"),
-        "{err}"
-    );
-    assert_job_gone(&id);
-}
-
-/// A config in `d` training on the token file `bin`, logging to `d`.
-fn tokens_config(d: &Path, bin: &Path) -> String {
-    write(
-        d,
-        "c.toml",
-        format!(
-            "[data]\nsource = \"tokens\"\npath = \"{}\"\n[log]\ndir = \"{}\"\n",
-            bin.display(),
-            d.display()
-        )
-        .as_bytes(),
-    )
-}
-
-#[test]
-fn a_worker_failing_in_training_reports_its_last_lines() {
-    // The data file is there but not a token file (an odd number of bytes): every rank
-    // fails at start with a bad-input error, and zrun passes exit code 2 on.
-    let d = scratch("fail");
-    let bin = d.join("odd.bin");
-    std::fs::write(&bin, [1u8, 2, 3]).unwrap();
-    let out = zrun(&["--nproc", "2", &tokens_config(&d, &bin)]);
-    let err = stderr(&out);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("failed first: exited with code 2"), "{err}");
-    assert!(
-        err.lines()
-            .any(|l| l.starts_with("    | ") && l.contains("odd.bin")),
-        "the failing rank's last lines are quoted: {err}"
-    );
-}
-
-#[test]
-fn a_missing_data_path_is_refused_before_any_rank_starts() {
-    let d = scratch("nodata");
-    let bin = d.join("gone.bin");
-    let out = zrun(&["--nproc", "2", &tokens_config(&d, &bin)]);
-    let err = stderr(&out);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    assert_eq!(err.lines().count(), 1, "{err}");
-    assert!(
-        err.starts_with("zrun: error: data.path ") && err.contains("gone.bin: not found"),
-        "{err}"
-    );
 }
 
 #[test]
