@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::token_file::{TokenDtype, HEADER_BYTES};
+use super::token_file::{write_error, TokenDtype, HEADER_BYTES};
 use super::DataError;
 
 /// The index's file name inside a shard directory.
@@ -170,27 +170,29 @@ impl ShardIndex {
 
     /// Writes `dir/index.json` through a temporary file and a rename, synced.
     pub fn write(&self, dir: &Path) -> Result<PathBuf, DataError> {
+        let tmp = self.write_staged(dir)?;
         let path = dir.join(INDEX_FILE);
+        std::fs::rename(&tmp, &path).map_err(write_error(&path, "rename into place"))?;
+        Ok(path)
+    }
+
+    /// Writes the index to `dir/index.json.tmp`, synced, and returns that path; a write that
+    /// fails (a full disk) removes what it wrote.
+    pub(crate) fn write_staged(&self, dir: &Path) -> Result<PathBuf, DataError> {
+        use std::io::Write;
         let tmp = dir.join(format!("{INDEX_FILE}.tmp"));
-        let io = |op: &'static str, p: &Path| {
-            let p = p.to_path_buf();
-            move |source| DataError::Io {
-                key: "--output",
-                path: p,
-                op,
-                source,
-            }
-        };
         let mut text = serde_json::to_vec_pretty(self).expect("an index serialises");
         text.push(b'\n');
-        {
-            use std::io::Write;
-            let mut f = std::fs::File::create(&tmp).map_err(io("create", &tmp))?;
-            f.write_all(&text).map_err(io("write", &tmp))?;
-            f.sync_all().map_err(io("sync", &tmp))?;
+        let written = std::fs::File::create(&tmp)
+            .map_err(write_error(&tmp, "create"))
+            .and_then(|mut f| {
+                f.write_all(&text).map_err(write_error(&tmp, "write"))?;
+                f.sync_all().map_err(write_error(&tmp, "sync"))
+            });
+        if written.is_err() {
+            let _ = std::fs::remove_file(&tmp);
         }
-        std::fs::rename(&tmp, &path).map_err(io("rename", &path))?;
-        Ok(path)
+        written.map(|()| tmp)
     }
 
     /// Every rule of the format; the problem in words.

@@ -146,7 +146,7 @@ pub fn prepare(
             source,
         })?;
     let dtype = TokenDtype::for_vocab(tok.vocab_size());
-    let out = OutDir::open(&opts.out_dir)?;
+    let mut out = OutDir::open(&opts.out_dir)?;
     let (train, val, counts) = pipeline(opts, &tok, &inputs, out.path(), dtype, progress)?;
     if let Some((n, first)) = &counts.textless {
         if *n == counts.with_text {
@@ -157,10 +157,13 @@ pub fn prepare(
             });
         }
     }
+    // Removes what is left of the temporary files however this ends (before `out`, which
+    // then removes the directory when this run made it).
+    let mut staged = Staged(Vec::new());
     let (train, train_tmps) = train.finish()?;
+    staged.0.extend(train_tmps);
     let (val, val_tmps) = val.finish()?;
-    // Removes what is left of the temporary files however this ends.
-    let _staged = Staged(train_tmps.into_iter().chain(val_tmps).collect());
+    staged.0.extend(val_tmps);
     if train.is_empty() {
         return Err(PrepareError::Empty {
             documents: counts.documents,

@@ -87,10 +87,14 @@ impl OutDir {
     }
 
     /// Replaces the previous output with the shards of `index` (written as `NAME.tmp`) and
-    /// writes the index; returns its path.
-    pub(super) fn commit(mut self, index: &ShardIndex) -> Result<PathBuf, PrepareError> {
+    /// writes the index; returns its path. The new index is written (synced, as
+    /// `index.json.tmp`) before anything of the previous output goes: a disk that runs out of
+    /// room fails there, with the previous output whole and this run's files removed.
+    pub(super) fn commit(&mut self, index: &ShardIndex) -> Result<PathBuf, PrepareError> {
         let index_path = self.dir.join(INDEX_FILE);
-        // Whatever happens now, the directory holds this run's or a previous run's files.
+        let staged = index.write_staged(&self.dir)?;
+        // Whatever happens now, the directory holds this run's or a previous run's files:
+        // removes and renames need no room.
         self.committed = true;
         let mut old = std::mem::take(&mut self.old);
         old.sort_by_key(|p| p != &index_path);
@@ -102,12 +106,13 @@ impl OutDir {
             std::fs::rename(self.dir.join(tmp_name(&s.file)), &to)
                 .map_err(write_error(&to, "rename into place"))?;
         }
-        let written = index.write(&self.dir)?;
+        std::fs::rename(&staged, &index_path)
+            .map_err(write_error(&index_path, "rename into place"))?;
         // The renames and the index reach the disk together with the directory's entries.
         if let Ok(d) = std::fs::File::open(&self.dir) {
             let _ = d.sync_all();
         }
-        Ok(written)
+        Ok(index_path)
     }
 }
 

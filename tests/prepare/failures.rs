@@ -1,0 +1,105 @@
+//! `zrun prepare` failing late: a disk that runs out of room while the index is written
+//! leaves no partial output (the directory it made is removed, a previous output stays whole).
+
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+use crate::common::*;
+
+/// A word-level tokenizer: "hello" is token 0, anything else 1; no end-of-text token.
+const WORDS: &[u8] = br#"{"version": "1.0", "added_tokens": [], "normalizer": null,
+    "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null, "decoder": null,
+    "truncation": null, "padding": null,
+    "model": {"type": "WordLevel", "vocab": {"hello": 0, "[UNK]": 1}, "unk_token": "[UNK]"}}"#;
+
+/// `zrun args` in a process that may write no file beyond `max_file` bytes (RLIMIT_FSIZE):
+/// a longer write fails with EFBIG, as one on a full disk fails with ENOSPC.
+fn zrun_file_limit(args: &[&str], max_file: u64) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_zrun"));
+    cmd.args(args)
+        .current_dir(root())
+        .env("RUST_BACKTRACE", "0")
+        .stdin(Stdio::null());
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            // A write past the limit then fails instead of killing the process.
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            let lim = libc::rlimit {
+                rlim_cur: max_file,
+                rlim_max: max_file,
+            };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.output().unwrap()
+}
+
+/// Every file in `dir` with its bytes, sorted by name.
+fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            let name = e.file_name().to_string_lossy().into_owned();
+            (name, std::fs::read(e.path()).unwrap())
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_disk_full_at_the_index_leaves_no_partial_output() {
+    let d = scratch("prepare-full");
+    let tok = write(&d, "tokenizer.json", WORDS);
+    // 200 tokens in shards of 4: 50 shards of 1,032 bytes (llm.c's header and 4 uint16
+    // tokens) fit under a 4 KiB file limit; the index listing them (about 7 KB) does not.
+    let text = write(&d, "words.txt", "hello ".repeat(200).as_bytes());
+    let out = d.join("out");
+    let out_s = out.display().to_string();
+    let args = [
+        "prepare",
+        "--tokenizer",
+        &tok,
+        &text,
+        "-o",
+        &out_s,
+        "--shard-tokens",
+        "4",
+        "--val-fraction",
+        "0",
+    ];
+    let o = zrun_file_limit(&args, 4096);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    let line = err.lines().find(|l| l.contains("zrun: error:")).unwrap();
+    assert!(
+        line.contains("index.json.tmp") && line.contains("disk has room"),
+        "{line}"
+    );
+    assert!(!out.exists(), "the directory this run made is removed");
+
+    // Over a previous output (one shard), the failed run leaves it as it was.
+    let small = write(&d, "small.txt", b"hello hello");
+    let o = zrun(&[
+        "prepare",
+        "--tokenizer",
+        &tok,
+        &small,
+        "-o",
+        &out_s,
+        "--val-fraction",
+        "0",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let before = files(&out);
+    assert_eq!(before.len(), 2, "index.json and train-00000.bin");
+    let o = zrun_file_limit(&args, 4096);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert_eq!(files(&out), before, "the previous output is whole");
+}
