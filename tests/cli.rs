@@ -79,6 +79,62 @@ fn usage_errors_are_one_line_naming_the_help() {
     }
 }
 
+/// A timeout or grace period past a year is refused by name: converting it to a `Duration`
+/// or adding it to the clock once panicked (the launcher, or every rank).
+#[test]
+fn timeouts_past_a_year_are_refused_not_a_panic() {
+    let tiny = root().join("configs/tiny-cpu.toml");
+    let tiny = tiny.to_str().unwrap();
+    let huge = "18446744073709551615";
+    rejects(
+        &["--grace-s", "1e20", tiny],
+        &["--grace-s", "0 to 31536000"],
+    );
+    rejects(&["--grace-s", huge, tiny], &["--grace-s", "0 to 31536000"]);
+    rejects(
+        &[
+            "--rdzv-timeout-s",
+            huge,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--master-addr",
+            "127.0.0.1",
+            "--nproc",
+            "1",
+            tiny,
+        ],
+        &["--rdzv-timeout-s 18446744073709551615", "1 to 31536000"],
+    );
+    rejects(
+        &[
+            "--nproc",
+            "2",
+            tiny,
+            "--set",
+            "dist.timeout_s=9223372036854775807",
+        ],
+        &[
+            "dist.timeout_s = 9223372036854775807",
+            "1 to 31536000 seconds",
+        ],
+    );
+    rejects(
+        &[
+            "bench",
+            "comm",
+            "--nproc",
+            "2",
+            "--sizes",
+            "1K",
+            "--timeout-s",
+            huge,
+        ],
+        &["--timeout-s", "not in 1..=31536000"],
+    );
+}
+
 #[test]
 fn missing_config_file() {
     rejects(

@@ -56,8 +56,8 @@ pub struct CommArgs {
     /// Print one JSON object per row instead of the table.
     #[arg(long)]
     pub json: bool,
-    /// Deadline of every collective, in seconds (dist.timeout_s).
-    #[arg(long, default_value_t = 600, value_parser = at_least_one::<u64>)]
+    /// Deadline of every collective, in seconds (dist.timeout_s): 1 to 31536000 (a year).
+    #[arg(long, default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..=zrun_comm::MAX_TIMEOUT_S))]
     pub timeout_s: u64,
     /// Fit alpha and busbw per collective (least squares of time against bytes x f) and
     /// save them into this cluster file: as [inter] when the job spans nodes, else [intra];

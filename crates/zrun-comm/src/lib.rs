@@ -26,7 +26,7 @@ mod tcp;
 mod topology;
 mod work;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub use device::gpu_index;
 pub use error::Error;
@@ -44,6 +44,19 @@ pub const TOKEN_ENV: &str = "ZRUN_JOB_TOKEN";
 pub const STORE_EXTERNAL_ENV: &str = "ZRUN_STORE_EXTERNAL";
 /// The default deadline of every collective and rendezvous wait (`dist.timeout_s = 600`).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+/// The longest timeout or deadline zrun accepts from a flag or a config key, in seconds (one
+/// year): far past any real wait, and short enough that `now + timeout` stays in range.
+pub const MAX_TIMEOUT_S: u64 = 31_536_000;
+
+/// The instant `d` from now; for a `d` too large to add to the clock, the instant
+/// [`MAX_TIMEOUT_S`] from now (a wait that long never ends in practice).
+pub fn deadline_in(d: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(d)
+        .or_else(|| now.checked_add(Duration::from_secs(MAX_TIMEOUT_S)))
+        .unwrap_or(now)
+}
+
 /// Environment variable that, when `0`, turns off the same-host cross-memory path of `tcp`.
 pub const CMA_ENV: &str = "ZRUN_COMM_CMA";
 
@@ -328,5 +341,13 @@ mod tests {
         assert_eq!("nccl".parse::<Backend>(), Ok(Backend::Nccl));
         let e = "gloo".parse::<Backend>().unwrap_err();
         assert!(e.contains("tcp, mpi, nccl"), "{e}");
+    }
+
+    #[test]
+    fn a_deadline_past_the_clock_s_range_is_far_not_a_panic() {
+        let far = deadline_in(Duration::MAX);
+        assert!(far >= Instant::now() + Duration::from_secs(MAX_TIMEOUT_S - 1));
+        let soon = deadline_in(Duration::from_secs(5));
+        assert!(soon <= Instant::now() + Duration::from_secs(5));
     }
 }

@@ -505,7 +505,7 @@ impl Communicator for NcclComm {
             move |st| unsafe { st.barrier_launch(which) },
             // The host waits too: every rank leaves the barrier once all arrived.
             move |done| {
-                let until = Instant::now() + timeout;
+                let until = crate::deadline_in(timeout);
                 loop {
                     // SAFETY: a live event of this context.
                     match unsafe { cu::event::query(done.0) } {

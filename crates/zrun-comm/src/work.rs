@@ -297,7 +297,10 @@ impl<S: 'static> Executor<S> {
     ) -> Result<Work, Error> {
         let (done, rx) = mpsc::channel();
         let ahead = self.pending.fetch_add(1, Ordering::SeqCst);
-        let budget = self.timeout.saturating_mul(ahead as u32 + 1) + Duration::from_secs(1);
+        let budget = self
+            .timeout
+            .saturating_mul(ahead as u32 + 1)
+            .saturating_add(Duration::from_secs(1));
         let guard = self.tx.lock().map_err(|_| Error::Poisoned {
             rank: self.rank,
             op,
@@ -324,7 +327,7 @@ impl<S: 'static> Executor<S> {
                 rank: self.rank,
                 op,
                 bytes,
-                deadline: Instant::now() + budget,
+                deadline: crate::deadline_in(budget),
                 timeout: self.timeout,
             }),
             then: None,

@@ -140,7 +140,26 @@ fn malformed_configs_each_get_their_own_message() {
             "bad-timeout.toml",
             "[dist]\ntimeout_s = 0\n",
             &[],
-            &["dist.timeout_s = 0", "at least 1"],
+            &["dist.timeout_s = 0", "1 to 31536000 seconds"],
+        ),
+        (
+            // Past a year, adding the deadline to the clock overflowed in every rank.
+            "huge-timeout.toml",
+            "[dist]\ntimeout_s = 9223372036854775807\n",
+            &[],
+            &[
+                "dist.timeout_s = 9223372036854775807",
+                "1 to 31536000 seconds (a year)",
+            ],
+        ),
+        (
+            "huge-signal-deadline.toml",
+            "[checkpoint]\nsignal_deadline_s = 9223372036854775807\n",
+            &[],
+            &[
+                "checkpoint.signal_deadline_s = 9223372036854775807",
+                "1 to 31536000",
+            ],
         ),
         (
             "bad-log-every.toml",

@@ -21,7 +21,7 @@ mod spawn;
 mod supervise;
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context;
 
@@ -68,14 +68,15 @@ pub struct LaunchFlags {
     #[arg(long, value_name = "DIR")]
     pub log_dir: Option<PathBuf>,
     /// Seconds between SIGTERM and SIGKILL when stopping workers (and, for `zrun exec`,
-    /// between a forwarded SIGTERM/SIGUSR1 and SIGKILL).
+    /// between a forwarded SIGTERM/SIGUSR1 and SIGKILL); at most 31536000 (a year).
     #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
     pub grace_s: f64,
     /// The job's id, given to workers as ZRUN_RUN_ID [default: generated on one node;
     /// MASTER_ADDR-MASTER_PORT with several].
     #[arg(long, value_name = "ID")]
     pub run_id: Option<String>,
-    /// Seconds the nodes of a multi-node job wait for each other to start (and to restart).
+    /// Seconds the nodes of a multi-node job wait for each other to start (and to restart);
+    /// at most 31536000 (a year).
     #[arg(long, default_value_t = 300, value_name = "SECONDS")]
     pub rdzv_timeout_s: u64,
     /// Start every worker again (on every node) when one fails, up to N times; never after
@@ -178,7 +179,7 @@ pub fn run(flags: &LaunchFlags, program: &Program, opts: &Options) -> anyhow::Re
             Next::Restart => {}
         }
         // Every node meets before any starts again (nothing to wait for on one node).
-        if let Err(msg) = rdzv.ready(round + 1, Instant::now() + plan.rdzv_timeout) {
+        if let Err(msg) = rdzv.ready(round + 1, zrun_comm::deadline_in(plan.rdzv_timeout)) {
             output::say(Level::Error, &format!("not restarting: {msg}"));
             rdzv.publish_failure(
                 &format!("node {} did not restart: {msg}", plan.node_rank),

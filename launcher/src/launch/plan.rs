@@ -110,10 +110,17 @@ impl Plan {
             (None, _) => DEFAULT_MULTI_NODE_PORT,
         };
         resolve(&master_addr, master_port)?;
-        if !(f.grace_s.is_finite() && f.grace_s >= 0.0) {
+        let most = zrun_comm::MAX_TIMEOUT_S;
+        if !(f.grace_s.is_finite() && f.grace_s >= 0.0 && f.grace_s <= most as f64) {
             return Err(BadInput(format!(
-                "--grace-s {}: give a number of seconds, 0 or more",
+                "--grace-s {}: give a number of seconds from 0 to {most} (a year)",
                 f.grace_s
+            )));
+        }
+        if f.rdzv_timeout_s > most {
+            return Err(BadInput(format!(
+                "--rdzv-timeout-s {}: give a number of seconds from 1 to {most} (a year)",
+                f.rdzv_timeout_s
             )));
         }
         if let Some(dir) = &f.log_dir {
@@ -350,6 +357,20 @@ mod tests {
         let mut f = flags();
         f.grace_s = -1.0;
         assert!(Plan::new(&f).unwrap_err().0.contains("--grace-s"));
+        // Past a year: once a panic converting to a Duration or adding it to the clock.
+        f.grace_s = 1e20;
+        let e = Plan::new(&f).unwrap_err().0;
+        assert!(
+            e.contains(
+                "--grace-s 100000000000000000000: give a number of seconds from 0 to 31536000"
+            ),
+            "{e}"
+        );
+        f.grace_s = zrun_comm::MAX_TIMEOUT_S as f64;
+        assert!(Plan::new(&f).is_ok());
+        f.rdzv_timeout_s = u64::MAX;
+        let e = Plan::new(&f).unwrap_err().0;
+        assert!(e.contains("--rdzv-timeout-s 18446744073709551615: give a number of seconds from 1 to 31536000"), "{e}");
     }
 
     /// A fresh directory for secret files.

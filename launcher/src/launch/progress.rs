@@ -324,12 +324,13 @@ impl View {
         }
     }
 
-    /// Time left to `steps`, counting down from the newest arrival.
+    /// Time left to `steps`, counting down from the newest arrival; `None` when unknown or
+    /// too long for a `Duration` (an absurd logged step time).
     fn eta(&self, steps: u64, now: Instant) -> Option<Duration> {
         let (step, at) = self.last_seen?;
         let left = steps.saturating_sub(step) as f64 * self.seconds_per_step()?;
         let since = now.saturating_duration_since(at).as_secs_f64();
-        Some(Duration::from_secs_f64((left - since).max(0.0)))
+        Duration::try_from_secs_f64((left - since).max(0.0)).ok()
     }
 
     /// The text after `step N/M [bar]`, the most wanted first (a narrow terminal cuts the end).
@@ -492,6 +493,15 @@ mod tests {
         // and it counts down between arrivals
         let later = v.eta(40, t0 + Duration::from_secs(2)).unwrap();
         assert_eq!(later, Duration::from_secs(2));
+    }
+
+    #[test]
+    fn an_absurd_step_time_leaves_the_eta_out_rather_than_panicking() {
+        let mut v = View::default();
+        let huge = line(5, 2.0).replace("\"step_time_s\":0.5", "\"step_time_s\":1e300");
+        v.add(&serde_json::from_str(&huge).unwrap());
+        v.seen_at(Instant::now());
+        assert_eq!(v.eta(u64::MAX, Instant::now()), None);
     }
 
     #[test]

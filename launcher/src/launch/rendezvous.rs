@@ -196,7 +196,7 @@ impl Rendezvous {
             None
         };
         let addr = format!("{}:{}", plan.master_addr, plan.master_port);
-        let deadline = Instant::now() + plan.rdzv_timeout;
+        let deadline = zrun_comm::deadline_in(plan.rdzv_timeout);
         let client = connect(&addr, plan, deadline)?;
         let k = plan.node_rank;
         if client.add(&key(&format!("claim/{k}")), 1)? > 1 {
@@ -280,7 +280,7 @@ impl Rendezvous {
         let stop = Arc::new(AtomicBool::new(false));
         let round = Arc::new(AtomicU32::new(0));
         let (tx, rx) = channel();
-        let watch_client = connect(&addr, plan, Instant::now() + plan.rdzv_timeout)?;
+        let watch_client = connect(&addr, plan, zrun_comm::deadline_in(plan.rdzv_timeout))?;
         let watcher = Watcher {
             client: watch_client,
             node: k,

@@ -7,7 +7,7 @@
 
 use std::process::ExitStatus;
 use std::sync::mpsc::channel;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::output::{self, Level};
 use super::plan::{omp_threads_for, Plan};
@@ -349,7 +349,7 @@ impl Round<'_> {
             match self
                 .job
                 .rdzv
-                .finish("stopped", true, Some(Instant::now() + wait), seen)
+                .finish("stopped", true, Some(zrun_comm::deadline_in(wait)), seen)
             {
                 Waited::Done => {
                     output::say(Level::Warn, &format!(

@@ -166,7 +166,7 @@ impl Supervisor {
             self.workers[i].signal(first);
         }
         let signals_before = signals::count();
-        let mut deadline = Instant::now() + wait;
+        let mut deadline = zrun_comm::deadline_in(wait);
         let mut killed = false;
         while self.running() > 0 {
             let now = Instant::now();
@@ -188,7 +188,7 @@ impl Supervisor {
                 Ok(e) => {
                     self.record(&e);
                     if !matches!(e.status.code(), Some(0 | STOPPED)) {
-                        deadline = deadline.min(Instant::now() + after_failure);
+                        deadline = deadline.min(zrun_comm::deadline_in(after_failure));
                     }
                 }
                 Err(RecvTimeoutError::Timeout) if killed => break,

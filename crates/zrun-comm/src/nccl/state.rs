@@ -92,7 +92,7 @@ impl Drop for State {
     fn drop(&mut self) {
         // Launched work that does not complete soon waits for a peer that is gone: destroying
         // the communicator would wait for it too, so abort it (which ends its kernels).
-        let until = Instant::now() + DRAIN.min(self.timeout);
+        let until = crate::deadline_in(DRAIN.min(self.timeout));
         while !self.aborted && !self.in_flight.is_empty() && Instant::now() < until {
             if self.watch().is_err() {
                 break;
@@ -249,7 +249,7 @@ impl State {
         let done = Event::new().map_err(&err)?;
         // SAFETY: a live event and stream of this thread's context.
         unsafe { cu::event::record(done.0, self.stream) }.map_err(&err)?;
-        let until = Instant::now() + self.timeout;
+        let until = crate::deadline_in(self.timeout);
         loop {
             // SAFETY: a live event of this context.
             match unsafe { cu::event::query(done.0) } {
@@ -298,7 +298,7 @@ impl State {
             op,
             bytes,
             done: issued.done,
-            deadline: Instant::now() + self.timeout,
+            deadline: crate::deadline_in(self.timeout),
             _buffers: buffers,
         });
         Ok(())

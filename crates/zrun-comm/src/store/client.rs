@@ -26,7 +26,7 @@ impl StoreClient {
     /// flooded) or a "full" answer is retried like a refused connect; a wrong token fails at
     /// once with [`Error::StoreRefused`].
     pub fn connect(addr: &str, token: &str, timeout: Duration) -> Result<StoreClient, Error> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::deadline_in(timeout);
         loop {
             let last = match attempt(addr, token, timeout) {
                 Ok(stream) => {
@@ -75,7 +75,7 @@ impl StoreClient {
             detail: format!("{e}; the store (rank 0 or the launcher) may have exited"),
         };
         let mut s = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        s.set_read_timeout(Some(wait + Duration::from_secs(10)))
+        s.set_read_timeout(Some(wait.saturating_add(Duration::from_secs(10))))
             .map_err(io)?;
         s.write_all(req).map_err(io)?;
         let mut st = [0u8; 1];
@@ -96,7 +96,7 @@ impl StoreClient {
     pub fn get(&self, key: &str) -> Result<Vec<u8>, Error> {
         let mut req = vec![OP_GET];
         put_bytes(&mut req, key.as_bytes());
-        req.extend_from_slice(&(self.timeout.as_millis() as u64).to_le_bytes());
+        req.extend_from_slice(&millis(self.timeout).to_le_bytes());
         let keys = [key];
         self.request("get", &req, self.timeout, |s, st| {
             if st == 0 {
@@ -115,7 +115,7 @@ impl StoreClient {
         for k in keys {
             put_bytes(&mut req, k.as_bytes());
         }
-        req.extend_from_slice(&(timeout.as_millis() as u64).to_le_bytes());
+        req.extend_from_slice(&millis(timeout).to_le_bytes());
         self.request("wait", &req, timeout, |s, st| {
             if st == 0 {
                 Ok(Ok(Vec::new()))
@@ -171,6 +171,11 @@ enum Attempt {
 }
 
 /// One TCP connect and handshake.
+/// `d` in whole milliseconds, as a request carries it (`u64::MAX` for a longer `d`).
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
 fn attempt(addr: &str, token: &str, timeout: Duration) -> Result<TcpStream, Attempt> {
     let sa = addr
         .to_socket_addrs()

@@ -144,6 +144,16 @@ mod tests {
     }
 
     #[test]
+    fn a_wait_too_long_for_the_clock_is_served() {
+        let (_s, addr) = server();
+        // Connecting and waiting this long once overflowed `now + timeout`, on both sides.
+        let c = StoreClient::connect(&addr, "secret", Duration::MAX).unwrap();
+        c.set("a", b"x").unwrap();
+        assert_eq!(c.get("a").unwrap(), b"x");
+        c.wait(&["a"], Duration::MAX).unwrap();
+    }
+
+    #[test]
     fn wrong_token_is_refused() {
         let (_s, addr) = server();
         let e = StoreClient::connect(&addr, "guess", Duration::from_secs(5)).unwrap_err();

@@ -177,7 +177,7 @@ impl Acceptor {
         for _ in 0..256 {
             match self.listener.accept() {
                 Ok((s, from)) => {
-                    let deadline = Instant::now() + self.limits.handshake;
+                    let deadline = crate::deadline_in(self.limits.handshake);
                     let Ok(g) = Greeting::new(s, from, MAGIC, 8, deadline) else {
                         continue;
                     };
@@ -274,7 +274,7 @@ fn serve(mut s: TcpStream, shared: &Shared, limits: StoreLimits) {
         }
         let mut body = Deadline {
             s: &s,
-            at: Instant::now() + limits.request,
+            at: crate::deadline_in(limits.request),
         };
         let Ok(reply) = handle(op[0], &mut body, shared) else {
             let _ = s.shutdown(Shutdown::Both);
@@ -306,7 +306,8 @@ fn handle(op: u8, s: &mut impl Read, shared: &Shared) -> std::io::Result<Vec<u8>
                 let n = read_u32(s)? as usize;
                 (0..n).map(|_| read_str(s)).collect::<Result<Vec<_>, _>>()?
             };
-            let deadline = Instant::now() + Duration::from_millis(read_u64(s)?);
+            // The client's wait, whatever its size, must not overflow the clock.
+            let deadline = crate::deadline_in(Duration::from_millis(read_u64(s)?));
             let mut g = lock();
             loop {
                 let missing: Vec<&String> = keys.iter().filter(|k| !g.contains_key(*k)).collect();

@@ -92,7 +92,7 @@ pub(crate) fn connect_mesh(
     timeout: Duration,
 ) -> Result<Vec<Option<TcpStream>>, Error> {
     let world = addrs.len();
-    let deadline = Instant::now() + timeout;
+    let deadline = crate::deadline_in(timeout);
     let cerr = |detail: String| Error::Connect { rank, detail };
     let mut peers: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
     for (q, addr) in addrs.iter().enumerate().take(rank) {

@@ -256,8 +256,11 @@ impl Config {
         if z.prefetch > 8 {
             return bad("zero.prefetch", z.prefetch, "must be between 0 and 8 units");
         }
-        if self.dist.timeout_s == 0 {
-            return bad("dist.timeout_s", 0, "must be at least 1 second");
+        // A year at most: longer deadlines overflow the clock when added to it.
+        let most = zrun_comm::MAX_TIMEOUT_S;
+        if !(1..=most).contains(&self.dist.timeout_s) {
+            let allowed = format!("must be 1 to {most} seconds (a year)");
+            return bad("dist.timeout_s", self.dist.timeout_s, &allowed);
         }
         if self.checkpoint.resume.trim().is_empty() {
             return bad(
@@ -266,11 +269,12 @@ impl Config {
                 "give \"auto\", \"none\" or the path of a checkpoint directory",
             );
         }
-        if self.checkpoint.signal_deadline_s == 0 {
+        if !(1..=most).contains(&self.checkpoint.signal_deadline_s) {
+            let allowed = format!("must be 1 to {most} seconds (a year)");
             return bad(
                 "checkpoint.signal_deadline_s",
-                0,
-                "must be at least 1 second",
+                self.checkpoint.signal_deadline_s,
+                &allowed,
             );
         }
         if let Some(p) = self.log.peak_tflops.filter(|&p| !finite_pos(p)) {
