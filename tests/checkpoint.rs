@@ -2,8 +2,9 @@
 //! killed mid-run is restarted from the newest checkpoint and the job ends exactly as an
 //! uninterrupted one; SIGTERM saves at one agreed step and exits 3, and resuming reproduces
 //! the uninterrupted run bitwise; a rank killed while saving leaves the previous checkpoint
-//! complete; damaged, foreign, newer-format and unwritable checkpoints are one-line errors;
-//! `zrun consolidate` writes a file Python's safetensors loads.
+//! complete; damaged, foreign, newer-format and unwritable checkpoints are one-line errors (a
+//! FIFO or a directory in place of a file too, refused without waiting on it); `zrun
+//! consolidate` writes a file Python's safetensors loads.
 
 mod common;
 
@@ -402,4 +403,97 @@ fn consolidate_writes_a_file_python_loads() {
     ]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(last_line(&o).contains("rank-00000.safetensors is damaged: is missing"));
+}
+
+/// Copies the checkpoint directory `from` to `to` (made with its parents).
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+/// Replaces the file `path` by a FIFO.
+fn fifo_in_place(path: &Path) {
+    use std::os::unix::ffi::OsStrExt;
+    std::fs::remove_file(path).unwrap();
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+    // SAFETY: `c` is a NUL-terminated path that lives across the call.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+}
+
+/// `zrun args`: its exit code and stderr; killed and failed after 60 s (a read that blocks).
+fn zrun_within(args: &[String]) -> (Option<i32>, String) {
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut job = Job::start(&refs, &[]);
+    let status = job.exit_within(Duration::from_secs(60));
+    (status.code(), job.stderr())
+}
+
+#[test]
+fn a_fifo_or_a_directory_in_place_of_a_checkpoint_file_is_refused_without_waiting() {
+    let dir = saved_run("ck-fifo");
+    let newest = dir.join("ckpt/step-00000010");
+    type Swap = (&'static str, &'static str, fn(&Path));
+    let swaps: [Swap; 4] = [
+        (
+            "rank-00001.safetensors",
+            "it is a FIFO, not a regular file",
+            fifo_in_place,
+        ),
+        (
+            "manifest.json",
+            "it is a FIFO, not a regular file",
+            fifo_in_place,
+        ),
+        (
+            "rank-00001.safetensors",
+            "it is a directory, not a regular file",
+            |f| {
+                std::fs::remove_file(f).unwrap();
+                std::fs::create_dir(f).unwrap();
+            },
+        ),
+        ("rank-00001.safetensors", "(longer than saved", |f| {
+            let mut b = std::fs::read(f).unwrap();
+            b.extend([0u8; 8]);
+            std::fs::write(f, b).unwrap();
+        }),
+    ];
+    for (i, (file, expect, swap)) in swaps.into_iter().enumerate() {
+        let copy = dir.join(format!("copy-{i}/step-00000010"));
+        copy_dir(&newest, &copy);
+        swap(&copy.join(file));
+        let c = copy.display().to_string();
+        let out = dir.join("model.safetensors").display().to_string();
+        let hf = dir.join("hf").display().to_string();
+        for cmd in [
+            vec!["consolidate", &c, "-o", &out],
+            vec!["export", &c, "--hf", &hf],
+        ] {
+            let cmd: Vec<String> = cmd.into_iter().map(String::from).collect();
+            let (code, err) = zrun_within(&cmd);
+            let line = err.lines().last().unwrap_or_default();
+            assert_eq!(code, Some(2), "{cmd:?}: {err}");
+            assert!(
+                line.contains(&format!("{file} is damaged: ")) && line.contains(expect),
+                "{cmd:?}: {line}"
+            );
+            assert!(!line.contains("truncated"), "{line}");
+        }
+    }
+    // A resume from it, named: every rank refuses it at once (none waits in open()).
+    fifo_in_place(&newest.join("rank-00001.safetensors"));
+    let mut s = sets(&dir, 12, 0);
+    s.extend([
+        "--set".into(),
+        format!("checkpoint.resume=\"{}\"", newest.display()),
+    ]);
+    let (code, err) = zrun_within(&args(&[], &s));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("rank-00001.safetensors is damaged: it is a FIFO, not a regular file"),
+        "{err}"
+    );
 }

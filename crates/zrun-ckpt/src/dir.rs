@@ -78,6 +78,46 @@ pub fn remove_leftovers(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(removed)
 }
 
+/// A file opened for reading by [`open_regular`], or why there is none to read.
+pub(crate) enum Opened {
+    /// A regular file, and its length in bytes.
+    File(std::fs::File, u64),
+    /// Nothing at the path.
+    Missing,
+    /// Something else: "a directory", "a FIFO", "a socket" or "a device".
+    NotRegular(&'static str),
+}
+
+/// Opens `path` for reading without blocking, then looks at what was opened: a FIFO in place
+/// of a checkpoint's file would otherwise block its reader forever (a FIFO's open waits for a
+/// writer), and a directory or a device has no bytes of a checkpoint. `O_NONBLOCK` changes
+/// nothing for a regular file's reads. Other errors of the open or the stat are returned.
+pub(crate) fn open_regular(path: &Path) -> std::io::Result<Opened> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let file = match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Opened::Missing),
+        Err(e) => return Err(e),
+    };
+    let meta = file.metadata()?;
+    let kind = meta.file_type();
+    Ok(if kind.is_file() {
+        Opened::File(file, meta.len())
+    } else if kind.is_dir() {
+        Opened::NotRegular("a directory")
+    } else if kind.is_fifo() {
+        Opened::NotRegular("a FIFO")
+    } else if kind.is_socket() {
+        Opened::NotRegular("a socket")
+    } else {
+        Opened::NotRegular("a device")
+    })
+}
+
 /// fsyncs a directory, so a rename or removal inside it is durable.
 pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     std::fs::File::open(dir)
@@ -115,6 +155,33 @@ mod tests {
         assert!(!tmp_dir(d, 30).exists() && !step_dir(d, 100).exists());
         assert!(d.join("notes").exists() && d.join("step-12x").exists());
         assert!(step_dir(d, 5).exists());
+    }
+
+    #[test]
+    fn open_regular_refuses_a_fifo_and_a_directory_without_blocking() {
+        let root = tempfile::tempdir().unwrap();
+        let d = root.path();
+        let fifo = d.join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: `c` is a valid NUL-terminated path for the call.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        assert!(matches!(
+            open_regular(&fifo).unwrap(),
+            Opened::NotRegular("a FIFO")
+        ));
+        assert!(matches!(
+            open_regular(d).unwrap(),
+            Opened::NotRegular("a directory")
+        ));
+        assert!(matches!(
+            open_regular(&d.join("absent")).unwrap(),
+            Opened::Missing
+        ));
+        std::fs::write(d.join("f"), b"abc").unwrap();
+        assert!(matches!(
+            open_regular(&d.join("f")).unwrap(),
+            Opened::File(_, 3)
+        ));
     }
 
     #[test]

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::Metadata;
 
+use crate::dir::{open_regular, Opened};
 use crate::write::Dtype;
 use crate::{rng_name, tensor_name, Error, Manifest, Part, Result};
 
@@ -107,20 +108,29 @@ impl RankFile {
             .file(name)
             .ok_or_else(|| Error::damaged(dir, name, "has no entry in the manifest"))?;
         let path = dir.join(name);
-        let file = File::open(&path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => Error::damaged(dir, name, "is missing"),
-            _ => Error::io("open", &path, e),
-        })?;
-        let len = file
-            .metadata()
-            .map_err(|e| Error::io("stat", &path, e))?
-            .len();
+        let opened = open_regular(&path).map_err(|e| Error::io("open", &path, e))?;
+        let (file, len) = match opened {
+            Opened::File(file, len) => (file, len),
+            Opened::Missing => return Err(Error::damaged(dir, name, "is missing")),
+            Opened::NotRegular(what) => {
+                return Err(Error::damaged(
+                    dir,
+                    name,
+                    format!("it is {what}, not a regular file"),
+                ))
+            }
+        };
         if len != entry.bytes {
+            let why = if len < entry.bytes {
+                "truncated or cut short"
+            } else {
+                "longer than saved: bytes were added, or another file put in its place"
+            };
             return Err(Error::damaged(
                 dir,
                 name,
                 format!(
-                    "it is {len} bytes but the manifest says {} (truncated or cut short)",
+                    "it is {len} bytes but the manifest says {} ({why})",
                     entry.bytes
                 ),
             ));

@@ -11,6 +11,7 @@ use memmap2::Mmap;
 use safetensors::tensor::Metadata;
 
 use super::{CONFIG, INDEX, WEIGHTS};
+use crate::dir::{open_regular, Opened};
 use crate::read::widen;
 use crate::write::Dtype;
 use crate::{Error, Result};
@@ -124,13 +125,12 @@ impl HfDir {
     /// or else every shard that `model.safetensors.index.json` names, parsing their headers.
     pub fn open(dir: &Path) -> Result<HfDir> {
         let config_path = dir.join(CONFIG);
-        let text = std::fs::read(&config_path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => Error::hf(
+        let text = read_regular(&config_path)?.ok_or_else(|| {
+            Error::hf(
                 &config_path,
                 "is missing; a Hugging Face model directory needs its config.json: point at \
                  the folder that holds config.json and the safetensors files",
-            ),
-            _ => Error::io("read", &config_path, e),
+            )
         })?;
         let config: serde_json::Value = serde_json::from_slice(&text).map_err(|e| {
             Error::hf(
@@ -185,7 +185,8 @@ impl HfDir {
 
     /// Maps every shard `index` names and adds the tensors it places in each.
     fn add_shards(&mut self, index: &Path) -> Result<()> {
-        let text = std::fs::read(index).map_err(|e| Error::io("read", index, e))?;
+        let text =
+            read_regular(index)?.ok_or_else(|| Error::hf(index, "is gone; download it again"))?;
         let parsed: IndexFile = serde_json::from_slice(&text).map_err(|e| {
             Error::hf(
                 index,
@@ -417,6 +418,26 @@ impl HfDir {
             )),
         }
     }
+}
+
+/// The bytes of `path`, `None` when it is missing; refused when it is not a regular file (a
+/// FIFO would block the read forever).
+fn read_regular(path: &Path) -> Result<Option<Vec<u8>>> {
+    use std::io::Read;
+    let mut file = match open_regular(path).map_err(|e| Error::io("open", path, e))? {
+        Opened::File(file, _) => file,
+        Opened::Missing => return Ok(None),
+        Opened::NotRegular(what) => {
+            return Err(Error::hf(
+                path,
+                format!("is {what}, not a regular file; put the file itself there"),
+            ))
+        }
+    };
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes)
+        .map_err(|e| Error::io("read", path, e))?;
+    Ok(Some(bytes))
 }
 
 /// `model.safetensors.index.json`; its `metadata` is not needed.

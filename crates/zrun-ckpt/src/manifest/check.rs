@@ -10,6 +10,7 @@ use std::io::Read;
 use std::path::Path;
 
 use super::Manifest;
+use crate::dir::{open_regular, Opened};
 use crate::{rank_file_name, Error, Result, MANIFEST};
 
 /// Largest `manifest.json` read (a manifest of 1000 ranks and 500 units is about 30 MB).
@@ -28,19 +29,25 @@ const LEN_PREFIX: u64 = 8;
 /// `dir/manifest.json`'s bytes, refusing one larger than [`MAX_MANIFEST_BYTES`].
 pub(crate) fn read_bounded(dir: &Path) -> Result<Vec<u8>> {
     let path = dir.join(MANIFEST);
-    let file = std::fs::File::open(&path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => Error::Format {
-            dir: dir.to_path_buf(),
-            detail: format!(
-                "no {MANIFEST} (an incomplete save, or not a checkpoint directory); give a directory such as runs/x/ckpt/step-00000500"
-            ),
-        },
-        _ => Error::io("read", &path, e),
-    })?;
-    let len = file
-        .metadata()
-        .map_err(|e| Error::io("stat", &path, e))?
-        .len();
+    let opened = open_regular(&path).map_err(|e| Error::io("read", &path, e))?;
+    let (file, len) = match opened {
+        Opened::File(file, len) => (file, len),
+        Opened::Missing => {
+            return Err(Error::Format {
+                dir: dir.to_path_buf(),
+                detail: format!(
+                    "no {MANIFEST} (an incomplete save, or not a checkpoint directory); give a directory such as runs/x/ckpt/step-00000500"
+                ),
+            })
+        }
+        Opened::NotRegular(what) => {
+            return Err(Error::damaged(
+                dir,
+                MANIFEST,
+                format!("it is {what}, not a regular file"),
+            ))
+        }
+    };
     if len > MAX_MANIFEST_BYTES {
         return Err(Error::damaged(
             dir,
