@@ -4,14 +4,15 @@
 //! the uninterrupted run bitwise; a rank killed while saving leaves the previous checkpoint
 //! complete; damaged, foreign, newer-format and unwritable checkpoints are one-line errors (a
 //! FIFO or a directory in place of a file too, refused without waiting on it); `zrun
-//! consolidate` writes a file Python's safetensors loads.
+//! consolidate` writes a file Python's safetensors loads, and refuses an output that would
+//! overwrite the checkpoint or cannot be written.
 
 mod common;
 
 use std::path::Path;
 use std::time::Duration;
 
-use common::{demo_sets as sets, rank_pid, scratch, signal, stderr, zrun, Job, Scratch};
+use common::{demo_sets as sets, rank_pid, rejects, scratch, signal, stderr, zrun, Job, Scratch};
 use zrun_ckpt::Checkpoint;
 
 const CONFIG: &str = "configs/tiny-cpu.toml";
@@ -495,5 +496,56 @@ fn a_fifo_or_a_directory_in_place_of_a_checkpoint_file_is_refused_without_waitin
     assert!(
         err.contains("rank-00001.safetensors is damaged: it is a FIFO, not a regular file"),
         "{err}"
+    );
+}
+
+#[test]
+fn consolidate_refuses_an_output_inside_the_checkpoint_a_directory_or_a_missing_one() {
+    let dir = saved_run("ck-outputs");
+    let ckpt = dir.join("ckpt/step-00000010");
+    let c = ckpt.display().to_string();
+    let read_all = || {
+        let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(&ckpt)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                let name = e.file_name().to_string_lossy().into_owned();
+                (name, std::fs::read(e.path()).unwrap())
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let before = read_all();
+    let inside = "inside the checkpoint directory";
+    for out in [
+        ckpt.join("rank-00000.safetensors"),
+        ckpt.join("manifest.json"),
+        ckpt.join("model.safetensors"),
+        dir.join("ckpt/step-00000005/../step-00000010/manifest.json"),
+    ] {
+        let o = out.display().to_string();
+        rejects(&["consolidate", &c, "-o", &o], &[inside, &o]);
+        // Given as a checkpoint.dir, whose newest checkpoint is the one above.
+        let parent = dir.join("ckpt").display().to_string();
+        rejects(&["consolidate", &parent, "-o", &o], &[inside]);
+    }
+    let hf = ckpt.join("hf").display().to_string();
+    rejects(&["export", &c, "--hf", &hf], &[inside]);
+    assert_eq!(read_all(), before, "the checkpoint is as it was");
+    Checkpoint::open(&ckpt).unwrap();
+    // An existing directory and a missing one are bad input too, saying what to give.
+    let empty = dir.join("emptydir");
+    std::fs::create_dir(&empty).unwrap();
+    let e = empty.display().to_string();
+    rejects(
+        &["consolidate", &c, "-o", &e],
+        &["is a directory", "give a file path"],
+    );
+    assert!(!dir.join("emptydir.tmp").exists());
+    let absent = dir.join("absent/model.safetensors").display().to_string();
+    rejects(
+        &["consolidate", &c, "-o", &absent],
+        &["does not exist", "mkdir -p"],
     );
 }

@@ -3,6 +3,8 @@
 //! parameter from a sharded checkpoint of any world size. The manifest is validated before any
 //! rank file is read and every rank file is verified before `FILE.tmp` is renamed to `FILE`;
 //! a damaged or inconsistent checkpoint is one line, exit code 2, and leaves `FILE` as it was.
+//! So is a `FILE` that cannot be one: inside the checkpoint directory (it would overwrite the
+//! checkpoint), an existing directory, or in a directory that does not exist.
 
 use std::path::PathBuf;
 

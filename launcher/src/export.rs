@@ -4,8 +4,8 @@
 //!
 //! The checkpoint is validated and every rank file verified against its hash before the
 //! export is renamed into place (written first into `OUT_DIR.tmp-<pid>` beside it); an
-//! `OUT_DIR` that exists and is not empty is refused. A damaged or inconsistent checkpoint is
-//! one line and exit code 2, and leaves no `OUT_DIR`.
+//! `OUT_DIR` that exists and is not empty, or lies inside the checkpoint directory, is refused.
+//! A damaged or inconsistent checkpoint is one line and exit code 2, and leaves no `OUT_DIR`.
 
 use std::path::PathBuf;
 
@@ -42,6 +42,8 @@ pub fn run(args: &ExportArgs) -> anyhow::Result<u8> {
             dir = newest;
         }
     }
+    // An export inside the checkpoint would be written among its files (and removed with it).
+    zrun_ckpt::refuse_inside(&dir, &args.hf)?;
     let e = zrun_train::hf::export(&dir, &args.hf, dtype, max)?;
     if let Some(why) = &e.tokenizer_skipped {
         output::say(

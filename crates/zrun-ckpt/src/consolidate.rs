@@ -62,8 +62,11 @@ pub struct Consolidated {
 /// rank file is read, every rank file is opened (size and header checked) before a buffer is
 /// sized from the manifest, and every rank file is verified (its hash over all of it) before
 /// the file is renamed into place; on any error `out.tmp` is removed and `out` is untouched.
+/// An `out` inside the checkpoint directory (which it would overwrite), an existing directory,
+/// or one whose directory does not exist is refused ([`Error::Output`]) before anything is read.
 pub fn consolidate(dir: &Path, out: &Path, dtype: OutDtype) -> Result<Consolidated> {
     let ckpt = Checkpoint::open(dir)?;
+    check_output(dir, out)?;
     let mut tmp_name = out.as_os_str().to_owned();
     tmp_name.push(".tmp");
     let tmp = PathBuf::from(tmp_name);
@@ -86,6 +89,45 @@ pub fn consolidate(dir: &Path, out: &Path, dtype: OutDtype) -> Result<Consolidat
             let _ = std::fs::remove_file(&tmp);
             Err(e)
         }
+    }
+}
+
+/// Refuses an output file `out` that cannot be written as one (see [`consolidate`]), saying
+/// what to give instead.
+fn check_output(dir: &Path, out: &Path) -> Result<()> {
+    crate::refuse_inside(dir, out)?;
+    let bad = |detail: String| {
+        Err(Error::Output {
+            path: out.to_path_buf(),
+            detail,
+        })
+    };
+    if out.is_dir() {
+        return bad(format!(
+            "is a directory; give a file path, such as {}",
+            out.join("model.safetensors").display()
+        ));
+    }
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    match std::fs::metadata(parent) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => bad(format!(
+            "{} is not a directory; give a path inside a directory",
+            parent.display()
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => bad(format!(
+            "its directory {} does not exist; create it (mkdir -p {}) or give another path",
+            parent.display(),
+            parent.display()
+        )),
+        Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => bad(format!(
+            "a part of {} is a file, not a directory; give a path inside a directory",
+            parent.display()
+        )),
+        Err(e) => Err(Error::io("stat", parent, e)),
     }
 }
 

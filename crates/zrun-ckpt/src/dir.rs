@@ -78,6 +78,54 @@ pub fn remove_leftovers(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(removed)
 }
 
+/// Refuses an output path `out` that lies inside the checkpoint directory `dir`, or is `dir`
+/// itself: a file written there would replace the checkpoint's own files (its manifest, a
+/// rank file) or add a foreign one. Both paths are compared with links resolved; `out` need
+/// not exist yet (nor its parents: the part that does not exist is taken as written). A `dir`
+/// that does not resolve holds nothing to protect: opening it reports why.
+pub fn refuse_inside(dir: &Path, out: &Path) -> Result<()> {
+    let Ok(dir_real) = dir.canonicalize() else {
+        return Ok(());
+    };
+    if resolved(out).starts_with(&dir_real) {
+        return Err(Error::Output {
+            path: out.to_path_buf(),
+            detail: format!(
+                "inside the checkpoint directory {}, whose files it would replace or add to; write it outside the checkpoint",
+                dir.display()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// `path` made absolute with links resolved, one component at a time as far as it exists; a
+/// part that does not exist is taken as written (`..` then steps back over it).
+fn resolved(path: &Path) -> PathBuf {
+    use std::path::Component;
+    let mut out = if path.is_absolute() {
+        PathBuf::from("/")
+    } else {
+        Path::new(".").canonicalize().unwrap_or_default()
+    };
+    for c in path.components() {
+        match c {
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::Normal(name) => {
+                let next = out.join(name);
+                // Links are followed: through a directory link the write lands at its target
+                // (a link as the last name, which a rename would replace, is judged by its
+                // target too: refused rather than guessed).
+                out = next.canonicalize().unwrap_or(next);
+            }
+            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+        }
+    }
+    out
+}
+
 /// A file opened for reading by [`open_regular`], or why there is none to read.
 pub(crate) enum Opened {
     /// A regular file, and its length in bytes.
@@ -155,6 +203,46 @@ mod tests {
         assert!(!tmp_dir(d, 30).exists() && !step_dir(d, 100).exists());
         assert!(d.join("notes").exists() && d.join("step-12x").exists());
         assert!(step_dir(d, 5).exists());
+    }
+
+    #[test]
+    fn an_output_inside_the_checkpoint_is_refused_however_it_is_spelled() {
+        let root = tempfile::tempdir().unwrap();
+        let ckpt = root.path().join("step-00000006");
+        std::fs::create_dir_all(&ckpt).unwrap();
+        std::fs::write(ckpt.join(MANIFEST), b"{}").unwrap();
+        std::os::unix::fs::symlink(&ckpt, root.path().join("link")).unwrap();
+        let r = root.path();
+        for out in [
+            ckpt.join(MANIFEST),
+            ckpt.join("rank-00000.safetensors"),
+            ckpt.clone(),
+            ckpt.join("new/deeper/model.safetensors"),
+            r.join("elsewhere/../step-00000006/model.safetensors"),
+            r.join("link/model.safetensors"),
+            r.join("./link/./x"),
+        ] {
+            let e = refuse_inside(&ckpt, &out).unwrap_err();
+            assert!(
+                matches!(e, Error::Output { .. }),
+                "{}: {e:?}",
+                out.display()
+            );
+            assert!(
+                e.to_string().contains("inside the checkpoint directory"),
+                "{e}"
+            );
+            assert!(e.is_bad_input());
+        }
+        for out in [
+            r.join("model.safetensors"),
+            r.join("step-00000006.safetensors"),
+            r.join("step-00000006x/model.safetensors"),
+            r.join("step-00000006/../model.safetensors"),
+            r.join("absent/dir/model.safetensors"),
+        ] {
+            refuse_inside(&ckpt, &out).unwrap_or_else(|e| panic!("{}: {e}", out.display()));
+        }
     }
 
     #[test]

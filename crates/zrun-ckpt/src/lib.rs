@@ -31,7 +31,7 @@ mod write;
 use std::path::{Path, PathBuf};
 
 pub use consolidate::{consolidate, Consolidated, OutDtype};
-pub use dir::{complete, remove_leftovers, step_dir, tmp_dir, MANIFEST};
+pub use dir::{complete, refuse_inside, remove_leftovers, step_dir, tmp_dir, MANIFEST};
 pub use hf::{parse_size, write_json, HfDir, HfDtype, HfWriter, TensorInfo};
 pub use lock::{hostname, Acquired, DirLock, LockOwner, LEASE, LOCK_FILE};
 pub use manifest::{
@@ -128,6 +128,15 @@ pub enum Error {
         /// Who holds it.
         holder: String,
     },
+    /// An output path given to write a checkpoint's contents to cannot be used (inside the
+    /// checkpoint, a directory, or in a directory that does not exist).
+    #[error("output {}: {detail}", path.display())]
+    Output {
+        /// The output path as given.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        detail: String,
+    },
     /// A caller asked for something the format cannot express.
     #[error("checkpoint: {0}")]
     Invalid(String),
@@ -143,8 +152,8 @@ pub enum Error {
 
 impl Error {
     /// True when the checkpoint or model directory given is the problem (damaged, of another
-    /// format or model, held by another job, or not a checkpoint at all), not the machine:
-    /// bad input, exit code 2.
+    /// format or model, held by another job, or not a checkpoint at all), or the output path
+    /// given, not the machine: bad input, exit code 2.
     pub fn is_bad_input(&self) -> bool {
         matches!(
             self,
@@ -153,6 +162,7 @@ impl Error {
                 | Error::Mismatch { .. }
                 | Error::Hf { .. }
                 | Error::Held { .. }
+                | Error::Output { .. }
         )
     }
 
