@@ -117,6 +117,31 @@ fn resuming_with_other_data_settings_is_refused_unless_allowed() {
     assert!(o.status.success(), "{}", stderr(&o));
 }
 
+#[test]
+fn resuming_another_model_is_refused_even_where_the_shapes_match() {
+    // 8 heads instead of 4 over the same 64 channels: every tensor has the shape it had,
+    // but the model computes something else.
+    let dir = saved_run("rs-model");
+    let mut s = sets(&dir, 12, 0);
+    s.extend(set("model.n_head=8".into()));
+    let o = run(&args(2, &s), &[]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    let line = last_line(&o);
+    assert!(
+        line.contains("step-00000010 does not fit this model")
+            && line.contains("n_head 4 there, 8 here")
+            && line.contains("use the same [model] settings"),
+        "{line}"
+    );
+    // Every rank met it: shown once.
+    let shown = err
+        .lines()
+        .filter(|l| l.contains("n_head 4 there") && !l.starts_with("    |"))
+        .count();
+    assert_eq!(shown, 1, "{err}");
+}
+
 /// The run id of the checkpoint `dir`.
 fn writer(dir: &Path) -> String {
     let m = common::read_json(&dir.join("manifest.json"));

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::{Error, Result};
 
 mod check;
+mod fit;
 
 pub(crate) use check::tables as check_tables;
 
@@ -322,68 +323,6 @@ impl Manifest {
         check::tables(self).map_err(|d| Error::damaged(dir, crate::MANIFEST, d))?;
         check::hashes(self, dir)?;
         check::step_dir(self, dir)
-    }
-
-    /// Checks that `units` (the running model's view tables) lay the flat buffers out as this
-    /// checkpoint does; the error names the first unit or parameter that differs.
-    pub fn check_units<'a>(&'a self, dir: &Path, units: &'a [UnitEntry]) -> Result<()> {
-        let mismatch = |detail: String| {
-            Error::Mismatch {
-            dir: dir.to_path_buf(),
-            detail: format!(
-                "{detail}; it was written for another model (its [model]: {}): use the same [model] settings, or another checkpoint.dir",
-                self.model
-            ),
-        }
-        };
-        // Parameter by parameter in model order, so the first difference is named whatever
-        // it is (a shape, a name, a layer more or less).
-        let flat = |units: &'a [UnitEntry]| {
-            units
-                .iter()
-                .flat_map(|u| u.views.iter().map(move |v| (u.name.as_str(), v)))
-        };
-        let (mut here, mut there) = (flat(units), flat(&self.units));
-        loop {
-            match (here.next(), there.next()) {
-                (None, None) => break,
-                (Some((_, a)), None) => {
-                    return Err(mismatch(format!(
-                        "parameter `{}` is not in the checkpoint",
-                        a.name
-                    )))
-                }
-                (None, Some((_, b))) => {
-                    return Err(mismatch(format!(
-                        "the checkpoint's parameter `{}` is not in this model",
-                        b.name
-                    )))
-                }
-                (Some((ua, a)), Some((ub, b))) => {
-                    if a.name != b.name || ua != ub {
-                        return Err(mismatch(format!(
-                            "parameter `{}` (unit `{ua}`) here is `{}` (unit `{ub}`) in the checkpoint",
-                            a.name, b.name
-                        )));
-                    }
-                    if a.shape != b.shape || a.offset != b.offset {
-                        return Err(mismatch(format!(
-                            "parameter `{}` has shape {:?} here but {:?} in the checkpoint",
-                            a.name, a.shape, b.shape
-                        )));
-                    }
-                }
-            }
-        }
-        for (a, b) in units.iter().zip(&self.units) {
-            if a.numel != b.numel {
-                return Err(mismatch(format!(
-                    "unit `{}` has {} elements here, {} in the checkpoint",
-                    a.name, a.numel, b.numel
-                )));
-            }
-        }
-        Ok(())
     }
 }
 

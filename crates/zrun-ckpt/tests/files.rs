@@ -159,11 +159,11 @@ fn manifests_of_other_versions_formats_and_models_are_refused() {
     for u in &mut mine {
         u.shards = UnitEntry::even_shards(u.numel, 1);
     }
-    ckpt.manifest.check_units(&dir, &mine).unwrap();
+    ckpt.manifest.check_units(&dir, &mine, "fix").unwrap();
     mine[0].views[1].shape = vec![2, 2];
     let msg = ckpt
         .manifest
-        .check_units(&dir, &mine)
+        .check_units(&dir, &mine, "fix")
         .unwrap_err()
         .to_string();
     assert!(

@@ -294,8 +294,10 @@ impl Checkpointer {
             )));
         }
         match verdict {
-            Verdict::Fatal(e) => return Err(Error::Resume(format!("{here}: {e}"))),
-            Verdict::Damaged(e) if explicit => return Err(Error::Resume(format!("{here}: {e}"))),
+            // The launcher names the rank of each line: without the rank in it, an error
+            // every rank meets (another model) is shown once.
+            Verdict::Fatal(e) => return Err(Error::Resume(e)),
+            Verdict::Damaged(e) if explicit => return Err(Error::Resume(e)),
             Verdict::Damaged(e) => tracing::error!("{here}: {e}"),
             Verdict::Usable => {}
         }
@@ -364,7 +366,14 @@ impl Checkpointer {
         rng: &mut Vec<(Device, Vec<u8>)>,
     ) -> Verdict {
         let mine = unit_entries(engine.layout());
-        if let Err(e) = ckpt.manifest.check_units(&ckpt.dir, &mine) {
+        let fix = "use the same [model] settings, or another checkpoint.dir (or \
+                   model.init_from on a `zrun export --hf` of it, to train another model from \
+                   its weights)";
+        let m = &ckpt.manifest;
+        if let Err(e) = m
+            .check_model(&ckpt.dir, &self.template.model, fix)
+            .and_then(|()| m.check_units(&ckpt.dir, &mine, fix))
+        {
             return Verdict::of(&e);
         }
         let mut reader: Reader = ckpt.reader();

@@ -64,7 +64,9 @@ fn check_views(ckpt: &Checkpoint, model: &dyn Model) -> Result<(), Error> {
     let w = ckpt.manifest.world_size as i64;
     let layout = zrun_shard::ShardLayout::new(model.units(), 0, w);
     let units = crate::checkpoint::unit_entries(&layout);
-    Ok(ckpt.manifest.check_units(&ckpt.dir, &units)?)
+    let fix = "its view tables do not match its own hf_config: the manifest was altered; use \
+               another checkpoint";
+    Ok(ckpt.manifest.check_units(&ckpt.dir, &units, fix)?)
 }
 
 /// A tokenizer file a checkpoint records, read and checked: the bytes to copy and the path.
