@@ -278,3 +278,37 @@ fn a_missing_font_names_the_fix() {
         stderr(&o)
     );
 }
+
+/// Losses whose range is wider than the largest float (or a flat one near it) are drawn in a
+/// moment: the infinite axis span once sent the tick search into an endless loop.
+#[test]
+fn losses_too_far_apart_for_a_float_still_plot() {
+    let dir = scratch("plot-huge");
+    for (name, lines) in [
+        (
+            "apart",
+            "{\"step\":1,\"loss\":1e308}\n{\"step\":2,\"loss\":-1e308}\n",
+        ),
+        (
+            "flat",
+            "{\"step\":1,\"loss\":1.7e308}\n{\"step\":2,\"loss\":1.7e308}\n",
+        ),
+    ] {
+        let run = dir.join(name);
+        std::fs::create_dir_all(&run).unwrap();
+        std::fs::write(run.join("metrics.jsonl"), lines).unwrap();
+        let mut child = common::zrun_child(&["plot", run.to_str().unwrap()], &[]);
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while child.try_wait().unwrap().is_none() && std::time::Instant::now() < until {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        if child.try_wait().unwrap().is_none() {
+            child.kill().unwrap();
+            let _ = child.wait();
+            panic!("{name}: zrun plot still ran after 30 s");
+        }
+        let o = child.wait_with_output().unwrap();
+        assert_eq!(o.status.code(), Some(0), "{name}: {}", stderr(&o));
+        chart(&run.join("plots"), "loss");
+    }
+}

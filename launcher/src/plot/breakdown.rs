@@ -8,7 +8,9 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use super::data::{Breakdown, Run};
-use super::style::{dec, side_legend, Drawn, Key, Mark, DESC, LABEL, PALETTE, SIZE, TITLE};
+use super::style::{
+    dec, drawable, side_legend, Drawn, Key, Mark, DESC, LABEL, PALETTE, SIZE, TITLE,
+};
 use super::Figure;
 
 /// Phase colours, in [`Breakdown::phases`] order.
@@ -141,7 +143,7 @@ impl Figure for BreakdownFig {
             .margin(16)
             .x_label_area_size(50)
             .y_label_area_size(80)
-            .build_cartesian_2d((0u32..n - 1).into_segmented(), 0.0..y1)?;
+            .build_cartesian_2d((0u32..n - 1).into_segmented(), 0.0..drawable(0.0, y1).1)?;
         chart
             .configure_mesh()
             .x_desc("rank")

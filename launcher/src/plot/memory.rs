@@ -9,7 +9,8 @@ use plotters::prelude::*;
 
 use super::data::{Memory, Run};
 use super::style::{
-    dec, padded, side_legend, Drawn, Fmt, Key, Mark, Panel, Series, Sizes, Stroke, PALETTE, TITLE,
+    dec, drawable, padded, side_legend, Drawn, Fmt, Key, Mark, Panel, Series, Sizes, Stroke,
+    PALETTE, TITLE,
 };
 use super::Figure;
 
@@ -351,6 +352,7 @@ fn draw_parts<DB: DrawingBackend>(
     unit: &str,
 ) -> Drawn<DB> {
     let t = Sizes::of(true);
+    let ((x0, x1), (_, top)) = (drawable(x0, x1), drawable(0.0, top));
     let mut chart = ChartBuilder::on(area)
         .caption(
             format!("{title}: engine memory by kind"),

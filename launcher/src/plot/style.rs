@@ -132,6 +132,22 @@ pub fn padded(vals: impl Iterator<Item = f64>, pad: f64) -> (f64, f64) {
     (lo - pad * (hi - lo), hi + pad * (hi - lo))
 }
 
+/// `lo..hi` made safe to draw: both ends and the span `hi - lo` finite, `lo < hi`. Plotters'
+/// tick search never ends on an infinite span (losses of -1e308 and 1e308, or a padded 1.7e308):
+/// an end past the largest float is clamped to it, and a span past it keeps each side's half of
+/// the axis (points beyond are clipped).
+pub fn drawable(lo: f64, hi: f64) -> (f64, f64) {
+    // `max`/`min` also replace a NaN end.
+    let (lo, hi) = (lo.max(-f64::MAX), hi.min(f64::MAX));
+    if lo >= hi {
+        return (0.0, 1.0);
+    }
+    if (hi - lo).is_finite() {
+        return (lo, hi);
+    }
+    (lo.max(-f64::MAX / 2.0), hi.min(f64::MAX / 2.0))
+}
+
 /// A panel of line series against one x axis.
 #[derive(Clone, Debug)]
 pub struct Panel {
@@ -165,6 +181,7 @@ impl Panel {
         let (y0, y1) = self
             .y_range
             .unwrap_or_else(|| padded(pts().map(|p| p.1), 0.05));
+        let ((x0, x1), (y0, y1)) = (drawable(x0, x1), drawable(y0, y1));
         let t = Sizes::of(self.compact);
         let mut chart = ChartBuilder::on(area)
             .caption(&self.title, ("sans-serif", t.title))
@@ -357,5 +374,23 @@ mod tests {
         assert_eq!(padded([1.0, 3.0].into_iter(), 0.5), (0.0, 4.0));
         assert_eq!(padded([2.0].into_iter(), 0.0), (1.0, 3.0));
         assert_eq!(padded(std::iter::empty(), 0.1), (0.0, 1.0));
+    }
+
+    #[test]
+    fn ranges_too_wide_for_a_float_are_narrowed_to_a_finite_span() {
+        let m = f64::MAX;
+        let cases = [
+            ((-1e308, 1e308), (-m / 2.0, m / 2.0)),
+            ((1.0, f64::INFINITY), (1.0, m)),
+            ((f64::NEG_INFINITY, f64::INFINITY), (-m / 2.0, m / 2.0)),
+            ((f64::NAN, 1.0), (-m, 1.0)),
+            ((2.0, 2.0), (0.0, 1.0)),
+            ((-1.0, 3.0), (-1.0, 3.0)),
+        ];
+        for ((lo, hi), want) in cases {
+            let got = drawable(lo, hi);
+            assert_eq!(got, want, "{lo}..{hi}");
+            assert!((got.1 - got.0).is_finite());
+        }
     }
 }
