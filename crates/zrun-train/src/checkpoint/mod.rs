@@ -134,6 +134,7 @@ pub fn unit_entries(layout: &ShardLayout) -> Vec<UnitEntry> {
         .collect()
 }
 
+/// The `[model]` of `cfg` as the manifest records it.
 /// The `[model]` of `cfg` as the manifest records it: the family, the training sequence
 /// length, the Hugging Face `config.json` that `zrun export --hf` writes and the run's
 /// tokenizer file, if any.
@@ -192,6 +193,47 @@ fn unwritable(dir: &Path, e: std::io::Error) -> Error {
             "{place}; give a writable directory"
         ))),
     }
+}
+
+/// The file start-up writes (and removes) to see that checkpoint.dir can be written.
+const WRITE_TEST: &str = ".zrun-write-test";
+
+/// Makes `dir` ready for this run's saves (its lock held): first removes what failed or
+/// interrupted saves left (on a full disk that frees the room the write test and the next
+/// save need, so a rerun gets past a disk filled by the save before), then checks that a
+/// file can be written there. Returns what it removed.
+fn clear_and_test(dir: &Path) -> Result<Vec<PathBuf>, Error> {
+    let removed = zrun_ckpt::remove_leftovers(dir).map_err(|e| match e {
+        zrun_ckpt::Error::Io { source, .. } => unwritable(dir, source),
+        other => Error::from(other),
+    })?;
+    write_test(&dir.join(WRITE_TEST), |f| {
+        std::io::Write::write_all(f, b"ok")
+    })
+    .map_err(|e| unwritable(dir, e))?;
+    Ok(removed)
+}
+
+/// Creates the file `path` (replacing one an earlier run left), writes it with `write`,
+/// fsyncs it (a full disk may only show then) and removes it again, whether the write went
+/// through or not: a failed write test leaves no file behind on a full disk. Opened without
+/// blocking, so a FIFO at `path` is an error, not a wait for a reader.
+fn write_test(
+    path: &Path,
+    write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    let wrote = write(&mut f).and_then(|()| f.sync_all());
+    drop(f);
+    let removed = std::fs::remove_file(path);
+    wrote?;
+    removed
 }
 
 impl Checkpointer {
@@ -312,10 +354,10 @@ impl Checkpointer {
     }
 
     /// Rank 0 takes the directory for this run (refused while another live run holds it),
-    /// makes sure it can be written (so a mistake shows now, not at the first save hours
-    /// later) and removes what interrupted saves left behind (temporary directories, step
-    /// directories without a manifest). Every rank calls it, before the first save; all fail
-    /// together when rank 0 fails.
+    /// removes what failed or interrupted saves left behind (temporary directories, step
+    /// directories without a manifest), then makes sure it can be written (so a mistake shows
+    /// now, not at the first save hours later). Every rank calls it, before the first save;
+    /// all fail together when rank 0 fails.
     pub fn clean_up(&mut self, engine: &Engine) -> Result<(), Error> {
         let local = if self.rank == 0 {
             self.prepare_dir()
@@ -367,10 +409,7 @@ impl Checkpointer {
             }
             self.lock = Some(lock);
         }
-        let probe = self.dir.join(".zrun-write-test");
-        std::fs::write(&probe, b"ok").map_err(unwritable)?;
-        std::fs::remove_file(&probe).map_err(unwritable)?;
-        for p in zrun_ckpt::remove_leftovers(&self.dir)? {
+        for p in clear_and_test(&self.dir)? {
             tracing::warn!(
                 "removed {}, left by a save that did not finish",
                 p.display()
@@ -468,6 +507,39 @@ impl Drop for Checkpointer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failed_write_test_removes_its_file() {
+        let root = tempfile::tempdir().unwrap();
+        let probe = root.path().join(WRITE_TEST);
+        let full = std::io::Error::from_raw_os_error(libc::ENOSPC);
+        let e = write_test(&probe, |f| {
+            std::io::Write::write_all(f, b"o")?;
+            Err(full)
+        })
+        .unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ENOSPC));
+        assert!(!probe.exists(), "the write test's file is left behind");
+        write_test(&probe, |f| std::io::Write::write_all(f, b"ok")).unwrap();
+        assert!(!probe.exists());
+    }
+
+    #[test]
+    fn a_failed_saves_leftovers_are_removed_before_the_write_test() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path();
+        let left = zrun_ckpt::tmp_dir(dir, 7);
+        std::fs::create_dir_all(&left).unwrap();
+        std::fs::write(left.join("rank-00000.safetensors"), b"partial").unwrap();
+        // A write test that cannot pass: its file's name is taken by a directory.
+        std::fs::create_dir(dir.join(WRITE_TEST)).unwrap();
+        let e = clear_and_test(dir).unwrap_err();
+        assert!(e.to_string().contains("cannot write there"), "{e}");
+        assert!(!left.exists(), "the leftover must go before the write test");
+        std::fs::remove_dir(dir.join(WRITE_TEST)).unwrap();
+        assert!(clear_and_test(dir).unwrap().is_empty());
+        assert_eq!(std::fs::read_dir(dir).unwrap().count(), 0);
+    }
 
     #[test]
     fn a_full_disk_is_restartable_and_a_forbidden_directory_is_bad_input() {

@@ -285,6 +285,9 @@ impl Checkpointer {
         }
         let all = gather_bytes(comm.as_ref(), self.device, &record)?;
         let failed: Vec<usize> = (0..all.len()).filter(|&r| all[r][0] != 1).collect();
+        if !failed.is_empty() {
+            self.discard(step);
+        }
         if let Err(e) = written {
             return Err(Error::Save(format!(
                 "checkpoint of step {step}: rank {} could not write its file: {e}; the older checkpoints are untouched",
@@ -310,6 +313,9 @@ impl Checkpointer {
             outcome = zrun_ckpt::commit(&zrun_ckpt::tmp_dir(&self.dir, step), &manifest)
                 .map(drop)
                 .map_err(Error::from);
+        }
+        if outcome.is_err() {
+            self.discard(step);
         }
         let ok = reduce(
             comm.as_ref(),
@@ -360,6 +366,26 @@ impl Checkpointer {
             self.prune();
         }
         Ok(final_dir)
+    }
+
+    /// Rank 0 removes the temporary directory of the save of `step`, which failed: called
+    /// once every rank has reported how its write went (no rank writes into it any more, and
+    /// the directory lock keeps other runs out), so on a full disk the room its partial files
+    /// took is free again for a rerun. What cannot be removed is left to the next start-up's
+    /// clean-up.
+    fn discard(&self, step: u64) {
+        if self.rank != 0 {
+            return;
+        }
+        let tmp = tmp_dir(&self.dir, step);
+        match std::fs::remove_dir_all(&tmp) {
+            Ok(()) => tracing::info!("removed {}, the failed save's files", tmp.display()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!(
+                "could not remove {} ({e}); the next start removes it",
+                tmp.display()
+            ),
+        }
     }
 
     /// Deletes the checkpoints beyond `checkpoint.keep` on a background thread (deleting
