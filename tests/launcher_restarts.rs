@@ -441,3 +441,62 @@ fn sigterm_to_one_node_stops_both_nodes_with_exit_3() {
     );
     assert_job_gone(&id);
 }
+
+/// True once `pid` catches SIGINT, SIGTERM, SIGHUP and SIGUSR1 (the launcher's handler is
+/// installed), from the `SigCgt` mask in /proc/PID/status.
+fn catches_stop_signals(pid: i32) -> bool {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let mask = status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigCgt:"))
+        .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
+        .unwrap_or(0);
+    [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGUSR1]
+        .iter()
+        .all(|&s| mask & (1 << (s - 1)) != 0)
+}
+
+/// A signal while the nodes meet ends zrun with 128+N, as it does once the ranks run: node 0
+/// waiting for node 1 to join, and node 1 of `zrun exec` waiting for node 0's store.
+#[test]
+fn a_signal_while_the_nodes_meet_exits_128_plus_n() {
+    let id = run_id("meet-signal");
+    let cases = [
+        (
+            "0",
+            libc::SIGTERM,
+            "zrun: stopped by SIGTERM while waiting for the other nodes",
+        ),
+        (
+            "1",
+            libc::SIGINT,
+            "zrun: stopped by SIGINT while connecting to node 0's store",
+        ),
+    ];
+    for (node, sig, said) in cases {
+        // Nobody else joins on this port: the node waits until the signal.
+        let port = free_port().to_string();
+        let flags = node_args(node, &port, &id);
+        let mut job = Job::start(&exec_args(&flags, "true"), &[]);
+        let t = Instant::now();
+        while !catches_stop_signals(job.pid()) && t.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // The handler is installed just before the nodes meet; let the wait begin.
+        std::thread::sleep(Duration::from_millis(300));
+        signal(job.pid(), sig);
+        let status = job.exit_within(Duration::from_secs(20));
+        assert_eq!(
+            status.code(),
+            Some(128 + sig),
+            "node {node}: {}",
+            job.text()
+        );
+        assert!(job.stderr().contains(said), "node {node}: {}", job.text());
+        assert!(
+            !job.stderr().contains("error"),
+            "node {node}: {}",
+            job.text()
+        );
+    }
+}

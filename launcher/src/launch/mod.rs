@@ -132,10 +132,20 @@ pub fn run(flags: &LaunchFlags, program: &Program, opts: &Options) -> anyhow::Re
     // A second back: file times may be coarser than the clock.
     let started = std::time::SystemTime::now() - Duration::from_secs(1);
     signals::install().context("installing the SIGINT/SIGTERM/SIGHUP/SIGUSR1 handler")?;
-    let mut rdzv = if plan.nnodes == 1 {
-        Rendezvous::single(&plan)?
+    let joined = if plan.nnodes == 1 {
+        Rendezvous::single(&plan)
     } else {
-        Rendezvous::join(&plan)?
+        Rendezvous::join(&plan)
+    };
+    let mut rdzv = match (joined, signals::received()) {
+        (Ok(r), _) => r,
+        // Stopped while meeting the other nodes: no rank started, the exit code is the
+        // signal's, as for a signal once the ranks run.
+        (Err(e), Some((sig, _))) => {
+            output::say(Level::Warn, &format!("{e:#}"));
+            return Ok(signals::exit_code(sig));
+        }
+        (Err(e), None) => return Err(e),
     };
     // A made-up multi-node run id (`addr-port`) is the same for every job on that address:
     // node 0's word makes it this job's own, on every node and across its restarts (the
