@@ -370,7 +370,10 @@ pub fn demo_sets(dir: &Path, steps: u64, every: u64) -> Vec<String> {
 /// window, window 0 is the train split and windows 1.. the eval split, in file order.
 pub fn read_by_loader(path: PathBuf, vocab_size: usize) -> Vec<u32> {
     let ds = zrun_train::data::Dataset::open(&zrun_train::data::DataOptions {
-        source: zrun_train::data::DataSource::Tokens { path },
+        source: zrun_train::data::DataSource::Tokens {
+            path,
+            tokenizer: None,
+        },
         seq_len: 1,
         vocab_size,
         seed: 0,

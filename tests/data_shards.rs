@@ -82,7 +82,10 @@ fn llm_c_file(dir: &Path, name: &str, model: &str, n: usize, vocab: u32) -> (Pat
 
 fn tokens_options(path: PathBuf, seq_len: usize, vocab_size: usize) -> DataOptions {
     DataOptions {
-        source: DataSource::Tokens { path },
+        source: DataSource::Tokens {
+            path,
+            tokenizer: None,
+        },
         seq_len,
         vocab_size,
         seed: 0,

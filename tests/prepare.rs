@@ -326,7 +326,10 @@ fn a_vocabulary_above_65536_gives_uint32_shards_the_loader_reads_back() {
     assert_eq!(read_by_loader(shard.clone(), 70_001), want);
     // A model whose vocabulary is too small for the file's tokens is refused.
     let e = Dataset::open(&DataOptions {
-        source: DataSource::Tokens { path: shard },
+        source: DataSource::Tokens {
+            path: shard,
+            tokenizer: None,
+        },
         seq_len: 4,
         vocab_size: 65_536,
         seed: 0,

@@ -103,3 +103,45 @@ fn a_disk_full_at_the_index_leaves_no_partial_output() {
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert_eq!(files(&out), before, "the previous output is whole");
 }
+
+#[test]
+fn a_run_on_token_shards_refuses_a_tokenizer_they_were_not_made_with() {
+    let d = scratch("prepare-run-tokenizer");
+    let tok = write(&d, "tokenizer.json", WORDS);
+    // Another tokenizer: "world" is token 1 there.
+    let other = String::from_utf8(WORDS.to_vec())
+        .unwrap()
+        .replace(r#""[UNK]": 1"#, r#""world": 1, "[UNK]": 2"#);
+    let other = write(&d, "other.json", other.as_bytes());
+    let text = write(&d, "words.txt", "hello ".repeat(400).as_bytes());
+    let data = d.join("data");
+    let data_s = data.display().to_string();
+    let args = ["prepare", "--tokenizer", &tok, &text, "-o", &data_s];
+    let o = zrun(&[&args[..], &["--val-fraction", "0"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let run = |data: &str, tokenizer: &str, vocab: u32| {
+        super::train_config(
+            &d,
+            &format!("vocab_size = {vocab}"),
+            &format!("source = \"tokens\"\npath = \"{data}\"\ntokenizer = \"{tokenizer}\""),
+        )
+    };
+    // The run's tokenizer is recorded with its checkpoints and exported as the model's: it
+    // must be the one the shards were made with.
+    rejects(
+        &[&run(&data_s, &other, 8)],
+        &[
+            "other.json",
+            "not the tokenizer the shards were made with",
+            "index.json records",
+        ],
+    );
+    let o = zrun(&[&run(&data_s, &tok, 8)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // A token file records no tokenizer: the run's must at least fit the model.
+    let bin = data.join("train-00000.bin").display().to_string();
+    rejects(
+        &[&run(&bin, &other, 2)],
+        &["other.json", "3 tokens, more than model.vocab_size 2"],
+    );
+}

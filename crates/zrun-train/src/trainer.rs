@@ -697,7 +697,10 @@ fn data_options(cfg: &Config, seq_len: i64, vocab_size: i64) -> DataOptions {
             DataKind::Synthetic => DataSource::Synthetic {
                 branching: d.branching,
             },
-            DataKind::Tokens => DataSource::Tokens { path },
+            DataKind::Tokens => DataSource::Tokens {
+                path,
+                tokenizer: crate::data::tokenizer_path(d, cfg.model.init_from.as_deref()),
+            },
             DataKind::Text => DataSource::Text {
                 path,
                 tokenizer: crate::data::tokenizer_path(d, cfg.model.init_from.as_deref()),

@@ -17,7 +17,10 @@ fn write_u16(path: &Path, tokens: &[u16]) {
 
 fn tokens_opts(path: PathBuf, seq_len: usize, vocab_size: usize, seed: u64) -> DataOptions {
     DataOptions {
-        source: DataSource::Tokens { path },
+        source: DataSource::Tokens {
+            path,
+            tokenizer: None,
+        },
         seq_len,
         vocab_size,
         seed,

@@ -178,7 +178,9 @@ impl Config {
                  (data.source = \"text\")",
             );
         }
-        if d.branching == 0 || d.branching as i64 >= arch.vocab_size() {
+        // The Markov chain's successors: a setting of the synthetic source only.
+        let synthetic = matches!(d.source, DataKind::Synthetic);
+        if synthetic && (d.branching == 0 || d.branching as i64 >= arch.vocab_size()) {
             return bad(
                 "data.branching",
                 d.branching,

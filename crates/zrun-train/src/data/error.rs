@@ -177,6 +177,28 @@ pub enum DataError {
         /// What went wrong.
         reason: String,
     },
+    /// A run's tokenizer that is not the one its token shards were prepared with.
+    #[error(
+        "data.tokenizer {} (or model.init_from's tokenizer.json, where data.tokenizer is \
+         unset): not the tokenizer the shards were made with ({} records {recorded}, SHA-256 \
+         {recorded_sha}..., this file's is {sha}...); its ids would mean other text, and it \
+         is recorded with the checkpoints and exported as the model's: name the file zrun \
+         prepare used",
+        path.display(),
+        index.display()
+    )]
+    TokenizerMismatch {
+        /// The run's tokenizer file.
+        path: PathBuf,
+        /// The shard index.
+        index: PathBuf,
+        /// The tokenizer's name the index records.
+        recorded: String,
+        /// The start of the SHA-256 the index records.
+        recorded_sha: String,
+        /// The start of the run's tokenizer's SHA-256.
+        sha: String,
+    },
     /// A tokenizer whose ids do not fit the model's embedding.
     #[error(
         "data.tokenizer {}: its vocabulary has {tokenizer_vocab} tokens, more than \

@@ -195,6 +195,29 @@ impl ShardIndex {
         written.map(|()| tmp)
     }
 
+    /// Refuses `tokenizer` (the run's, `dir`'s index being this one) unless it is the file
+    /// the shards were prepared with: the SHA-256 of its bytes is the one recorded.
+    pub(crate) fn check_tokenizer(&self, dir: &Path, tokenizer: &Path) -> Result<(), DataError> {
+        use sha2::Digest;
+        let bytes = super::read_regular(tokenizer).map_err(|source| DataError::Io {
+            key: "data.tokenizer",
+            path: tokenizer.to_path_buf(),
+            op: "read",
+            source,
+        })?;
+        let sha256 = format!("{:x}", sha2::Sha256::digest(&bytes));
+        if sha256 == self.tokenizer.sha256 {
+            return Ok(());
+        }
+        Err(DataError::TokenizerMismatch {
+            path: tokenizer.to_path_buf(),
+            index: dir.join(INDEX_FILE),
+            recorded: self.tokenizer.name.clone(),
+            recorded_sha: self.tokenizer.sha256.chars().take(12).collect(),
+            sha: sha256.chars().take(12).collect(),
+        })
+    }
+
     /// Every rule of the format; the problem in words.
     fn check(&self) -> Result<(), String> {
         if self.format != FORMAT {

@@ -61,6 +61,10 @@ pub enum DataSource {
     Tokens {
         /// The `.bin` file or the directory (`data.path`).
         path: PathBuf,
+        /// The run's tokenizer (`data.tokenizer`, or the model's): not read by the loader,
+        /// but recorded with the checkpoints and exported, so it must be the one the tokens
+        /// were made with (a shard index's SHA-256), or at least fit the model.
+        tokenizer: Option<PathBuf>,
     },
     /// UTF-8 text: a file, or a directory of `*.txt` files (sorted, concatenated); byte-level
     /// tokens 0..=255, or encoded by a tokenizer.
@@ -159,7 +163,9 @@ impl Dataset {
             DataSource::Synthetic { branching } => {
                 Source::Synthetic(MarkovChain::build(opts.vocab_size, *branching, opts.seed)?)
             }
-            DataSource::Tokens { path } => Source::Corpus(tokens::open(path, opts)?),
+            DataSource::Tokens { path, tokenizer } => {
+                Source::Corpus(tokens::open(path, tokenizer.as_deref(), opts)?)
+            }
             DataSource::Text { path, tokenizer } => {
                 Source::Corpus(text::open(path, tokenizer.as_deref(), opts)?)
             }
@@ -310,13 +316,17 @@ mod tests {
         let path = fifo.clone();
         std::thread::spawn(move || {
             for source in [
-                DataSource::Tokens { path: path.clone() },
+                DataSource::Tokens {
+                    path: path.clone(),
+                    tokenizer: None,
+                },
                 DataSource::Text {
                     path,
                     tokenizer: None,
                 },
                 DataSource::Tokens {
                     path: "/dev/zero".into(),
+                    tokenizer: None,
                 },
             ] {
                 let opened = Dataset::open(&DataOptions {

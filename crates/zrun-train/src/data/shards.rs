@@ -83,13 +83,28 @@ pub fn shard_dir(path: &Path) -> Option<PathBuf> {
 }
 
 /// Opens a shard directory: the index, then every shard checked and mapped.
-pub(crate) fn open(dir: &Path, opts: &DataOptions) -> Result<Corpus, DataError> {
-    open_within(dir, opts, max_maps())
+/// `tokenizer`, the run's, must be the file the shards were prepared with (the SHA-256 the
+/// index records): it travels with the checkpoints and exports as the model's tokenizer.
+pub(crate) fn open(
+    dir: &Path,
+    tokenizer: Option<&Path>,
+    opts: &DataOptions,
+) -> Result<Corpus, DataError> {
+    let index = ShardIndex::read(dir)?;
+    if let Some(t) = tokenizer {
+        index.check_tokenizer(dir, t)?;
+    }
+    open_within(dir, index, opts, max_maps())
 }
 
-/// [`open`] in a process that maps at most `maps` memory regions.
-fn open_within(dir: &Path, opts: &DataOptions, maps: usize) -> Result<Corpus, DataError> {
-    let index = ShardIndex::read(dir)?;
+/// [`open`] of `index`, read from `dir`, in a process that maps at most `maps` memory
+/// regions.
+fn open_within(
+    dir: &Path,
+    index: ShardIndex,
+    opts: &DataOptions,
+    maps: usize,
+) -> Result<Corpus, DataError> {
     let index_path = dir.join(INDEX_FILE);
     let dtype = index.token_dtype();
     unlisted(dir, &index_path, &index)?;
@@ -393,6 +408,7 @@ mod tests {
         DataOptions {
             source: DataSource::Tokens {
                 path: path.to_path_buf(),
+                tokenizer: None,
             },
             seq_len,
             vocab_size,
@@ -588,7 +604,7 @@ mod tests {
             .collect();
         index.write(d).unwrap();
         let opts = options(d, 8, 1000);
-        let e = open_within(d, &opts, MAP_HEADROOM + 2)
+        let e = open_within(d, index.clone(), &opts, MAP_HEADROOM + 2)
             .unwrap_err()
             .to_string();
         assert!(
@@ -596,7 +612,7 @@ mod tests {
             "{e}"
         );
         // One region more and the count passes: the first missing shard is what fails.
-        let e = open_within(d, &opts, MAP_HEADROOM + 3)
+        let e = open_within(d, index, &opts, MAP_HEADROOM + 3)
             .unwrap_err()
             .to_string();
         assert!(e.contains("train-00001.bin"), "{e}");

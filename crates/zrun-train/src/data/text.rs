@@ -88,13 +88,7 @@ pub(crate) fn present(path: &Path) -> Result<(), DataError> {
 /// `model.vocab_size`.
 fn open_encoded(path: &Path, tokenizer: &Path, opts: &DataOptions) -> Result<Corpus, DataError> {
     let tok = Tokenizer::load(tokenizer, "data.tokenizer")?;
-    if tok.vocab_size() > opts.vocab_size {
-        return Err(DataError::TokenizerVocab {
-            path: tokenizer.to_path_buf(),
-            tokenizer_vocab: tok.vocab_size(),
-            vocab_size: opts.vocab_size,
-        });
-    }
+    tok.fits(opts.vocab_size)?;
     present(path)?;
     let files = if path.is_dir() {
         txt_files(path)?

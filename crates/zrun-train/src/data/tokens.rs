@@ -15,10 +15,19 @@ const SCAN_CHUNK: usize = 1 << 20;
 
 /// Opens a shard directory (a directory holding `index.json`, or that file), a `.bin` file,
 /// or a directory with `train.bin` and optionally `val.bin`.
-pub(crate) fn open(path: &Path, opts: &DataOptions) -> Result<Corpus, DataError> {
+/// `tokenizer` is the run's ([`super::DataSource::Tokens`]): a shard directory's index must
+/// record its SHA-256; with token files that record none, it must load and fit the model.
+pub(crate) fn open(
+    path: &Path,
+    tokenizer: Option<&Path>,
+    opts: &DataOptions,
+) -> Result<Corpus, DataError> {
     present(path)?;
     if let Some(dir) = shards::shard_dir(path) {
-        return shards::open(&dir, opts);
+        return shards::open(&dir, tokenizer, opts);
+    }
+    if let Some(t) = tokenizer {
+        super::tokenizer::Tokenizer::load(t, "data.tokenizer")?.fits(opts.vocab_size)?;
     }
     let (t, seed) = (opts.seq_len, opts.seed);
     if path.is_dir() {

@@ -292,6 +292,18 @@ impl Tokenizer {
         self.vocab_size
     }
 
+    /// Refuses a tokenizer (`data.tokenizer`) whose ids a model of `vocab_size` cannot hold.
+    pub fn fits(&self, vocab_size: usize) -> Result<(), DataError> {
+        if self.vocab_size > vocab_size {
+            return Err(DataError::TokenizerVocab {
+                path: self.path.clone(),
+                tokenizer_vocab: self.vocab_size,
+                vocab_size,
+            });
+        }
+        Ok(())
+    }
+
     /// How documents are separated, for summaries: "each ended by <|endoftext|> (id 50256)".
     pub fn separator(&self) -> String {
         match (&self.eos, self.templated) {
