@@ -134,7 +134,6 @@ pub fn unit_entries(layout: &ShardLayout) -> Vec<UnitEntry> {
         .collect()
 }
 
-/// The `[model]` of `cfg` as the manifest records it.
 /// The `[model]` of `cfg` as the manifest records it: the family, the training sequence
 /// length, the Hugging Face `config.json` that `zrun export --hf` writes and the run's
 /// tokenizer file, if any.
