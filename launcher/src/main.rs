@@ -94,7 +94,9 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Run any program as the ranks, with zrun's environment and supervision (like
-    /// torchrun --no-python). MASTER_ADDR:MASTER_PORT is zrun's rendezvous store.
+    /// torchrun --no-python). MASTER_ADDR:MASTER_PORT is zrun's rendezvous store. A
+    /// non-zero exit is a failure, 3 included (only the trainer's 3 is a checkpointed stop);
+    /// 2, bad input, is not restarted.
     Exec(ExecArgs),
     /// Write one safetensors file of full, named parameters from a sharded checkpoint.
     Consolidate(consolidate::ConsolidateArgs),
@@ -447,6 +449,7 @@ fn train(cli: &Cli) -> anyhow::Result<u8> {
         }),
         reports: Some(cfg.log.dir.clone()),
         env: Vec::new(),
+        checkpoint_stops: true,
     };
     launch::run(&cli.launch, &program, &opts)
 }
@@ -468,7 +471,8 @@ fn exec(e: &ExecArgs) -> anyhow::Result<u8> {
         exe: exe.clone(),
         args: args.to_vec(),
     };
-    // A program of the user's: SIGTERM/SIGUSR1 give it --grace-s, like any stop.
+    // A program of the user's: SIGTERM/SIGUSR1 give it --grace-s, like any stop, and its exit
+    // code 3 is a failure like any other (no checkpoint convention).
     launch::run(&e.launch, &program, &launch::Options::default())
 }
 

@@ -115,6 +115,10 @@ pub struct Options {
     /// Time between forwarding SIGTERM or SIGUSR1 to the workers and SIGKILL, for them to
     /// save a checkpoint (training: `checkpoint.signal_deadline_s`); `None`: `--grace-s`.
     pub stop_deadline: Option<Duration>,
+    /// The workers follow the trainer's stop convention: on SIGTERM/SIGUSR1 (to zrun or to
+    /// any rank) they save a checkpoint and exit 3, a stop rather than a failure. `false`
+    /// (`zrun exec`): 3 is an exit code like any other.
+    pub checkpoint_stops: bool,
     /// Variables every rank gets unless the launcher's environment already sets them.
     pub env: Vec<(String, String)>,
     /// Training: the directory where a rank that ran out of memory (exit code 4) wrote its
@@ -178,6 +182,7 @@ pub fn run(flags: &LaunchFlags, program: &Program, opts: &Options) -> anyhow::Re
         program,
         rdzv: &rdzv,
         stop_deadline: opts.stop_deadline.unwrap_or(plan.grace),
+        stop_code: opts.checkpoint_stops.then_some(supervise::STOPPED),
         env,
         reports: opts.reports.clone(),
         started,

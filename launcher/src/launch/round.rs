@@ -2,8 +2,9 @@
 //! whether the job ends (with which exit code) or the group starts again.
 //!
 //! Exit codes: 0 when every rank finished; 1 on a failure (2 when the first failing rank
-//! exited 2, bad input); 3 when the ranks stopped after a signal and saved a checkpoint;
-//! 128+N when the launcher got signal N and the ranks did not all stop that way.
+//! exited 2, bad input); 3 when the ranks stopped after a signal and saved a checkpoint (the
+//! trainer only: a `zrun exec` program's 3 is a failure like any other code); 128+N when the
+//! launcher got signal N and the ranks did not all stop that way.
 
 use std::process::ExitStatus;
 use std::sync::mpsc::channel;
@@ -71,6 +72,9 @@ pub struct Job<'a> {
     pub rdzv: &'a Rendezvous,
     /// Time between forwarding SIGTERM/SIGUSR1 and SIGKILL.
     pub stop_deadline: Duration,
+    /// The ranks' exit code after a stop signal with a checkpoint saved (the trainer's 3);
+    /// `None` for a program without that convention (`zrun exec`).
+    pub stop_code: Option<i32>,
     /// Variables every worker gets besides the plan's (output format, progress line).
     pub env: Vec<(String, String)>,
     /// Where ranks write an out-of-memory diagnosis (see `Options::reports`).
@@ -124,7 +128,7 @@ impl Job<'_> {
             match spawn::spawn(self.program, rank, &env, prefix, log_dir, round, tx.clone()) {
                 Ok(w) => workers.push(w),
                 Err(e) => {
-                    let mut sup = Supervisor::new(workers, rx);
+                    let mut sup = Supervisor::new(workers, rx, self.stop_code);
                     sup.stop_all(libc::SIGTERM, plan.grace, plan.grace);
                     let msg = format!("node {}: {e:#}", plan.node_rank);
                     self.rdzv.publish_failure(&msg, true);
@@ -132,7 +136,7 @@ impl Job<'_> {
                 }
             }
         }
-        Ok(Supervisor::new(workers, rx))
+        Ok(Supervisor::new(workers, rx, self.stop_code))
     }
 }
 

@@ -2,8 +2,9 @@
 //! another node ends the round; stopping is SIGTERM (or the signal received) to every worker's
 //! process group, then SIGKILL when the given time is up.
 //!
-//! A worker that exits with code 3 stopped after a signal and saved a checkpoint: that is not
-//! a failure, and the round waits for the other workers.
+//! A trainer that exits with code 3 stopped after a signal and saved a checkpoint: that is not
+//! a failure, and the round waits for the other workers. Another program's 3 (`zrun exec`)
+//! is an exit code like any other.
 
 use std::process::ExitStatus;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -50,18 +51,28 @@ pub struct Supervisor {
     exited: Vec<Option<ExitStatus>>,
     /// A worker exited 3 while being watched (not while being stopped).
     saw_stop: bool,
+    /// [`STOPPED`] when the workers save a checkpoint and exit with it on a stop signal (the
+    /// trainer); `None` when no exit code means a stop (`zrun exec`).
+    stop_code: Option<i32>,
 }
 
 impl Supervisor {
-    /// Supervises `workers`, whose waiters send to `exits`.
-    pub fn new(workers: Vec<Worker>, exits: Receiver<Exit>) -> Supervisor {
+    /// Supervises `workers`, whose waiters send to `exits`; `stop_code` is the exit code of a
+    /// worker that stopped after saving a checkpoint ([`STOPPED`]), if the workers have one.
+    pub fn new(workers: Vec<Worker>, exits: Receiver<Exit>, stop_code: Option<i32>) -> Supervisor {
         let exited = vec![None; workers.len()];
         Supervisor {
             workers,
             exits,
             exited,
             saw_stop: false,
+            stop_code,
         }
+    }
+
+    /// True when `code` is the workers' stop code.
+    fn is_stop(&self, code: Option<i32>) -> bool {
+        code.is_some() && code == self.stop_code
     }
 
     fn record(&mut self, e: &Exit) -> usize {
@@ -97,15 +108,16 @@ impl Supervisor {
         self.saw_stop
     }
 
-    /// True when every worker has exited with 0 or 3, at least one with 3: the ranks saved a
-    /// checkpoint and stopped.
+    /// True when every worker has exited with 0 or the stop code, at least one with the stop
+    /// code: the ranks saved a checkpoint and stopped. Never without a stop code.
     pub fn stopped_cleanly(&self) -> bool {
         let codes: Vec<Option<i32>> = self
             .exited
             .iter()
             .map(|e| e.and_then(|s| s.code()))
             .collect();
-        codes.iter().all(|c| matches!(c, Some(0 | STOPPED))) && codes.contains(&Some(STOPPED))
+        codes.iter().all(|&c| c == Some(0) || self.is_stop(c))
+            && codes.iter().any(|&c| self.is_stop(c))
     }
 
     /// Waits until all workers end well, one fails, a signal arrives, or `news` has some.
@@ -116,7 +128,7 @@ impl Supervisor {
                     self.record(&e);
                     match e.status.code() {
                         Some(0) => {}
-                        Some(STOPPED) => self.saw_stop = true,
+                        c if self.is_stop(c) => self.saw_stop = true,
                         _ => {
                             return Outcome::Failed {
                                 rank: e.rank,
@@ -187,7 +199,8 @@ impl Supervisor {
             match self.exits.recv_timeout(wait) {
                 Ok(e) => {
                     self.record(&e);
-                    if !matches!(e.status.code(), Some(0 | STOPPED)) {
+                    let code = e.status.code();
+                    if code != Some(0) && !self.is_stop(code) {
                         deadline = deadline.min(zrun_comm::deadline_in(after_failure));
                     }
                 }
