@@ -455,13 +455,15 @@ pub fn parse_bytes(s: &str) -> Result<i64, String> {
         "m" | "mib" => 1024f64.powi(2),
         "g" | "gib" => 1024f64.powi(3),
         "t" | "tib" => 1024f64.powi(4),
+        "p" | "pib" => 1024f64.powi(5),
         "kb" => 1e3,
         "mb" => 1e6,
         "gb" => 1e9,
         "tb" => 1e12,
+        "pb" => 1e15,
         _ => {
             return Err(format!(
-                "{s:?} is not a size: write e.g. 80GiB, 6GB or 512MiB"
+                "{s:?} is not a size: a number and one of B, KiB, MiB, GiB, TiB, PiB (or KB, MB, GB, TB, PB), e.g. 80GiB, 6GB or 512MiB"
             ))
         }
     };
@@ -477,6 +479,9 @@ pub fn parse_bytes(s: &str) -> Result<i64, String> {
             "{s:?} is less than 1 MiB, smaller than any machine's memory (a number without a unit is bytes): write e.g. 80GiB or 512MiB"
         )),
         Ok(n) if n > 0.0 => Ok((n * scale) as i64),
+        Ok(_) => Err(format!(
+            "{s:?} is no memory at all: give a size from 1 MiB to 1 PiB, e.g. 80GiB"
+        )),
         _ => Err(format!(
             "{s:?} is not a size: write e.g. 80GiB, 6GB or 512MiB"
         )),
@@ -776,8 +781,10 @@ mod tests {
         assert_eq!(parse_bytes("2GB"), Ok(2_000_000_000));
         assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
         assert_eq!(parse_bytes("1048576"), Ok(1 << 20));
-        assert_eq!(parse_bytes("1PiB").ok(), None);
+        assert_eq!(parse_bytes("1PiB"), Ok(1 << 50));
         assert_eq!(parse_bytes("1024TiB"), Ok(1 << 50));
+        assert!(parse_bytes("0").unwrap_err().contains("no memory at all"));
+        assert!(parse_bytes("2PiB").unwrap_err().contains("more than 1 PiB"));
         for bad in [
             "",
             "GiB",

@@ -58,7 +58,34 @@ pub struct DistConfig {
     pub timeout_s: u64,
     /// Everything one rank may use, e.g. "6GiB": a real limit on CPU (the process's data
     /// segment), the caching allocator's share of the GPU on CUDA; `zrun plan` fits to it.
+    /// A bare number (TOML integer) is bytes.
+    #[serde(deserialize_with = "size_text")]
     pub memory_limit: Option<String>,
+}
+
+/// A size as the config gives it: a string ("6GiB") or a bare number of bytes, kept as text
+/// for [`crate::memory::parse_bytes`] to check.
+fn size_text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    struct Size;
+    impl serde::de::Visitor<'_> for Size {
+        type Value = Option<String>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a size such as \"6GiB\", or a number of bytes")
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+            Ok(Some(v.to_string()))
+        }
+        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
+            Ok(Some(v.to_string()))
+        }
+        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
+            Ok(Some(v.to_string()))
+        }
+        fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Self::Value, E> {
+            Ok(Some(v.to_string()))
+        }
+    }
+    d.deserialize_any(Size)
 }
 
 impl Default for DistConfig {
@@ -303,6 +330,22 @@ mod tests {
         for n in needles {
             assert!(e.contains(n), "{b:?} {d:?} {c:?}: {e:?} lacks {n:?}");
         }
+    }
+
+    #[test]
+    fn a_memory_limit_is_a_size_string_or_a_bare_number_of_bytes() {
+        let parse = |v: &str| toml::from_str::<DistConfig>(&format!("memory_limit = {v}"));
+        let bytes = |v: &str| parse(v).unwrap().memory_limit_bytes().unwrap();
+        assert_eq!(bytes("1073741824"), Some(1 << 30));
+        assert_eq!(bytes("\"6GiB\""), Some(6 << 30));
+        assert_eq!(bytes("\"1PiB\""), Some(1 << 50));
+        assert!(parse("1e3").unwrap().memory_limit_bytes().is_err());
+        let e = parse("true").unwrap_err().to_string();
+        assert!(
+            e.contains("a size such as \"6GiB\", or a number of bytes"),
+            "{e}"
+        );
+        assert_eq!(toml::from_str::<DistConfig>("").unwrap().memory_limit, None);
     }
 
     #[test]

@@ -38,7 +38,7 @@ impl Config {
     /// string) and validates everything.
     pub fn load(path: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
         let file = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| {
+        let text = read_config(path).map_err(|e| {
             ConfigError(format!("config {file}: cannot read it ({e}); pass the path of a train.toml, e.g. configs/tiny-cpu.toml"))
         })?;
         let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
@@ -421,4 +421,24 @@ fn one_line(msg: &str) -> String {
         .filter(|l| !l.is_empty())
         .collect::<Vec<_>>()
         .join("; ")
+}
+
+/// The largest config file read: a train.toml is a few KiB.
+const MAX_CONFIG_BYTES: u64 = 16 << 20;
+
+/// The text of the config file `path`: a regular file (a device or a FIFO would be read
+/// forever) of at most [`MAX_CONFIG_BYTES`].
+fn read_config(path: &Path) -> std::io::Result<String> {
+    use std::io::{Error, ErrorKind, Read};
+    let f = crate::data::open_regular(path)?;
+    let len = f.metadata()?.len();
+    if len > MAX_CONFIG_BYTES {
+        return Err(Error::new(
+            ErrorKind::InvalidData,
+            format!("{len} bytes, more than a config's {MAX_CONFIG_BYTES}"),
+        ));
+    }
+    let mut text = String::new();
+    f.take(MAX_CONFIG_BYTES + 1).read_to_string(&mut text)?;
+    Ok(text)
 }
