@@ -442,3 +442,23 @@ fn read_config(path: &Path) -> std::io::Result<String> {
     f.take(MAX_CONFIG_BYTES + 1).read_to_string(&mut text)?;
     Ok(text)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_config_that_is_not_a_small_regular_file_is_not_read() {
+        let e = read_config(Path::new("/dev/zero")).unwrap_err().to_string();
+        assert!(e.contains("a device, not a regular file"), "{e}");
+        let d = tempfile::tempdir().unwrap();
+        let big = d.path().join("big.toml");
+        let f = std::fs::File::create(&big).unwrap();
+        f.set_len(MAX_CONFIG_BYTES + 1).unwrap();
+        let e = read_config(&big).unwrap_err().to_string();
+        assert!(e.contains("more than a config's"), "{e}");
+        let ok = d.path().join("ok.toml");
+        std::fs::write(&ok, "[train]\nsteps = 3\n").unwrap();
+        assert_eq!(read_config(&ok).unwrap(), "[train]\nsteps = 3\n");
+    }
+}
