@@ -131,13 +131,17 @@ pub enum PrepareError {
         /// Where the first one is.
         first: String,
     },
-    /// The inputs hold no token for the train split.
+    /// The inputs hold no text (only empty or white-space documents), or none for the train
+    /// split.
     #[error(
-        "the inputs hold no text: {documents} document(s) gave no train token; check --field \
-         and the inputs (or --eos, which adds a token to every document)"
+        "the inputs hold no text: of {documents} document(s) read, none gave the train split \
+         more than white space{}; check --field and the inputs",
+        if *skipped > 0 { format!(" ({skipped} bad record(s) were skipped, --skip-bad)") } else { String::new() }
     )]
     Empty {
         /// Documents read.
         documents: u64,
+        /// Bad records skipped.
+        skipped: u64,
     },
 }

@@ -164,9 +164,11 @@ pub fn prepare(
     staged.0.extend(train_tmps);
     let (val, val_tmps) = val.finish()?;
     staged.0.extend(val_tmps);
-    if train.is_empty() {
+    // Only end-of-text tokens (empty documents) are no corpus either.
+    if train.is_empty() || counts.with_text == 0 {
         return Err(PrepareError::Empty {
             documents: counts.documents,
+            skipped: counts.skipped,
         });
     }
     let index = ShardIndex {

@@ -282,3 +282,35 @@ fn a_line_longer_than_a_document_may_be_is_refused_or_skipped() {
     assert_eq!((p.documents, p.skipped), (1, 1));
     assert_eq!(split(&dir.path().join("out"), &p.index.train), [0, 1, 3]);
 }
+
+#[test]
+fn inputs_of_empty_documents_or_only_bad_records_are_no_corpus() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = dir.path().join("tokenizer.json");
+    std::fs::write(&tok, word_level(&["a"], &["<|endoftext|>"])).unwrap();
+    let out = dir.path().join("out");
+    // Empty and white-space documents: each would give only its end-of-text token.
+    let empty = dir.path().join("empty.jsonl");
+    std::fs::write(
+        &empty,
+        "{\"text\": \"\"}\n{\"text\": \" \\n\"}\n".repeat(10),
+    )
+    .unwrap();
+    let opts = PrepareOptions::new(tok.clone(), vec![empty], out.clone());
+    let e = run(&opts).unwrap_err().to_string();
+    assert!(
+        e.contains("no text: of 20 document(s) read, none") && !e.contains("skipped"),
+        "{e}"
+    );
+    assert!(!out.exists(), "nothing is left");
+    // Only bad records, skipped: the count says why nothing is left.
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(&bad, "{\"text\": 5}\nnot json\n").unwrap();
+    let mut opts = PrepareOptions::new(tok, vec![bad], out.clone());
+    opts.skip_bad = true;
+    let e = run(&opts).unwrap_err().to_string();
+    assert!(
+        e.contains("(2 bad record(s) were skipped, --skip-bad)"),
+        "{e}"
+    );
+}
