@@ -228,19 +228,34 @@ fn dry_run_prints_the_layout_without_training() {
 }
 
 #[test]
-fn backend_and_device_that_cannot_work_are_refused_before_any_rank_starts() {
+fn settings_that_cannot_work_are_refused_before_any_rank_starts_and_by_a_dry_run() {
     let cfg = "configs/tiny-cpu.toml";
     let set = |kv: &[&str]| -> Vec<String> {
         kv.iter()
             .flat_map(|s| ["--set".to_string(), s.to_string()])
             .collect()
     };
+    // A dry run refuses what the launch refuses.
     let run = |kv: &[&str], needles: &[&str]| {
-        let mut args = vec!["--nproc".to_string(), "2".into(), cfg.into()];
-        args.extend(set(kv));
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        rejects(&args, needles);
+        for dry in [false, true] {
+            let mut args = vec!["--nproc".to_string(), "2".into(), cfg.into()];
+            if dry {
+                args.insert(0, "--dry-run".into());
+            }
+            args.extend(set(kv));
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            rejects(&args, needles);
+        }
     };
+    // A global batch the ranks would not train at (16 x 1 x 2 = 32) is not ignored.
+    run(
+        &["train.global_batch=64"],
+        &[
+            "train.global_batch = 64",
+            "x 2 rank(s) is 32",
+            "set train.grad_accum = 2",
+        ],
+    );
     run(
         &["dist.backend=\"nccl\"", "dist.device=\"cpu\""],
         &[

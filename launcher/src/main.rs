@@ -373,6 +373,40 @@ fn is_rank(topo: &Topology, flags: &LaunchFlags) -> anyhow::Result<bool> {
     }
 }
 
+/// The launcher's checks of the config `config`, once here before any rank starts, so a
+/// mistake is one line rather than one per rank: its keys, its data path (one node), its
+/// global batch, its backend and device against this build and this machine's GPUs, its
+/// shard group against the job. Returns the config, its resolved backend and device, and
+/// the ranks to start on this node.
+fn preflight(
+    config: &std::path::Path,
+    cli: &Cli,
+) -> anyhow::Result<(
+    zrun_train::config::Config,
+    zrun_train::config::ResolvedDist,
+    usize,
+)> {
+    let cfg = zrun_train::config::Config::load(config, &cli.set)?;
+    let world = cli.launch.world_size()?;
+    if cli.launch.nnodes.unwrap_or(1) <= 1 {
+        // One node: a missing data.path is one line here. Across nodes each node may lack
+        // it alone, so its ranks say so and the store tells the other nodes.
+        zrun_train::data::check_path(&cfg).map_err(|e| BadInput(e.to_string()))?;
+    }
+    cfg.check_global_batch(world)?;
+    // The ranks inherit this process's CUDA_VISIBLE_DEVICES: they see what it sees.
+    let caps = zrun_train::config::Capabilities::detect();
+    let nproc = cli.launch.nproc.unwrap_or(caps.gpus.max(1));
+    let dist = cfg.dist.resolve_for(caps, nproc)?;
+    // A shard group that does not divide the job, or splits a node, is refused here, before
+    // any rank starts.
+    cfg.zero.shard_group.resolve(world, nproc)?;
+    if dist.device == zrun_train::config::DeviceKind::Cuda {
+        dist.check_node(nproc, world, caps)?;
+    }
+    Ok((cfg, dist, nproc))
+}
+
 fn train(cli: &Cli) -> anyhow::Result<u8> {
     let Some(config) = cli.config.as_ref() else {
         return Err(BadInput("give a training config: zrun train.toml".into()).into());
@@ -386,31 +420,13 @@ fn train(cli: &Cli) -> anyhow::Result<u8> {
         }
         return Ok(0);
     }
+    // A dry run refuses what the launch would refuse, then shows the layout.
+    let (cfg, dist, nproc) = preflight(config, cli)?;
     if cli.dry_run {
         let world = cli.launch.world_size()?;
         let local = world / cli.launch.nnodes.unwrap_or(1).max(1);
         worker::dry_run(config, &cli.set, world, local)?;
         return Ok(0);
-    }
-    // Check the config once here, so a mistake is one line rather than one per rank: its
-    // keys, and its backend and device against this build and this machine's GPUs.
-    let cfg = zrun_train::config::Config::load(config, &cli.set)?;
-    if cli.launch.nnodes.unwrap_or(1) <= 1 {
-        // One node: a missing data.path is one line here. Across nodes each node may lack
-        // it alone, so its ranks say so and the store tells the other nodes.
-        zrun_train::data::check_path(&cfg).map_err(|e| BadInput(e.to_string()))?;
-    }
-    // The ranks inherit this process's CUDA_VISIBLE_DEVICES: they see what it sees.
-    let caps = zrun_train::config::Capabilities::detect();
-    let nproc = cli.launch.nproc.unwrap_or(caps.gpus.max(1));
-    let dist = cfg.dist.resolve_for(caps, nproc)?;
-    // A shard group that does not divide the job, or splits a node, is refused here, before
-    // any rank starts.
-    cfg.zero
-        .shard_group
-        .resolve(cli.launch.world_size()?, nproc)?;
-    if dist.device == zrun_train::config::DeviceKind::Cuda {
-        dist.check_node(nproc, cli.launch.world_size()?, caps)?;
     }
     let mut set = cli.set.clone();
     if dist.device == zrun_train::config::DeviceKind::Cuda

@@ -96,6 +96,7 @@ pub fn run(config: &Path, overrides: &[String]) -> Result<()> {
 /// model; `zrun estimate` adds activations and buffers.
 pub fn dry_run(config: &Path, overrides: &[String], world_size: usize, local: usize) -> Result<()> {
     let mut cfg = Config::load(config, overrides)?;
+    cfg.check_global_batch(world_size)?;
     let g = cfg.resolve_shard_group(world_size.max(1), local.max(1))? as i64;
     let model = cfg.build_model()?;
     let units = model.units();

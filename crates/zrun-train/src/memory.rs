@@ -630,13 +630,8 @@ pub fn resolve_auto(cfg: &Config, world: usize, fixed: i64, limit: i64) -> Resul
     }
     let mut base = cfg.clone();
     if auto.micro_batch {
+        cfg.check_global_batch(world)?;
         let global = cfg.train.global_batch.unwrap_or(0);
-        if global == 0 || !global.is_multiple_of(world.max(1)) {
-            return Err(ConfigError(format!(
-                "train.global_batch = {global} must be a positive multiple of the {world} ranks for train.micro_batch = \"auto\""
-            ))
-            .into());
-        }
         (base.train.micro_batch, base.train.grad_accum) = (global / world.max(1), 1);
     }
     let fixed_choice = Choice::of(cfg);

@@ -130,6 +130,8 @@ impl Run {
             world_size: comm.world_size(),
             local_world_size: topo.local_world_size,
         };
+        // Under mpirun or srun no launcher checked it for this world size.
+        cfg.check_global_batch(rank.world_size)?;
         let mut resolved = cfg.clone();
         let group = resolved.resolve_shard_group(rank.world_size, rank.local_world_size)?;
         let cfg = &resolved;

@@ -34,6 +34,38 @@ fn take_auto(table: &mut toml::Table) -> super::Auto {
 }
 
 impl Config {
+    /// Refuses a `train.global_batch` that `world` ranks cannot train at: with `micro_batch =
+    /// "auto"` one that is not a positive multiple of the ranks; with a fixed micro-batch one
+    /// other than `micro_batch x grad_accum x world` (it would be ignored without a word).
+    pub fn check_global_batch(&self, world: usize) -> Result<(), ConfigError> {
+        let t = &self.train;
+        let (Some(global), world) = (t.global_batch, world.max(1)) else {
+            return Ok(());
+        };
+        if self.auto.micro_batch {
+            if global == 0 || !global.is_multiple_of(world) {
+                return Err(ConfigError(format!(
+                    "train.global_batch = {global} must be a positive multiple of the {world} ranks for train.micro_batch = \"auto\""
+                )));
+            }
+            return Ok(());
+        }
+        let have = t.micro_batch * t.grad_accum * world;
+        if global == have {
+            return Ok(());
+        }
+        let per = t.micro_batch * world;
+        let fix = if global > 0 && global.is_multiple_of(per) {
+            format!("set train.grad_accum = {}", global / per)
+        } else {
+            "set train.micro_batch = \"auto\" to have the micro-batch chosen for it".to_string()
+        };
+        Err(ConfigError(format!(
+            "train.global_batch = {global}, but train.micro_batch {} x train.grad_accum {} x {world} rank(s) is {have} sequences a step: {fix}, or remove train.global_batch",
+            t.micro_batch, t.grad_accum
+        )))
+    }
+
     /// Reads `path`, applies `overrides` (`key.path=value`, value in TOML syntax or a bare
     /// string) and validates everything.
     pub fn load(path: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
@@ -446,6 +478,28 @@ fn read_config(path: &Path) -> std::io::Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_global_batch_the_ranks_do_not_train_at_is_refused() {
+        let mut cfg = Config::default();
+        (cfg.train.micro_batch, cfg.train.grad_accum) = (16, 1);
+        cfg.check_global_batch(2).unwrap();
+        cfg.train.global_batch = Some(32);
+        cfg.check_global_batch(2).unwrap();
+        cfg.train.global_batch = Some(64);
+        let e = cfg.check_global_batch(2).unwrap_err().0;
+        assert!(
+            e.contains("16 x train.grad_accum 1 x 2 rank(s) is 32")
+                && e.contains("set train.grad_accum = 2"),
+            "{e}"
+        );
+        cfg.train.global_batch = Some(3);
+        let e = cfg.check_global_batch(2).unwrap_err().0;
+        assert!(e.contains("train.micro_batch = \"auto\""), "{e}");
+        cfg.auto.micro_batch = true;
+        assert!(cfg.check_global_batch(2).is_err(), "3 over 2 ranks");
+        cfg.check_global_batch(3).unwrap();
+    }
 
     #[test]
     fn a_config_that_is_not_a_small_regular_file_is_not_read() {
