@@ -45,6 +45,11 @@ fn sigkill_to_a_worker_mid_training_ends_the_job() {
         err.contains("zrun: rank 1 failed first: killed by signal 9 (SIGKILL)"),
         "{err}"
     );
+    // A SIGKILL zrun did not send is most often the out-of-memory killer: said so.
+    assert!(
+        err.contains("out-of-memory killer") && err.contains("zrun estimate predicts"),
+        "{err}"
+    );
     assert_job_gone(&id);
 }
 

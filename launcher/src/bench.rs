@@ -221,6 +221,9 @@ pub(crate) fn launch_local(nproc: usize) -> anyhow::Result<()> {
         std::thread::sleep(Duration::from_millis(20));
     }
     if let Some((r, st)) = failed {
+        if let Some(hint) = crate::launch::spawn::sigkill_hint(&st) {
+            bail!("bench rank {r} was killed ({hint}): use smaller --sizes");
+        }
         bail!("bench rank {r} failed ({st}); its error is above");
     }
     Ok(())

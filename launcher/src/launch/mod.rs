@@ -17,7 +17,7 @@ mod progress;
 mod rendezvous;
 mod round;
 mod signals;
-mod spawn;
+pub(crate) mod spawn;
 mod supervise;
 
 use std::path::PathBuf;

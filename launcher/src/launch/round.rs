@@ -248,7 +248,17 @@ impl Round<'_> {
         let plan = self.plan();
         let stopped = sup.stop_all(libc::SIGTERM, plan.grace, plan.grace);
         sup.drain();
-        let how = spawn::describe(&status);
+        let mut how = spawn::describe(&status);
+        if let Some(hint) = spawn::sigkill_hint(&status) {
+            how.push_str(&format!(" ({hint}"));
+            // Training: the estimate says what a rank needs.
+            if self.job.reports.is_some() {
+                how.push_str(
+                    "; zrun estimate predicts each rank's peak, zrun plan a config that fits",
+                );
+            }
+            how.push(')');
+        }
         let tail = sup
             .workers
             .iter()

@@ -267,6 +267,16 @@ pub fn describe(status: &ExitStatus) -> String {
     }
 }
 
+/// What a SIGKILL the launcher did not send most often is, for the failure line; `None` for
+/// any other status.
+pub fn sigkill_hint(status: &ExitStatus) -> Option<&'static str> {
+    use std::os::unix::process::ExitStatusExt;
+    (status.signal() == Some(libc::SIGKILL)).then_some(
+        "a SIGKILL zrun did not send, most often the kernel's out-of-memory killer when the \
+         machine's memory ran out (see dmesg)",
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
