@@ -469,7 +469,7 @@ fn a_recorded_tokenizer_that_is_not_one_is_not_exported() {
 }
 
 #[test]
-fn an_export_refuses_view_tables_that_are_not_its_models() {
+fn an_export_or_a_consolidation_refuses_view_tables_that_are_not_its_models() {
     // A view renamed in the manifest: the tables no longer describe the model its hf_config
     // does, so reading or transposing by them would go wrong.
     let (_dir, ckpt) = tiny_checkpoint("hf-views");
@@ -484,6 +484,19 @@ fn an_export_refuses_view_tables_that_are_not_its_models() {
         "{line}"
     );
     assert!(!out.exists());
+    // consolidate needs no model, but names and shapes its tensors by the same tables.
+    let file = ckpt.parent().unwrap().join("model.safetensors");
+    let line = one_error_line(&zrun(&[
+        "consolidate",
+        &c,
+        "-o",
+        &file.display().to_string(),
+    ]));
+    assert!(
+        line.contains("does not fit this model") && line.contains("the manifest was altered"),
+        "{line}"
+    );
+    assert!(!file.exists());
 }
 
 #[test]

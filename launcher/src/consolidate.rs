@@ -36,10 +36,15 @@ pub fn run(args: &ConsolidateArgs) -> anyhow::Result<u8> {
             dir = newest;
         }
     }
-    let c = zrun_ckpt::consolidate(&dir, &args.output, dtype).map_err(|e| match e {
+    let failed = |e: zrun_ckpt::Error| match e {
         zrun_ckpt::Error::Io { .. } | zrun_ckpt::Error::Invalid(_) => anyhow::Error::new(e),
         other => anyhow::Error::new(BadInput(other.to_string())),
-    })?;
+    };
+    // The manifest's tables must be its model's before they name and shape the tensors.
+    let ckpt = zrun_ckpt::Checkpoint::open(&dir).map_err(failed)?;
+    zrun_train::hf::check_checkpoint_views(&ckpt).map_err(|e| BadInput(e.to_string()))?;
+    drop(ckpt);
+    let c = zrun_ckpt::consolidate(&dir, &args.output, dtype).map_err(failed)?;
     println!(
         "wrote {}: {} tensors, {} parameters, {:.1} MiB ({}), from {} (step {})",
         c.path.display(),

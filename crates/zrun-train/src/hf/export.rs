@@ -223,6 +223,18 @@ pub fn export(
     }
 }
 
+/// For a reader that needs no model (`zrun consolidate`): refuses view tables that are not
+/// the parameters of the model the checkpoint's `hf_config` describes, as an export does, so
+/// an altered manifest cannot name, shape or leave out tensors. A checkpoint that records no
+/// config (an older zrun's) is not checked.
+pub fn check_checkpoint_views(ckpt: &Checkpoint) -> Result<(), Error> {
+    if ckpt.manifest.model.get("hf_config").is_none() {
+        return Ok(());
+    }
+    let model = checkpoint_arch(ckpt)?.build()?;
+    check_views(ckpt, model.as_ref())
+}
+
 /// The export of `ckpt` into the directory `tmp`, verified.
 fn write_export(
     ckpt: &Checkpoint,

@@ -12,7 +12,7 @@ use crate::Error;
 
 mod export;
 
-pub use export::{checkpoint_arch, export, load_full, Exported, Loaded};
+pub use export::{check_checkpoint_views, checkpoint_arch, export, load_full, Exported, Loaded};
 
 /// Where one parameter comes from: the file's tensor name and whether it is stored
 /// transposed (GPT-2's Conv1D).
