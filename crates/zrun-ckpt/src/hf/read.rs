@@ -420,11 +420,24 @@ impl HfDir {
     }
 }
 
+/// The largest `config.json` or weights index read: they are a few KiB to a few MiB.
+const MAX_JSON_BYTES: u64 = 64 << 20;
+
 /// The bytes of `path`, `None` when it is missing; refused when it is not a regular file (a
-/// FIFO would block the read forever).
+/// FIFO would block the read forever) or is over [`MAX_JSON_BYTES`] (read whole, it would
+/// take that much memory before the parse fails).
 fn read_regular(path: &Path) -> Result<Option<Vec<u8>>> {
     use std::io::Read;
     let mut file = match open_regular(path).map_err(|e| Error::io("open", path, e))? {
+        Opened::File(_, len) if len > MAX_JSON_BYTES => {
+            return Err(Error::hf(
+                path,
+                format!(
+                    "is {len} bytes, more than such a JSON file's {MAX_JSON_BYTES}: it is not \
+                     one; download it again"
+                ),
+            ))
+        }
         Opened::File(file, _) => file,
         Opened::Missing => return Ok(None),
         Opened::NotRegular(what) => {
@@ -590,6 +603,23 @@ fn transpose_as<const N: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_config_too_large_to_be_one_is_not_read() {
+        let d = tempfile::tempdir().unwrap();
+        let f = std::fs::File::create(d.path().join("config.json")).unwrap();
+        f.set_len(MAX_JSON_BYTES + 1).unwrap();
+        let e = read_regular(&d.path().join("config.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("more than such a JSON file's"), "{e}");
+        std::fs::write(d.path().join("small.json"), b"{}").unwrap();
+        assert_eq!(
+            read_regular(&d.path().join("small.json")).unwrap().unwrap(),
+            b"{}"
+        );
+        assert!(read_regular(&d.path().join("gone.json")).unwrap().is_none());
+    }
 
     /// The naive transpose, element by element.
     fn naive(m: &[f32], a: usize, b: usize) -> Vec<f32> {

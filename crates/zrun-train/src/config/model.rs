@@ -22,13 +22,13 @@ pub fn hf_config_path(dir: &Path) -> PathBuf {
 /// Reads and parses `dir/config.json` into an architecture.
 pub fn arch_from_hf(dir: &Path) -> Result<ArchConfig, ConfigError> {
     let path = hf_config_path(dir);
-    let text = std::fs::read_to_string(&path).map_err(|e| {
+    let text = crate::data::read_at_most(&path, 64 << 20).map_err(|e| {
         ConfigError(format!(
             "{}: cannot read it ({e}); a Hugging Face model directory holds config.json and model.safetensors",
             path.display()
         ))
     })?;
-    let json: serde_json::Value = serde_json::from_str(&text)
+    let json: serde_json::Value = serde_json::from_slice(&text)
         .map_err(|e| ConfigError(format!("{}: invalid JSON: {e}", path.display())))?;
     ArchConfig::from_hf_config(&json).map_err(|e| ConfigError(format!("{}: {e}", path.display())))
 }

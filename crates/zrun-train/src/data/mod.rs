@@ -281,6 +281,22 @@ pub fn open_regular(path: &std::path::Path) -> std::io::Result<std::fs::File> {
     ))
 }
 
+/// The whole of the regular file `path` (see [`open_regular`]) when it holds at most `max`
+/// bytes; a larger one is an error saying so, before anything is read.
+pub fn read_at_most(path: &std::path::Path, max: u64) -> std::io::Result<Vec<u8>> {
+    let file = open_regular(path)?;
+    let len = file.metadata()?.len();
+    if len > max {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{len} bytes, more than the {max} such a file may have"),
+        ));
+    }
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::Read::take(file, max + 1), &mut bytes)?;
+    Ok(bytes)
+}
+
 /// The whole of the regular file `path` (see [`open_regular`]).
 pub fn read_regular(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
     let mut bytes = Vec::new();
@@ -301,6 +317,20 @@ mod tests {
             eval_fraction: 0.1,
         })
         .unwrap()
+    }
+
+    #[test]
+    fn read_at_most_refuses_a_larger_file_before_reading_it() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("tokenizer.json");
+        std::fs::write(&p, b"0123456789").unwrap();
+        assert_eq!(read_at_most(&p, 10).unwrap(), b"0123456789");
+        let e = read_at_most(&p, 9).unwrap_err().to_string();
+        assert!(e.contains("10 bytes, more than the 9"), "{e}");
+        let e = read_at_most(std::path::Path::new("/dev/zero"), 9)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not a regular file"), "{e}");
     }
 
     /// A FIFO, a device or a directory given as data is an error at once: a FIFO's open

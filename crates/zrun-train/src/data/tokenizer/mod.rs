@@ -115,7 +115,8 @@ impl Tokenizer {
             path: path.to_path_buf(),
             reason,
         };
-        let bytes = crate::data::read_regular(path).map_err(|e| bad(e.to_string()))?;
+        let bytes =
+            crate::data::read_at_most(path, MAX_TOKENIZER_BYTES).map_err(|e| bad(e.to_string()))?;
         let mut inner =
             tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| bad(one_line(&e.to_string())))?;
         inner
@@ -405,6 +406,9 @@ impl Tokenizer {
         }
     }
 }
+
+/// The largest `tokenizer.json` read: the largest published ones are tens of MiB.
+const MAX_TOKENIZER_BYTES: u64 = 512 << 20;
 
 /// The tokenizer a run uses: `data.tokenizer` when set, else `tokenizer.json` in `init_from`
 /// (the directory of the model the run starts from) when that file exists, else none.
