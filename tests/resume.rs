@@ -118,7 +118,7 @@ fn resuming_with_other_data_settings_is_refused_unless_allowed() {
 }
 
 #[test]
-fn resuming_another_model_is_refused_even_where_the_shapes_match() {
+fn resuming_another_model_or_a_missing_path_is_refused() {
     // 8 heads instead of 4 over the same 64 channels: every tensor has the shape it had,
     // but the model computes something else.
     let dir = saved_run("rs-model");
@@ -140,6 +140,17 @@ fn resuming_another_model_is_refused_even_where_the_shapes_match() {
         .filter(|l| l.contains("n_head 4 there") && !l.starts_with("    |"))
         .count();
     assert_eq!(shown, 1, "{err}");
+    // A path that does not exist is said to be one, not a checkpoint without a manifest.
+    let mut s = sets(&dir, 12, 0);
+    let gone = dir.join("ckpt/step-00000099");
+    s.extend(set(format!("checkpoint.resume=\"{}\"", gone.display())));
+    let o = run(&args(2, &s), &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let line = last_line(&o);
+    assert!(
+        line.contains("step-00000099") && line.contains("there is no such directory"),
+        "{line}"
+    );
 }
 
 /// The run id of the checkpoint `dir`.

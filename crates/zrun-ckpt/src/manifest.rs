@@ -294,14 +294,24 @@ impl Manifest {
         }
         let version = match head.format_version {
             Some(v) if (1..=FORMAT_VERSION).contains(&v) => v,
-            v => {
+            Some(v) if v > FORMAT_VERSION => {
                 return Err(Error::Format {
                     dir: dir.to_path_buf(),
                     detail: format!(
-                        "format version {} is not one this zrun reads (1 to {FORMAT_VERSION}); it was written by a newer zrun: upgrade zrun to load it",
-                        v.map_or("(missing)".to_string(), |v| v.to_string())
+                        "format version {v} is not one this zrun reads (1 to {FORMAT_VERSION}); it was written by a newer zrun: upgrade zrun to load it"
                     ),
                 })
+            }
+            // Every zrun wrote a version from 1: none (or 0) is a manifest altered or cut.
+            v => {
+                return Err(Error::damaged(
+                    dir,
+                    crate::MANIFEST,
+                    format!(
+                        "format_version is {}, not one any zrun writes (1 to {FORMAT_VERSION})",
+                        v.map_or("missing".to_string(), |v| v.to_string())
+                    ),
+                ))
             }
         };
         check::verify_seal(dir, version, &text)?;

@@ -145,6 +145,14 @@ fn manifests_of_other_versions_formats_and_models_are_refused() {
             && msg.contains(&format!("format version {}", FORMAT_VERSION + 1)),
         "{msg}"
     );
+    // No version, or 0: no zrun wrote that; the manifest was altered, not written later.
+    for version in [serde_json::Value::Null, serde_json::json!(0)] {
+        let mut w = v.clone();
+        w["format_version"] = version;
+        std::fs::write(&path, serde_json::to_vec(&w).unwrap()).unwrap();
+        let e = Checkpoint::open(&dir).unwrap_err();
+        assert!(e.is_damaged() && !e.to_string().contains("newer"), "{e}");
+    }
     v["format_version"] = serde_json::json!(1);
     v["format"] = serde_json::json!("something-else");
     std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();

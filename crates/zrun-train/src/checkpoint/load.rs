@@ -122,6 +122,13 @@ impl Checkpointer {
             },
             path => {
                 let path = PathBuf::from(path);
+                if !path.exists() {
+                    return Err(Error::Resume(format!(
+                        "checkpoint.resume = {:?}: there is no such directory; give a checkpoint's directory (such as {}), \"auto\" or \"none\"",
+                        path.display().to_string(),
+                        self.dir.join("step-00000100").display()
+                    )));
+                }
                 let step = Checkpoint::open(&path)
                     .map_err(|e| Error::Resume(format!("checkpoint.resume = {:?}: {e}", path.display().to_string())))?
                     .manifest
