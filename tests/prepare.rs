@@ -203,15 +203,16 @@ fn json_lines_gzip_zstd_and_parquet_equal_python_tokenizers_for_any_thread_count
         ]
         .concat();
         let out = zrun_env(&args, &[("RAYON_NUM_THREADS", threads)]);
-        prepared(&out);
-        stdout(&out)
+        assert!(out.status.success(), "{}", stderr(&out));
+        (stdout(&out), stderr(&out))
     };
     // A previous prepare's files (the older layout, a killed run's shard) are replaced.
     std::fs::create_dir_all(d.join("one")).unwrap();
     write(&d.join("one"), "train.bin", b"old");
     write(&d.join("one"), "train-00009.bin.tmp", b"killed");
     let refs: Vec<&str> = inputs.iter().map(String::as_str).collect();
-    let line = prepare("one", &refs, "1");
+    let (line, err) = prepare("one", &refs, "1");
+    assert_eq!(err, "", "stderr of a good run");
     assert_eq!(
         read_split(&d.join("one"), "train", 4096),
         ids(&want["train"])
@@ -270,7 +271,12 @@ fn json_lines_gzip_zstd_and_parquet_equal_python_tokenizers_for_any_thread_count
         std::fs::copy(f, to.join(name)).unwrap();
     }
     write(&corpus, "README.md", b"not an input");
-    prepare("two", &[&corpus.display().to_string()], "2");
+    let (_, err) = prepare("two", &[&corpus.display().to_string()], "2");
+    // README.md is not read, and said so in one line.
+    assert!(
+        err.lines().count() == 1 && err.contains("1 entry of the input directories not read"),
+        "{err}"
+    );
     let two = read_json(&d.join("two/index.json"));
     assert_eq!(
         (&two["train"], &two["val"]),

@@ -114,6 +114,16 @@ pub fn run(args: &PrepareArgs) -> anyhow::Result<u8> {
             ),
         );
     }
+    if let Some((n, first)) = &p.unread {
+        output::say(
+            Level::Warn,
+            &format!(
+                "note: {n} entr{} of the input directories not read (only .jsonl, .json, .ndjson, optionally .gz or .zst, .parquet and .txt files are; linked directories are not followed), the first {}",
+                if *n == 1 { "y" } else { "ies" },
+                first.display()
+            ),
+        );
+    }
     let ix = &p.index;
     if let Some(why) = zrun_train::data::too_many_to_map(ix.train.len() + ix.val.len()) {
         output::say(

@@ -60,10 +60,9 @@ pub enum DataError {
     },
     /// A token id that the model's embedding cannot hold.
     #[error(
-        "data.path {}: token {token} at offset {offset} >= model.vocab_size {vocab_size}; \
-         raise model.vocab_size to at least {}",
+        "data.path {}: token {token} at offset {offset} >= model.vocab_size {vocab_size}; {}",
         path.display(),
-        u64::from(*token) + 1
+        vocab_fix(*token)
     )]
     TokenOutOfRange {
         /// The token file.
@@ -356,4 +355,28 @@ pub enum DataError {
         #[source]
         source: tch::TchError,
     },
+}
+/// What to do about a token beyond the vocabulary: raise it, unless no tokenizer has that
+/// many tokens (the largest have a few hundred thousand), when the file is not token ids.
+fn vocab_fix(token: u32) -> String {
+    if token >= 1 << 24 {
+        return "no tokenizer has that many tokens: the file holds something else than token \
+                ids (or ids of another width); write it with zrun prepare"
+            .into();
+    }
+    format!(
+        "raise model.vocab_size to at least {}",
+        u64::from(token) + 1
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_absurd_token_is_not_answered_with_a_larger_vocabulary() {
+        assert_eq!(vocab_fix(50257), "raise model.vocab_size to at least 50258");
+        assert!(vocab_fix(u32::MAX).contains("something else than token ids"));
+    }
 }

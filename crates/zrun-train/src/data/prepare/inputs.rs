@@ -114,9 +114,21 @@ fn listed(path: &Path) -> bool {
     !hidden && (txt || matches!(format_of(path), Ok(Format::JsonLines(_) | Format::Parquet)))
 }
 
-/// The input files, directories expanded (recursively, sorted by path), in order.
-pub(super) fn expand(paths: &[PathBuf]) -> Result<Vec<Input>, PrepareError> {
+/// Entries of input directories that are not read: files of other kinds (not hidden ones),
+/// linked directories (not followed), FIFOs and devices.
+#[derive(Debug, Default)]
+pub(super) struct Unread {
+    /// How many.
+    pub count: u64,
+    /// The first found.
+    pub first: Option<PathBuf>,
+}
+
+/// The input files, directories expanded (recursively, sorted by path), in order, and what
+/// the directories hold besides.
+pub(super) fn expand(paths: &[PathBuf]) -> Result<(Vec<Input>, Unread), PrepareError> {
     let mut out = Vec::new();
+    let mut unread = Unread::default();
     for path in paths {
         let meta = std::fs::metadata(path).map_err(|e| PrepareError::Input {
             path: path.clone(),
@@ -124,7 +136,7 @@ pub(super) fn expand(paths: &[PathBuf]) -> Result<Vec<Input>, PrepareError> {
         })?;
         if meta.is_dir() {
             let mut files = Vec::new();
-            walk(path, &mut files)?;
+            walk(path, &mut files, &mut unread)?;
             files.sort();
             if files.is_empty() {
                 return Err(PrepareError::Input {
@@ -141,7 +153,7 @@ pub(super) fn expand(paths: &[PathBuf]) -> Result<Vec<Input>, PrepareError> {
             out.push(input(path.clone())?);
         }
     }
-    Ok(out)
+    Ok((out, unread))
 }
 
 fn input(path: PathBuf) -> Result<Input, PrepareError> {
@@ -160,7 +172,7 @@ fn input(path: PathBuf) -> Result<Input, PrepareError> {
     })
 }
 
-fn walk(dir: &Path, files: &mut Vec<PathBuf>) -> Result<(), PrepareError> {
+fn walk(dir: &Path, files: &mut Vec<PathBuf>, unread: &mut Unread) -> Result<(), PrepareError> {
     let list_error = |e: std::io::Error| PrepareError::Input {
         path: dir.to_path_buf(),
         problem: format!("cannot list the directory: {e}"),
@@ -171,9 +183,14 @@ fn walk(dir: &Path, files: &mut Vec<PathBuf>) -> Result<(), PrepareError> {
         // Linked directories are not followed (a link to a parent would never end); linked
         // files are read.
         if entry.file_type().map_err(list_error)?.is_dir() {
-            walk(&path, files)?;
+            walk(&path, files, unread)?;
         } else if path.is_file() && listed(&path) {
             files.push(path);
+        } else if !entry.file_name().to_string_lossy().starts_with('.') {
+            unread.count += 1;
+            if unread.first.as_ref().is_none_or(|f| &path < f) {
+                unread.first = Some(path);
+            }
         }
     }
     Ok(())
@@ -328,8 +345,8 @@ mod tests {
             std::fs::write(d.path().join(f), "").unwrap();
         }
         std::os::unix::fs::symlink(d.path(), d.path().join("b/loop")).unwrap();
-        let got: Vec<PathBuf> = expand(&[d.path().to_path_buf()])
-            .unwrap()
+        let (inputs, unread) = expand(&[d.path().to_path_buf()]).unwrap();
+        let got: Vec<PathBuf> = inputs
             .into_iter()
             .map(|i| i.path.strip_prefix(d.path()).unwrap().to_path_buf())
             .collect();
@@ -338,6 +355,8 @@ mod tests {
             .map(PathBuf::from)
             .collect();
         assert_eq!(got, want);
+        // notes.md and the link are not read, and counted; the hidden file is not counted.
+        assert_eq!(unread.count, 2, "{unread:?}");
         let e = expand(&[d.path().join("b/c/none")])
             .unwrap_err()
             .to_string();

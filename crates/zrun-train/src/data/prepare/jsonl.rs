@@ -112,7 +112,10 @@ pub(super) fn read(
                 };
                 return Err(bad_line(input, n, problem).into());
             }
-            Err(e) => return Err(bad_line(input, n, format!("not a JSON object: {e}")).into()),
+            Err(e) => {
+                let problem = format!("not a JSON object: {}", json_problem(&e));
+                return Err(bad_line(input, n, problem).into());
+            }
         }
     }
 }
@@ -221,6 +224,18 @@ fn keys(line: &[u8]) -> String {
         "the object is empty".into()
     } else {
         format!("its keys: {}", names.join(", "))
+    }
+}
+
+/// The parser's complaint about one line, placed in that line: serde's own "at line L column
+/// C" counts from the line's start, and its line 2 is past the newline, the line's end.
+fn json_problem(e: &serde_json::Error) -> String {
+    let text = e.to_string();
+    let what = text.split(" at line ").next().unwrap_or(&text);
+    if e.line() > 1 {
+        format!("{what} at the end of the line")
+    } else {
+        format!("{what} at column {}", e.column())
     }
 }
 
@@ -342,6 +357,22 @@ fn lines_of(r: impl std::io::Read) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bad_lines_problem_is_placed_in_that_line() {
+        let e = text_of(b"{\"text\": \"unterminated\n", "text").unwrap_err();
+        let p = json_problem(&e);
+        assert!(
+            p.ends_with("at the end of the line") && !p.contains("line 2"),
+            "{p}"
+        );
+        let e = text_of(b"{\"text\": \"a\",}\n", "text").unwrap_err();
+        assert!(
+            json_problem(&e).ends_with("at column 15"),
+            "{}",
+            json_problem(&e)
+        );
+    }
 
     /// A line of exactly the cap (its newline besides) is read whole; one byte more is too
     /// long, and the next line is read after skipping its rest.

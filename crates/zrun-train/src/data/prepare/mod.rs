@@ -121,6 +121,9 @@ pub struct Prepared {
     /// Documents with text that encoded to no token of their own (only the tokens an empty
     /// document gets): the tokenizer dropped their text. With the first one's place.
     pub textless: Option<(u64, String)>,
+    /// Entries of input directories not read (other kinds of file, linked directories,
+    /// FIFOs, devices): how many, and the first by path.
+    pub unread: Option<(u64, PathBuf)>,
     /// The shards' element type.
     pub dtype: TokenDtype,
     /// How documents are separated, in words.
@@ -134,7 +137,7 @@ pub fn prepare(
     progress: &mut dyn FnMut(&Progress),
 ) -> Result<Prepared, PrepareError> {
     check(opts)?;
-    let inputs = inputs::expand(&opts.inputs)?;
+    let (inputs, unread) = inputs::expand(&opts.inputs)?;
     let mut tok = Tokenizer::load(&opts.tokenizer, "--tokenizer")?;
     tok.set_eos(&opts.eos, "--eos")?;
     let sha256 = std::fs::read(&opts.tokenizer)
@@ -199,6 +202,7 @@ pub fn prepare(
         val_documents: counts.val_documents,
         skipped: counts.skipped,
         textless: counts.textless,
+        unread: unread.first.map(|f| (unread.count, f)),
         dtype,
         separator: tok.separator(),
     })

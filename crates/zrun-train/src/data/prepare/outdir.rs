@@ -46,6 +46,14 @@ impl OutDir {
     /// Creates `dir` if missing, refuses it when it holds anything `zrun prepare` does not
     /// write, and removes a killed run's `.tmp` files.
     pub(super) fn open(dir: &Path) -> Result<OutDir, PrepareError> {
+        if dir.exists() && !dir.is_dir() {
+            return Err(PrepareError::Flag {
+                flag: "-o",
+                value: dir.display().to_string(),
+                requirement: "it is a file; give a directory: a new one, or one zrun prepare \
+                              wrote",
+            });
+        }
         let created = !dir.exists();
         std::fs::create_dir_all(dir).map_err(write_error(dir, "create directory"))?;
         let mut old = Vec::new();
@@ -146,6 +154,11 @@ mod tests {
         let out = OutDir::open(d.path()).unwrap();
         assert_eq!(out.old, [d.path().join("train.bin")]);
         assert!(!d.path().join("train-00003.bin.tmp").exists());
+        let file = d.path().join("notes.txt");
+        std::fs::write(&file, b"mine").unwrap();
+        let e = OutDir::open(&file).unwrap_err().to_string();
+        assert!(e.contains("-o ") && e.contains("it is a file"), "{e}");
+        std::fs::remove_file(&file).unwrap();
         std::fs::create_dir(d.path().join("sub")).unwrap();
         let e = OutDir::open(d.path()).unwrap_err().to_string();
         assert!(e.contains("\"sub\"") && e.contains("-o "), "{e}");

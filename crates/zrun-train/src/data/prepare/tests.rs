@@ -314,3 +314,30 @@ fn inputs_of_empty_documents_or_only_bad_records_are_no_corpus() {
         "{e}"
     );
 }
+
+#[test]
+fn what_an_input_directory_holds_besides_inputs_is_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = dir.path().join("tokenizer.json");
+    std::fs::write(&tok, word_level(&["a"], &["<|endoftext|>"])).unwrap();
+    let corpus = dir.path().join("corpus");
+    let other = dir.path().join("other");
+    std::fs::create_dir_all(&corpus).unwrap();
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::write(corpus.join("a.jsonl"), "{\"text\": \"a a\"}\n").unwrap();
+    std::fs::write(other.join("b.jsonl"), "{\"text\": \"a\"}\n").unwrap();
+    // Read: a.jsonl. Not read: README.md, a linked directory, a FIFO; a hidden file is not
+    // counted.
+    std::fs::write(corpus.join("README.md"), "# corpus").unwrap();
+    std::fs::write(corpus.join(".gitattributes"), "").unwrap();
+    std::os::unix::fs::symlink(&other, corpus.join("linked")).unwrap();
+    let fifo =
+        std::ffi::CString::new(corpus.join("f.jsonl").as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path; mkfifo only creates the node.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+    let mut opts = PrepareOptions::new(tok, vec![corpus.clone()], dir.path().join("out"));
+    opts.val_fraction = 0.0;
+    let p = run(&opts).unwrap();
+    assert_eq!(p.documents, 1);
+    assert_eq!(p.unread, Some((3, corpus.join("README.md"))));
+}
