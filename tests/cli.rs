@@ -616,6 +616,17 @@ fn meaningless_bench_and_estimate_flags_are_refused_before_any_work() {
             ],
             "at most 131072",
         ),
+        (
+            vec![
+                "plan".into(),
+                "configs/tiny-cpu.toml".into(),
+                "--cluster".into(),
+                "h100-8x".into(),
+                "--nodes".into(),
+                "1000000000".into(),
+            ],
+            "--nodes 1000000000 x 8 rank(s) per node: more ranks than one job runs",
+        ),
     ];
     for (args, needle) in cases {
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();

@@ -171,3 +171,19 @@ fn a_missing_data_path_is_refused_before_any_rank_starts() {
         "{err}"
     );
 }
+
+#[test]
+fn a_program_that_cannot_be_run_is_bad_input() {
+    rejects(
+        &["exec", "--nproc", "2", "--", "/nonexistent/prog"],
+        &[],
+        &["/nonexistent/prog", "not found"],
+    );
+    // A directory cannot be run (as root, any file with an x bit can).
+    let dir = std::env::temp_dir().display().to_string();
+    rejects(
+        &["exec", "--", &dir],
+        &[],
+        &[&dir, "cannot be run", "give an executable file"],
+    );
+}

@@ -303,6 +303,16 @@ pub fn plan(a: &PlanArgs, name: &str) -> anyhow::Result<u8> {
     if nodes == 0 || cl.gpus_per_node == 0 {
         return Err(BadInput("--nodes and cluster.gpus_per_node must be at least 1".into()).into());
     }
+    // The search walks shard groups up to the world: past what one job runs it only runs
+    // long.
+    let most = crate::launch::MAX_WORLD;
+    if nodes.saturating_mul(cl.gpus_per_node) > most {
+        return Err(BadInput(format!(
+            "--nodes {nodes} x {} rank(s) per node: more ranks than one job runs (at most {most}); give fewer --nodes",
+            cl.gpus_per_node
+        ))
+        .into());
+    }
     let (local, world) = (cl.gpus_per_node, nodes * cl.gpus_per_node);
     let limit = match &a.fit.device_mem {
         Some(s) => memory::parse_bytes(s).map_err(|e| BadInput(format!("--device-mem: {e}")))?,

@@ -26,7 +26,7 @@ use std::time::Duration;
 use anyhow::Context;
 
 pub use output::{Level, LogFormat, Style};
-pub use plan::{check_world, Plan, MAX_NPROC};
+pub use plan::{check_world, Plan, MAX_NPROC, MAX_WORLD};
 pub use progress::Source;
 pub use spawn::Program;
 

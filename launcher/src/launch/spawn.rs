@@ -162,6 +162,15 @@ pub fn spawn(
             ))
             .into())
         }
+        // Not executable (no x bit, a directory): the command line is wrong, as for a
+        // program not found.
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            return Err(super::BadInput(format!(
+                "starting rank {rank}: program {} cannot be run ({e}); give an executable file",
+                Path::new(&program.exe).display()
+            ))
+            .into())
+        }
         Err(e) => {
             return Err(e).with_context(|| {
                 format!(
