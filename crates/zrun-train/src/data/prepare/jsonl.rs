@@ -368,7 +368,7 @@ mod tests {
         );
         let e = text_of(b"{\"text\": \"a\",}\n", "text").unwrap_err();
         assert!(
-            json_problem(&e).ends_with("at column 15"),
+            json_problem(&e).ends_with("trailing comma at column 14"),
             "{}",
             json_problem(&e)
         );
