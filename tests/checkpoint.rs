@@ -511,18 +511,7 @@ fn consolidate_refuses_an_output_inside_the_checkpoint_a_directory_or_a_missing_
     let dir = saved_run("ck-outputs");
     let ckpt = dir.join("ckpt/step-00000010");
     let c = ckpt.display().to_string();
-    let read_all = || {
-        let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(&ckpt)
-            .unwrap()
-            .map(|e| {
-                let e = e.unwrap();
-                let name = e.file_name().to_string_lossy().into_owned();
-                (name, std::fs::read(e.path()).unwrap())
-            })
-            .collect();
-        v.sort();
-        v
-    };
+    let read_all = || common::files_in(&ckpt);
     let before = read_all();
     let inside = "inside the checkpoint directory";
     for out in [

@@ -12,6 +12,21 @@ use std::time::{Duration, Instant};
 mod scratch;
 pub use scratch::Scratch;
 
+/// Every file directly in `dir` with its bytes, sorted by name: a directory's whole state,
+/// to compare before and after something that must not change it.
+pub fn files_in(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            let name = e.file_name().to_string_lossy().into_owned();
+            (name, std::fs::read(e.path()).unwrap())
+        })
+        .collect();
+    v.sort();
+    v
+}
+
 /// The repository root.
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")

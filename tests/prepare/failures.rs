@@ -2,7 +2,6 @@
 //! leaves no partial output (the directory it made is removed, a previous output stays whole).
 
 use std::os::unix::process::CommandExt;
-use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
 use crate::common::*;
@@ -37,20 +36,6 @@ fn zrun_file_limit(args: &[&str], max_file: u64) -> Output {
         });
     }
     cmd.output().unwrap()
-}
-
-/// Every file in `dir` with its bytes, sorted by name.
-fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut v: Vec<_> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| {
-            let e = e.unwrap();
-            let name = e.file_name().to_string_lossy().into_owned();
-            (name, std::fs::read(e.path()).unwrap())
-        })
-        .collect();
-    v.sort();
-    v
 }
 
 #[test]
@@ -97,11 +82,11 @@ fn a_disk_full_at_the_index_leaves_no_partial_output() {
         "0",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let before = files(&out);
+    let before = files_in(&out);
     assert_eq!(before.len(), 2, "index.json and train-00000.bin");
     let o = zrun_file_limit(&args, 4096);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    assert_eq!(files(&out), before, "the previous output is whole");
+    assert_eq!(files_in(&out), before, "the previous output is whole");
 }
 
 #[test]
