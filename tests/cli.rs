@@ -637,6 +637,22 @@ fn meaningless_bench_and_estimate_flags_are_refused_before_any_work() {
         assert!(stdout(&o).is_empty(), "{args:?} ran: {}", stdout(&o));
     }
     assert_eq!(std::fs::read_to_string(&not_toml).unwrap(), "intra = [");
+    // A backend this build lacks: one line before any rank starts.
+    if !cfg!(feature = "cuda") {
+        rejects(
+            &[
+                "bench",
+                "comm",
+                "--nproc",
+                "2",
+                "--sizes",
+                "1K",
+                "--backend",
+                "nccl",
+            ],
+            &["--backend nccl", "without CUDA"],
+        );
+    }
 }
 
 /// `bench comm --save` fits each collective and merges [intra] into the cluster file, keeping

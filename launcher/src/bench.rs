@@ -115,6 +115,20 @@ pub(crate) fn parse_counts(s: &str, flag: &str, unit: f64) -> anyhow::Result<Vec
 /// Runs `zrun bench comm`.
 pub fn run_comm(args: &CommArgs) -> anyhow::Result<()> {
     let sizes = parse_counts(&args.sizes, "--sizes", 1024.0)?;
+    // A backend this build lacks: one line before any rank starts, not one per rank.
+    let caps = zrun_train::config::Capabilities::detect();
+    let missing = match args.backend {
+        Backend::Nccl if !caps.cuda_built => Some("CUDA (--features cuda)"),
+        Backend::Mpi if !caps.mpi_built => Some("MPI (--features mpi)"),
+        _ => None,
+    };
+    if let Some(what) = missing {
+        return Err(BadInput(format!(
+            "--backend {}: this zrun was built without {what}; rebuild with it, or use --backend tcp",
+            args.backend
+        ))
+        .into());
+    }
     let topo = Topology::from_env().context("reading the rank variables")?;
     let is_rank = std::env::var(WORKER_ENV).is_ok() || topo.world_size > 1;
     if let (Some(path), 0) = (&args.save, topo.rank) {

@@ -37,7 +37,7 @@ pub enum Error {
     #[error(transparent)]
     Engine(#[from] zrun_shard::Error),
     /// A file could not be written.
-    #[error("cannot write {}: {source}; check that the directory is writable (log.dir)", path.display())]
+    #[error("cannot write {}: {source}; {}", path.display(), write_fix(source))]
     Io {
         /// The file.
         path: PathBuf,
@@ -120,5 +120,33 @@ impl Error {
             e if e.is_bad_input() => 2,
             _ => 1,
         }
+    }
+}
+/// What to do about a log file that cannot be written: make room where the disk is full,
+/// else make `log.dir` writable.
+fn write_fix(e: &std::io::Error) -> &'static str {
+    match e.raw_os_error() {
+        Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG) => {
+            "the disk (or a quota or file-size limit) is full: free room there, or set log.dir on \
+             another disk"
+        }
+        _ => "check that the directory is writable (log.dir)",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_log_that_cannot_be_written_says_whether_the_disk_is_full() {
+        let io = |code| Error::Io {
+            path: "runs/x/metrics.jsonl".into(),
+            source: std::io::Error::from_raw_os_error(code),
+        };
+        assert!(io(libc::ENOSPC)
+            .to_string()
+            .contains("is full: free room there"));
+        assert!(io(libc::EACCES).to_string().contains("writable (log.dir)"));
     }
 }
