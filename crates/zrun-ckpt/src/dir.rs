@@ -127,7 +127,7 @@ fn resolved(path: &Path) -> PathBuf {
 }
 
 /// A file opened for reading by [`open_regular`], or why there is none to read.
-pub(crate) enum Opened {
+pub enum Opened {
     /// A regular file, and its length in bytes.
     File(std::fs::File, u64),
     /// Nothing at the path.
@@ -140,7 +140,7 @@ pub(crate) enum Opened {
 /// of a checkpoint's file would otherwise block its reader forever (a FIFO's open waits for a
 /// writer), and a directory or a device has no bytes of a checkpoint. `O_NONBLOCK` changes
 /// nothing for a regular file's reads. Other errors of the open or the stat are returned.
-pub(crate) fn open_regular(path: &Path) -> std::io::Result<Opened> {
+pub fn open_regular(path: &Path) -> std::io::Result<Opened> {
     use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
     let file = match std::fs::OpenOptions::new()
         .read(true)

@@ -31,7 +31,9 @@ mod write;
 use std::path::{Path, PathBuf};
 
 pub use consolidate::{consolidate, Consolidated, OutDtype};
-pub use dir::{complete, refuse_inside, remove_leftovers, step_dir, tmp_dir, MANIFEST};
+pub use dir::{
+    complete, open_regular, refuse_inside, remove_leftovers, step_dir, tmp_dir, Opened, MANIFEST,
+};
 pub use hf::{parse_size, write_json, HfDir, HfDtype, HfWriter, TensorInfo};
 pub use lock::{hostname, Acquired, DirLock, LockOwner, LEASE, LOCK_FILE};
 pub use manifest::{

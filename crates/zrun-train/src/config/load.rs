@@ -459,20 +459,15 @@ fn one_line(msg: &str) -> String {
 const MAX_CONFIG_BYTES: u64 = 16 << 20;
 
 /// The text of the config file `path`: a regular file (a device or a FIFO would be read
-/// forever) of at most [`MAX_CONFIG_BYTES`].
+/// forever) of at most [`MAX_CONFIG_BYTES`], in UTF-8.
 fn read_config(path: &Path) -> std::io::Result<String> {
-    use std::io::{Error, ErrorKind, Read};
-    let f = crate::data::open_regular(path)?;
-    let len = f.metadata()?.len();
-    if len > MAX_CONFIG_BYTES {
-        return Err(Error::new(
-            ErrorKind::InvalidData,
-            format!("{len} bytes, more than a config's {MAX_CONFIG_BYTES}"),
-        ));
-    }
-    let mut text = String::new();
-    f.take(MAX_CONFIG_BYTES + 1).read_to_string(&mut text)?;
-    Ok(text)
+    let bytes = crate::data::read_at_most(path, MAX_CONFIG_BYTES)?;
+    String::from_utf8(bytes).map_err(|e| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("not UTF-8 text (at byte {})", e.utf8_error().valid_up_to()),
+        )
+    })
 }
 
 #[cfg(test)]
@@ -510,7 +505,7 @@ mod tests {
         let f = std::fs::File::create(&big).unwrap();
         f.set_len(MAX_CONFIG_BYTES + 1).unwrap();
         let e = read_config(&big).unwrap_err().to_string();
-        assert!(e.contains("more than a config's"), "{e}");
+        assert!(e.contains("more than the 16777216"), "{e}");
         let ok = d.path().join("ok.toml");
         std::fs::write(&ok, "[train]\nsteps = 3\n").unwrap();
         assert_eq!(read_config(&ok).unwrap(), "[train]\nsteps = 3\n");

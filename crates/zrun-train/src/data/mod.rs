@@ -253,39 +253,29 @@ impl Dataset {
     }
 }
 
-/// Opens `path` for reading, refusing what is not a regular file: a FIFO or a device would
-/// block or never end (a FIFO's open waits for a writer), a directory has no bytes. Opened
-/// without blocking, then checked on the open file; the error says what it is.
-pub fn open_regular(path: &std::path::Path) -> std::io::Result<std::fs::File> {
-    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)?;
-    let kind = file.metadata()?.file_type();
-    if kind.is_file() {
-        return Ok(file);
+/// Opens `path` for reading, refusing what is not a regular file ([`zrun_ckpt::open_regular`]:
+/// opened without blocking, so a FIFO or a device is an error, not a wait or an endless read);
+/// the error says what it is. Returns the file and its length.
+fn open_regular_len(path: &std::path::Path) -> std::io::Result<(std::fs::File, u64)> {
+    match zrun_ckpt::open_regular(path)? {
+        zrun_ckpt::Opened::File(file, len) => Ok((file, len)),
+        zrun_ckpt::Opened::Missing => Err(std::io::Error::from_raw_os_error(libc::ENOENT)),
+        zrun_ckpt::Opened::NotRegular(what) => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{what}, not a regular file"),
+        )),
     }
-    let what = if kind.is_dir() {
-        "a directory"
-    } else if kind.is_fifo() {
-        "a FIFO"
-    } else if kind.is_socket() {
-        "a socket"
-    } else {
-        "a device"
-    };
-    Err(std::io::Error::new(
-        std::io::ErrorKind::InvalidInput,
-        format!("{what}, not a regular file"),
-    ))
+}
+
+/// Opens `path` for reading, refusing what is not a regular file (see [`open_regular_len`]).
+pub fn open_regular(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    open_regular_len(path).map(|(file, _)| file)
 }
 
 /// The whole of the regular file `path` (see [`open_regular`]) when it holds at most `max`
 /// bytes; a larger one is an error saying so, before anything is read.
 pub fn read_at_most(path: &std::path::Path, max: u64) -> std::io::Result<Vec<u8>> {
-    let file = open_regular(path)?;
-    let len = file.metadata()?.len();
+    let (file, len) = open_regular_len(path)?;
     if len > max {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
