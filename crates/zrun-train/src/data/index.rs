@@ -199,7 +199,8 @@ impl ShardIndex {
     /// the shards were prepared with: the SHA-256 of its bytes is the one recorded.
     pub(crate) fn check_tokenizer(&self, dir: &Path, tokenizer: &Path) -> Result<(), DataError> {
         use sha2::Digest;
-        let bytes = super::read_regular(tokenizer).map_err(|source| DataError::Io {
+        let max = super::tokenizer::MAX_TOKENIZER_BYTES;
+        let bytes = super::read_at_most(tokenizer, max).map_err(|source| DataError::Io {
             key: "data.tokenizer",
             path: tokenizer.to_path_buf(),
             op: "read",

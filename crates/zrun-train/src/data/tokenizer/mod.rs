@@ -408,7 +408,7 @@ impl Tokenizer {
 }
 
 /// The largest `tokenizer.json` read: the largest published ones are tens of MiB.
-const MAX_TOKENIZER_BYTES: u64 = 512 << 20;
+pub(crate) const MAX_TOKENIZER_BYTES: u64 = 512 << 20;
 
 /// The tokenizer a run uses: `data.tokenizer` when set, else `tokenizer.json` in `init_from`
 /// (the directory of the model the run starts from) when that file exists, else none.
