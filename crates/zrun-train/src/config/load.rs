@@ -94,7 +94,7 @@ impl Config {
             let key = e.path().to_string();
             let source = source_of(&key, &file, &set_keys, &from_file);
             let shown = lookup(&table, &key)
-                .map(|v| format!(" = {v}"))
+                .map(|v| format!(" = {}", clip(&v.to_string())))
                 .unwrap_or_default();
             ConfigError(format!(
                 "{source}: {key}{shown}: {}",
@@ -119,7 +119,7 @@ impl Config {
         }
         cfg.validate().map_err(|(key, value, allowed)| {
             let source = source_of(&key, &file, &set_keys, &from_file);
-            ConfigError(format!("{source}: {key} = {value}: {allowed}"))
+            ConfigError(format!("{source}: {key} = {}: {allowed}", clip(&value)))
         })?;
         Ok(cfg)
     }
@@ -446,13 +446,32 @@ fn line_col(text: &str, at: usize) -> String {
     format!(":{line}:{col}")
 }
 
-/// A possibly multi-line message as one line.
+/// A possibly multi-line message as one line, of at most about [`SHOWN_CHARS`] characters.
 fn one_line(msg: &str) -> String {
-    msg.lines()
+    let line = msg
+        .lines()
         .map(str::trim)
         .filter(|l| !l.is_empty())
         .collect::<Vec<_>>()
-        .join("; ")
+        .join("; ");
+    clip(&line)
+}
+
+/// The most characters of a value or a parser's message shown in an error: a string or an
+/// array of thousands would bury the line's point.
+const SHOWN_CHARS: usize = 160;
+
+/// `text` whole when short; else its start and end around how much was left out, so that
+/// both the value's beginning and a message's closing "expected ..." remain.
+fn clip(text: &str) -> String {
+    let n = text.chars().count();
+    if n <= SHOWN_CHARS {
+        return text.to_string();
+    }
+    let keep = SHOWN_CHARS / 2 - 10;
+    let head: String = text.chars().take(keep).collect();
+    let tail: String = text.chars().skip(n - keep).collect();
+    format!("{head} ...({} characters)... {tail}", n - 2 * keep)
 }
 
 /// The largest config file read: a train.toml is a few KiB.
@@ -473,6 +492,39 @@ fn read_config(path: &Path) -> std::io::Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_value_is_shown_clipped_with_the_key_and_what_was_expected() {
+        let dir = std::env::temp_dir().join(format!("zrun-clip-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let long = "a".repeat(5000);
+        let cases = [
+            (
+                format!("[model]\nn_layer = \"{long}\"\n"),
+                "model.n_layer",
+                "expected",
+            ),
+            (
+                format!("[train]\nlr = [{}]\n", vec!["1.0"; 3000].join(", ")),
+                "train.lr",
+                "expected",
+            ),
+            (
+                format!("[data]\nsource = \"{long}\"\n"),
+                "data.source",
+                "expected",
+            ),
+        ];
+        for (text, key, expected) in cases {
+            let path = dir.join("train.toml");
+            std::fs::write(&path, text).unwrap();
+            let e = Config::load(&path, &[]).unwrap_err().to_string();
+            assert!(e.len() < 600, "{} characters: {e}", e.len());
+            assert!(e.contains(key) && e.contains(expected), "{e}");
+            assert!(e.contains("characters)"), "{e}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn a_global_batch_the_ranks_do_not_train_at_is_refused() {
