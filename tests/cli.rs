@@ -551,7 +551,27 @@ fn meaningless_bench_and_estimate_flags_are_refused_before_any_work() {
     let unwritable = dir.path().join("no/such/dir/cluster.toml");
     let not_toml = dir.path().join("cluster.toml");
     std::fs::write(&not_toml, "intra = [").unwrap();
+    let unknown_key = dir.path().join("unknown.toml");
+    std::fs::write(&unknown_key, "[cluster]\ngpus = 8\n").unwrap();
+    // A FIFO in place of a cluster file would block the read forever.
+    let fifo = dir.path().join("fifo.toml");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let plan = |file: &std::path::Path| -> Vec<String> {
+        vec![
+            "plan".into(),
+            "configs/tiny-cpu.toml".into(),
+            "--cluster".into(),
+            file.display().to_string(),
+        ]
+    };
     let cases: Vec<(Vec<String>, &str)> = vec![
+        (plan(&unknown_key), "line 2, column 1: unknown field `gpus`"),
+        (plan(&fifo), "not a regular file"),
+        (plan(&not_toml), "invalid TOML at line 1"),
         (
             vec!["bench".into(), "comm".into(), "--iters".into(), "0".into()],
             "--iters",
@@ -634,6 +654,7 @@ fn meaningless_bench_and_estimate_flags_are_refused_before_any_work() {
         let err = stderr(&o);
         assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
         assert!(err.contains(needle), "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: {err}");
         assert!(stdout(&o).is_empty(), "{args:?} ran: {}", stdout(&o));
     }
     assert_eq!(std::fs::read_to_string(&not_toml).unwrap(), "intra = [");

@@ -441,7 +441,7 @@ fn check_save(path: &Path, world: usize, class: &str) -> Result<(), BadInput> {
             "one rank moves nothing: run with --nproc 2 or more".into()
         ));
     }
-    match std::fs::read_to_string(path) {
+    match zrun_train::config::read_config(path) {
         Ok(text) => {
             merge_link_class(&text, class, &LinkClass::uniform(1e-6, 1e9)).map_err(|e| {
                 bad(format!(
@@ -509,7 +509,7 @@ fn save_fit(path: &PathBuf, args: &CommArgs, topo: &Topology, rows: &[Row]) -> a
         backend: Some(args.backend.name().to_string()),
         dtype: Some(args.dtype.clone()),
     };
-    let old = match std::fs::read_to_string(path) {
+    let old = match zrun_train::config::read_config(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
         Err(e) => return Err(e).with_context(|| format!("--save: reading {}", path.display())),

@@ -133,7 +133,7 @@ impl Cluster {
             return Ok(Cluster::h100_8x());
         }
         let path = Path::new(name);
-        let text = std::fs::read_to_string(path).map_err(|e| {
+        let text = zrun_train::config::read_config(path).map_err(|e| {
             BadInput(format!(
                 "--cluster {name}: not a preset ({}) and not a readable file ({e}); a cluster file is described in docs/cluster.md",
                 PRESETS.join(", ")

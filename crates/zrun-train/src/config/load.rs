@@ -76,7 +76,7 @@ impl Config {
         let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
             let at = e
                 .span()
-                .map(|s| line_col(&text, s.start))
+                .map(|s| format!(":{}", line_col(&text, s.start)))
                 .unwrap_or_default();
             ConfigError(format!(
                 "config {file}{at}: invalid TOML: {}",
@@ -439,11 +439,25 @@ fn lookup<'a>(table: &'a toml::Table, key: &str) -> Option<&'a toml::Value> {
     Some(v)
 }
 
+/// A TOML parse or type error in `text` on one line: `invalid TOML at line L, column C:
+/// message` (the parser's own display spans several, with the source line drawn).
+pub fn toml_error(text: &str, e: &toml::de::Error) -> String {
+    let at = e
+        .span()
+        .map(|s| line_col(text, s.start))
+        .map_or(String::new(), |lc| {
+            let (line, col) = lc.split_once(':').unwrap_or((&lc, ""));
+            format!(" at line {line}, column {col}")
+        });
+    format!("invalid TOML{at}: {}", one_line(e.message()))
+}
+
+/// `line:col` (from 1) of byte `at` of `text`.
 fn line_col(text: &str, at: usize) -> String {
     let before = &text[..at.min(text.len())];
     let line = before.matches('\n').count() + 1;
     let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
-    format!(":{line}:{col}")
+    format!("{line}:{col}")
 }
 
 /// A possibly multi-line message as one line, of at most about [`SHOWN_CHARS`] characters.
@@ -478,8 +492,9 @@ fn clip(text: &str) -> String {
 const MAX_CONFIG_BYTES: u64 = 16 << 20;
 
 /// The text of the config file `path`: a regular file (a device or a FIFO would be read
-/// forever) of at most [`MAX_CONFIG_BYTES`], in UTF-8.
-fn read_config(path: &Path) -> std::io::Result<String> {
+/// forever) of at most [`MAX_CONFIG_BYTES`], in UTF-8. The launcher reads cluster files
+/// through this too.
+pub fn read_config(path: &Path) -> std::io::Result<String> {
     let bytes = crate::data::read_at_most(path, MAX_CONFIG_BYTES)?;
     String::from_utf8(bytes).map_err(|e| {
         std::io::Error::new(

@@ -11,6 +11,7 @@ mod model;
 mod shard_group;
 
 pub use dist::{BackendChoice, Capabilities, DeviceChoice, DeviceKind, DistConfig, ResolvedDist};
+pub use load::{read_config, toml_error};
 pub use model::{arch_from_hf, hf_config_path};
 pub use shard_group::ShardGroup;
 

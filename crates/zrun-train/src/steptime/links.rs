@@ -5,7 +5,7 @@
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::config::ConfigError;
+use crate::config::{toml_error, ConfigError};
 
 /// A collective's cost on one link class: `t = alpha_s + bytes x f / busbw`
 /// (nccl-tests' PERFORMANCE.md: busbw is the bandwidth the busiest link sees).
@@ -238,7 +238,7 @@ fn missing(class: &str, g: Group) -> ConfigError {
 /// `text`, a TOML document, as a `T`; `what` names it in the error (the launcher reads
 /// cluster files through this).
 pub fn from_toml<T: DeserializeOwned>(text: &str, what: &str) -> Result<T, ConfigError> {
-    toml::from_str(text).map_err(|e| ConfigError(format!("{what}: {e}")))
+    toml::from_str(text).map_err(|e| ConfigError(format!("{what}: {}", toml_error(text, &e))))
 }
 
 /// The cluster file `text` (empty for a new one) with table `class` (`intra` or `inter`)
@@ -246,7 +246,8 @@ pub fn from_toml<T: DeserializeOwned>(text: &str, what: &str) -> Result<T, Confi
 /// table and key kept. Comments are not kept.
 pub fn merge_link_class(text: &str, class: &str, links: &LinkClass) -> Result<String, ConfigError> {
     let what = |e: &dyn std::fmt::Display| ConfigError(format!("[{class}]: {e}"));
-    let mut doc: toml::Table = toml::from_str(text).map_err(|e| what(&e))?;
+    let mut doc: toml::Table =
+        toml::from_str(text).map_err(|e| ConfigError(toml_error(text, &e)))?;
     let new = toml::Table::try_from(links).map_err(|e| what(&e))?;
     let entry = doc
         .entry(class.to_string())
