@@ -165,6 +165,42 @@ fn workers_see_the_env_contract_and_log_files() {
     assert!(!o.contains(&tokens[0]), "tokens must differ between jobs");
 }
 
+/// A log file that cannot be written (here rank 1's is /dev/full, which fails every write as a
+/// full disk does) is said once, naming the file and what to do; every line still reaches the
+/// terminal and the other rank's log, and the job's outcome is the ranks'.
+#[test]
+fn a_log_file_the_disk_cannot_take_is_said_once_and_the_lines_still_reach_the_terminal() {
+    let d = scratch("log-full");
+    std::os::unix::fs::symlink("/dev/full", d.join("rank-1.log")).unwrap();
+    let logs = d.display().to_string();
+    let out = zrun(&[
+        "exec",
+        "--nproc",
+        "2",
+        "--log-dir",
+        &logs,
+        "--",
+        "sh",
+        "-c",
+        "seq 1 50",
+    ]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let warnings: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("cannot write the log file"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{err}");
+    assert!(
+        warnings[0].contains("rank-1.log") && warnings[0].contains("disk"),
+        "{err}"
+    );
+    let text = stdout(&out);
+    assert!(text.lines().any(|l| l == "[rank 1] 50"), "{text}");
+    let log0 = std::fs::read_to_string(d.join("rank-0.log")).unwrap();
+    assert_eq!(log0.lines().filter(|l| !l.is_empty()).count(), 50, "{log0}");
+}
+
 #[test]
 fn every_line_a_rank_prints_before_it_exits_is_relayed() {
     // Each rank ends the moment its last line is written: the launcher must relay all of them

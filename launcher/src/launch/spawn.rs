@@ -56,8 +56,37 @@ struct Sink {
     /// Tag the lines `[rank R] ` (human format).
     prefix: bool,
     to_stderr: bool,
-    log: Option<Arc<Mutex<File>>>,
+    log: Option<Arc<Mutex<LogFile>>>,
     tail: Arc<Mutex<VecDeque<String>>>,
+}
+
+/// A rank's `--log-dir` file; `None` once a write failed (said once, then the lines go to the
+/// terminal only).
+struct LogFile {
+    file: Option<File>,
+    path: std::path::PathBuf,
+}
+
+impl LogFile {
+    fn line(&mut self, text: &str) {
+        let Some(f) = &mut self.file else { return };
+        if let Err(e) = writeln!(f, "{text}") {
+            self.file = None;
+            let fix = match e.raw_os_error() {
+                Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG) => {
+                    "the disk (or a quota or file-size limit) is full: free room there or give --log-dir another disk"
+                }
+                _ => "check that --log-dir is writable",
+            };
+            super::output::say(
+                super::output::Level::Warn,
+                &format!(
+                    "warning: cannot write the log file {} ({e}): {fix}; the rest of this rank's output is on the terminal only",
+                    self.path.display()
+                ),
+            );
+        }
+    }
 }
 
 impl Sink {
@@ -66,8 +95,7 @@ impl Sink {
         let text = text.trim_end_matches(['\n', '\r']);
         super::output::relay(self.rank, self.prefix, self.to_stderr, text);
         if let Some(log) = &self.log {
-            let mut f = log.lock().unwrap_or_else(|p| p.into_inner());
-            let _ = writeln!(f, "{text}");
+            log.lock().unwrap_or_else(|p| p.into_inner()).line(text);
         }
         let mut t = self.tail.lock().unwrap_or_else(|p| p.into_inner());
         if t.len() == TAIL_LINES {
@@ -195,7 +223,10 @@ pub fn spawn(
                     .and_then(|mut f| writeln!(f, "--- zrun: restart {restart} ---").map(|()| f))
             };
             let f = opened.with_context(|| format!("creating the log file {}", path.display()))?;
-            Some(Arc::new(Mutex::new(f)))
+            Some(Arc::new(Mutex::new(LogFile {
+                file: Some(f),
+                path,
+            })))
         }
         None => None,
     };
