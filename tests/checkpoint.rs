@@ -152,7 +152,7 @@ fn sigusr1_to_one_rank_alone_stops_every_rank_at_one_saved_step() {
     let saved = zrun_ckpt::complete(&dir.join("ckpt")).unwrap();
     assert_eq!(saved.len(), 1, "{saved:?}\n{text}");
     assert!(
-        text.contains("[rank 0] zrun: stopped by a stop signal on another rank after saving"),
+        text.contains("[rank 0] zrun: stopped by a stop on another rank after saving"),
         "{text}"
     );
     assert!(

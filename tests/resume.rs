@@ -468,6 +468,37 @@ fn a_disk_full_at_the_start_stops_every_node_alike() {
     );
 }
 
+/// Rank 0's metrics.jsonl on a full disk (here /dev/full, which fails every write so): every
+/// rank saves a checkpoint of that step before the run ends with the error, so nothing trained
+/// is lost, and the same command resumes from it once there is room.
+#[test]
+fn a_log_the_disk_cannot_take_ends_the_run_only_after_every_rank_saved() {
+    let dir = scratch("rs-log-full");
+    std::fs::create_dir_all(&*dir).unwrap();
+    std::os::unix::fs::symlink("/dev/full", dir.join("metrics.jsonl")).unwrap();
+    let a = args(2, &sets(&dir, 6, 0));
+    let o = run(&a, &[]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let line = last_line(&o);
+    for needle in [
+        "metrics.jsonl",
+        "is full",
+        "every rank saved checkpoint",
+        "(step 1)",
+    ] {
+        assert!(line.contains(needle), "{needle}: {err}");
+    }
+    assert_eq!(steps_in(&dir.join("ckpt")), [1], "{err}");
+    // Room again: the same command resumes from the saved step and finishes.
+    std::fs::remove_file(dir.join("metrics.jsonl")).unwrap();
+    let o = run(&a, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("resuming from"), "{}", stderr(&o));
+    let steps: Vec<u64> = losses_after(&dir, 0).iter().map(|s| s.0).collect();
+    assert_eq!(steps, [2, 3, 4, 5, 6]);
+}
+
 /// `sets` of a 2-rank run with offload at stage 2 and the delayed update on after 2 updates.
 fn delayed_sets(dir: &Path, steps: u64, every: u64) -> Vec<String> {
     let mut s = sets(dir, steps, every);

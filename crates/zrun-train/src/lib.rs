@@ -45,6 +45,20 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// Rank 0's metrics could not be written (a full disk): every rank saved a checkpoint at
+    /// that step's end first, so nothing trained is lost (exit code 1).
+    #[error(
+        "{lost}; every rank saved checkpoint {} (step {step}) first: run the same command to resume once there is room",
+        checkpoint.display()
+    )]
+    LogLost {
+        /// The write error.
+        lost: Box<Error>,
+        /// The step saved.
+        step: u64,
+        /// The checkpoint written.
+        checkpoint: PathBuf,
+    },
     /// Training diverged.
     #[error(
         "step {step}: loss {loss} / gradient norm {grad_norm} is not finite; lower train.lr, \
@@ -89,7 +103,7 @@ pub enum Error {
     /// A stop signal ended the run after its checkpoint was saved (exit code 3).
     #[error(
         "stopped by {} after saving checkpoint {} (step {}); run the same command to resume",
-        .0.signal.map_or("a stop signal on another rank", stop::name),
+        .0.signal.map_or("a stop on another rank", stop::name),
         .0.checkpoint.display(),
         .0.step
     )]

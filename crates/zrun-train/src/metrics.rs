@@ -185,9 +185,12 @@ impl MetricsWriter {
     pub fn summary(&self, s: &Summary) -> std::io::Result<PathBuf> {
         let path = self.dir.join("summary.json");
         let tmp = self.dir.join("summary.json.tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(s)?)?;
-        std::fs::rename(&tmp, &path)?;
-        Ok(path)
+        let written = std::fs::write(&tmp, serde_json::to_vec_pretty(s)?)
+            .and_then(|()| std::fs::rename(&tmp, &path));
+        if written.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        written.map(|()| path)
     }
 }
 

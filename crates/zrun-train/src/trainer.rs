@@ -460,6 +460,8 @@ impl Run {
         } else {
             None
         };
+        // A metrics line that could not be written (rank 0).
+        let mut log_lost = None;
         let tokens_per_step =
             (t.grad_accum * r.world_size * t.micro_batch) as f64 * self.model.seq_len() as f64;
         let mem = self.engine.memory();
@@ -632,11 +634,13 @@ impl Run {
                         clock(eta)
                     );
                 }
-                if let Some(w) = metrics.as_mut() {
-                    w.write(&m).map_err(|e| Error::Io {
+                if let Some(Err(e)) = metrics.as_mut().map(|w| w.write(&m)) {
+                    // Every rank saves at this step's end, then the run ends with this error.
+                    metrics = None;
+                    log_lost = Some(Error::Io {
                         path: self.cfg.log.dir.join("metrics.jsonl"),
                         source: e,
-                    })?;
+                    });
                 }
             }
             let pos = Position {
@@ -644,14 +648,23 @@ impl Run {
                 next_sample: loader.cursor().next_sample,
                 lr,
             };
-            if let Some(stopped) = self
-                .ckpt
-                .at_boundary(&mut self.engine, &pos, done == t.steps)?
-            {
-                return Err(Error::Stopped(stopped));
+            let last = done == t.steps;
+            let asked = log_lost.is_some();
+            if let Some(stopped) = self.ckpt.at_boundary(&mut self.engine, &pos, last, asked)? {
+                return Err(match log_lost {
+                    Some(lost) => Error::LogLost {
+                        lost: Box::new(lost),
+                        step: stopped.step,
+                        checkpoint: stopped.checkpoint,
+                    },
+                    None => Error::Stopped(stopped),
+                });
             }
         }
         self.ckpt.flush(&mut self.engine)?;
+        if let Some(lost) = log_lost {
+            return Err(lost);
+        }
         let ranks = self.figures(run_time.mean())?;
         let estimate = self.estimate();
         let stragglers = report::stragglers(&ranks);

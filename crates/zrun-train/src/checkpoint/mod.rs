@@ -420,11 +420,13 @@ impl Checkpointer {
     /// Called after every optimizer step. Agrees with the other ranks on a stop request and
     /// on an asynchronous save in flight, saves when one is due (every `checkpoint.every`
     /// steps, at the last step, on a stop), and returns `Some` when the run must stop now.
+    /// `also_stop` is a stop this rank asks for without a signal (its log cannot be written).
     pub fn at_boundary(
         &mut self,
         engine: &mut Engine,
         pos: &Position,
         last: bool,
+        also_stop: bool,
     ) -> Result<Option<Stopped>, Error> {
         let signal = stop::requested();
         let busy = self.pending.as_ref().is_some_and(|p| !p.ready());
@@ -432,7 +434,7 @@ impl Checkpointer {
             engine.comm().as_ref(),
             self.device,
             &[
-                f64::from(u8::from(signal.is_some())),
+                f64::from(u8::from(signal.is_some() || also_stop)),
                 f64::from(u8::from(busy)),
             ],
             zrun_comm::ReduceOp::Sum,
