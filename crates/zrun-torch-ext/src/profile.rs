@@ -17,18 +17,33 @@ pub fn profiler_start(cuda: bool) -> Result<(), Error> {
 }
 
 /// Stops the profiler started on this thread and writes what it recorded to `path` as a
-/// Chrome trace (JSON).
+/// Chrome trace (JSON). libtorch writes `path.tmp` and renames it, and only logs a write
+/// that fails (a full disk): `path` is removed first and an error returned when no new one
+/// is there after, the partial `path.tmp` removed.
 pub fn profiler_stop(path: &Path) -> Result<(), Error> {
     let op = || format!("write the profile to {}", path.display());
     let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| Error::Torch {
         op: op(),
         message: "the path holds a NUL byte".into(),
     })?;
+    let _ = std::fs::remove_file(path);
     let mut err = ptr::null_mut();
     // SAFETY: `c` is a NUL-terminated string alive for the call; an out-pointer to a local;
     // the shim catches every C++ exception.
     let status = unsafe { ffi::zrun_ext_profiler_stop(c.as_ptr(), &mut err) };
-    ffi::check(status, err, op)
+    ffi::check(status, err, op)?;
+    if !path.is_file() {
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(".tmp");
+        let _ = std::fs::remove_file(tmp);
+        return Err(Error::Torch {
+            op: op(),
+            message:
+                "libtorch could not write it (is the disk full, or the directory not writable?)"
+                    .into(),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -58,5 +73,24 @@ mod tests {
         // The backward's operators, which run on autograd's side of the call.
         assert!(names.iter().any(|n| n.contains("MmBackward")), "{names:?}");
         assert!(profiler_stop(&path).is_err(), "stopped already");
+    }
+
+    #[test]
+    fn a_profile_that_cannot_be_written_is_an_error_and_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        // libtorch writes `path.tmp` first: a directory in its place fails the write as a
+        // full disk would, and the profile of an earlier run under `path` must not pass.
+        let path = dir.path().join("trace.json");
+        std::fs::write(&path, "{}").unwrap();
+        std::fs::create_dir(dir.path().join("trace.json.tmp")).unwrap();
+        profiler_start(false).unwrap();
+        let a = Tensor::ones([8, 8], (Kind::Float, Device::Cpu));
+        let _ = a.matmul(&a);
+        let e = profiler_stop(&path).unwrap_err().to_string();
+        assert!(
+            e.contains("trace.json") && e.contains("could not write"),
+            "{e}"
+        );
+        assert!(!path.exists());
     }
 }
