@@ -161,6 +161,36 @@ fn sigusr1_to_one_rank_alone_stops_every_rank_at_one_saved_step() {
     );
 }
 
+/// A stop whose checkpoint cannot be saved within `checkpoint.signal_deadline_s` (rank 1 is
+/// frozen with SIGSTOP, so no rank can complete the save) ends with SIGTERM's code and a
+/// line saying that nothing was saved for it and which setting gives saves longer.
+#[test]
+fn a_stop_cut_short_by_its_deadline_says_no_checkpoint_was_saved() {
+    let dir = scratch("ck-deadline");
+    let id = format!("ck-deadline-{}", std::process::id());
+    let mut s = sets(&dir, 400, 0);
+    s.extend(["--set".into(), "checkpoint.signal_deadline_s=2".into()]);
+    let mut job = start(&args(&[], &s), &[("ZRUN_RUN_ID", &id)]);
+    wait_for_step(&mut job, 5, 400);
+    signal(rank_pid(&id, 1), libc::SIGSTOP);
+    signal(job.pid(), libc::SIGTERM);
+    let status = job.exit_within(Duration::from_secs(60));
+    let text = job.text();
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{text}");
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("zrun: received SIGTERM"))
+        .unwrap_or_else(|| panic!("{text}"));
+    for needle in [
+        "within 2 s",
+        "no checkpoint was saved",
+        "checkpoint.signal_deadline_s",
+    ] {
+        assert!(line.contains(needle), "{needle}: {text}");
+    }
+    assert!(zrun_ckpt::complete(&dir.join("ckpt")).unwrap().is_empty());
+}
+
 #[test]
 fn a_rank_killed_while_saving_leaves_the_previous_checkpoint_complete() {
     let dir = scratch("ck-crash");

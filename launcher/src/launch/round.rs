@@ -15,7 +15,7 @@ use super::plan::{omp_threads_for, Plan};
 use super::rendezvous::{Remote, Rendezvous, Waited};
 use super::signals;
 use super::spawn::{self, Program};
-use super::supervise::{Outcome, Supervisor, STOPPED};
+use super::supervise::{Killed, Outcome, Supervisor, STOPPED};
 
 /// What follows a round.
 #[derive(Debug, PartialEq, Eq)]
@@ -383,7 +383,25 @@ impl Round<'_> {
                 0 => String::new(),
                 n => format!("; stopped {n} rank{}{here}", if n == 1 { "" } else { "s" }),
             };
-            output::say(Level::Warn, &format!("received {name}{ranks}"));
+            // A stop the ranks were to save a checkpoint for, cut short: say that nothing
+            // was saved now and why, since a resume starts from an older step.
+            let unsaved =
+                "no checkpoint was saved for this stop; a resume starts from the last complete one";
+            let cut = match sup.killed {
+                _ if !(signals::is_stop(sig) && self.job.stop_code.is_some()) => String::new(),
+                Some(Killed::TimeUp) => format!(
+                    ": the ranks had not saved their checkpoint within {} s (checkpoint.signal_deadline_s) and were killed; {unsaved}; raise checkpoint.signal_deadline_s where a save takes longer",
+                    wait.as_secs_f64()
+                ),
+                Some(Killed::SignalledAgain) => format!(
+                    ": a further signal killed the ranks while they saved their checkpoint; {unsaved}"
+                ),
+                Some(Killed::AfterFailure) => format!(
+                    ": a rank failed while the ranks saved their checkpoint; {unsaved}"
+                ),
+                None => String::new(),
+            };
+            output::say(Level::Warn, &format!("received {name}{ranks}{cut}"));
         }
         self.job.rdzv.publish_failure(&report, true);
         Next::Exit(signals::exit_code(sig))

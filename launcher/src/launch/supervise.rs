@@ -54,6 +54,19 @@ pub struct Supervisor {
     /// [`STOPPED`] when the workers save a checkpoint and exit with it on a stop signal (the
     /// trainer); `None` when no exit code means a stop (`zrun exec`).
     stop_code: Option<i32>,
+    /// Why the last [`Supervisor::stop_all`] sent SIGKILL, if it did.
+    pub killed: Option<Killed>,
+}
+
+/// Why workers being stopped were killed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Killed {
+    /// Their time (the stop deadline, or `--grace-s`) was up.
+    TimeUp,
+    /// The launcher got a further signal.
+    SignalledAgain,
+    /// Another worker failed meanwhile, so theirs could not complete.
+    AfterFailure,
 }
 
 impl Supervisor {
@@ -67,6 +80,7 @@ impl Supervisor {
             exited,
             saw_stop: false,
             stop_code,
+            killed: None,
         }
     }
 
@@ -180,6 +194,8 @@ impl Supervisor {
         let signals_before = signals::count();
         let mut deadline = zrun_comm::deadline_in(wait);
         let mut killed = false;
+        let mut failed = false;
+        self.killed = None;
         while self.running() > 0 {
             let now = Instant::now();
             let again = signals::count() > signals_before;
@@ -190,6 +206,11 @@ impl Supervisor {
                     }
                 }
                 killed = true;
+                self.killed = Some(match (again, failed) {
+                    (true, _) => Killed::SignalledAgain,
+                    (false, true) => Killed::AfterFailure,
+                    (false, false) => Killed::TimeUp,
+                });
             }
             let wait = if killed {
                 DRAIN
@@ -202,6 +223,7 @@ impl Supervisor {
                     let code = e.status.code();
                     if code != Some(0) && !self.is_stop(code) {
                         deadline = deadline.min(zrun_comm::deadline_in(after_failure));
+                        failed = true;
                     }
                 }
                 Err(RecvTimeoutError::Timeout) if killed => break,
