@@ -306,6 +306,50 @@ fn json_format_makes_every_line_an_object_and_worker_lines_carry_their_rank() {
     );
 }
 
+/// Under mpirun, srun or torchrun a rank has no zrun launcher to wrap its lines: its report
+/// (tables, final line) follows `--log-format json` and `-q` itself.
+#[test]
+fn a_rank_started_by_another_launcher_follows_the_output_flags_too() {
+    let d = scratch("rank-json");
+    let port = free_port().to_string();
+    let env = [
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", port.as_str()),
+    ];
+    let args = |flag: &str, dir: &str| {
+        let mut a = vec![flag.to_string()];
+        a.extend(tiny_args(&d.join(dir)).into_iter().skip(2));
+        a
+    };
+    let rank = |a: Vec<String>| {
+        let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+        zrun_child(&refs, &env).wait_with_output().unwrap()
+    };
+    let mut json = args("--log-format", "json");
+    json.insert(1, "json".into());
+    let out = rank(json);
+    let (o, e) = (stdout(&out), stderr(&out));
+    assert!(out.status.success(), "{o}{e}");
+    let outs = objects(&o);
+    assert!(outs.len() > 5, "the tables: {o}");
+    let last = outs.last().unwrap();
+    assert!(
+        last["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("final: eval_loss"),
+        "{o}"
+    );
+    objects(&e);
+    let out = rank(args("-q", "quiet"));
+    let o = stdout(&out);
+    assert!(out.status.success(), "{o}{}", stderr(&out));
+    assert_eq!(o.lines().count(), 1, "{o}");
+    assert!(o.starts_with("final: eval_loss"), "{o}");
+}
+
 #[test]
 fn workers_get_the_output_settings_and_nothing_else_leaks() {
     let script = "echo \"f=$ZRUN_LOG_FORMAT q=$ZRUN_QUIET p=$ZRUN_PROGRESS\"";

@@ -1,5 +1,6 @@
 //! One rank: load the config, connect to the other ranks, train; or describe the plan.
 
+use crate::launch::{output, LogFormat};
 use anyhow::Result;
 use std::path::Path;
 use std::sync::Arc;
@@ -54,30 +55,31 @@ pub fn run(config: &Path, overrides: &[String]) -> Result<()> {
         Outcome::Finished(s) => s,
         Outcome::AlreadyDone { step, checkpoint } => {
             if topo.rank == 0 {
-                println!(
+                show(&format!(
                     "final: nothing to train: {} is at step {step} = train.steps",
                     checkpoint.display()
-                );
+                ));
             }
             return Ok(());
         }
     };
-    let quiet = std::env::var("ZRUN_QUIET").as_deref() == Ok("1");
+    // --quiet (or ZRUN_QUIET) leaves out the tables, not the final line.
+    let quiet = output::style().quiet;
     if topo.rank == 0 && !quiet {
-        println!("{}", zrun_train::report::memory_table(&s.ranks));
-        println!("{}", zrun_train::report::time_table(&s.ranks));
+        show(&zrun_train::report::memory_table(&s.ranks));
+        show(&zrun_train::report::time_table(&s.ranks));
     }
     if topo.rank == 0 {
         if !s.stragglers.is_empty() && !quiet {
-            println!(
+            show(&format!(
                 "stragglers: rank(s) {:?} are busy over 20% longer per step than the median rank (the others wait for them)",
                 s.stragglers
-            );
+            ));
         }
         let gap = floor
             .map(|f| format!(" (floor {f:.4}, {:+.1}%)", 100.0 * (s.eval_loss - f) / f))
             .unwrap_or_default();
-        println!(
+        show(&format!(
             "final: eval_loss {:.4}{gap}, train loss {:.4}, {:.0} tokens/s, {:.1} s, {} rank(s), peak rss {} MiB/rank, summary in {}",
             s.eval_loss,
             s.final_loss,
@@ -86,9 +88,23 @@ pub fn run(config: &Path, overrides: &[String]) -> Result<()> {
             s.world_size,
             s.peak_rss_bytes.iter().max().copied().unwrap_or(0) >> 20,
             cfg.log.dir.join("summary.json").display()
-        );
+        ));
     }
     Ok(())
+}
+
+/// Prints rank 0's report `text` on stdout: as it is, or each line as one JSON object with
+/// `--log-format json` (under zrun's launcher the rank prints text and the launcher wraps it;
+/// under mpirun, srun or torchrun this rank is the one that must).
+fn show(text: &str) {
+    match output::style().format {
+        LogFormat::Human => println!("{text}"),
+        LogFormat::Json => {
+            for line in text.lines() {
+                println!("{}", output::json_worker_line(0, false, line));
+            }
+        }
+    }
 }
 
 /// Validates the config for `world_size` ranks and prints the parameter count, every rank's
