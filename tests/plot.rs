@@ -1,11 +1,14 @@
 //! `zrun plot` end to end: charts of synthetic run directories, compared; runs without the
-//! optional fields; bad input.
+//! optional fields; bad input; writes that fail (a file-size limit standing in for a full
+//! disk, a directory in the way, an output directory that cannot be made).
 
 mod common;
 
+use std::os::unix::process::CommandExt;
 use std::path::Path;
+use std::process::{Command, Output, Stdio};
 
-use common::{root, scratch, stderr, stdout, zrun};
+use common::{files_in, root, scratch, stderr, stdout, zrun};
 use serde_json::json;
 
 /// What a synthetic run has.
@@ -311,4 +314,162 @@ fn losses_too_far_apart_for_a_float_still_plot() {
         assert_eq!(o.status.code(), Some(0), "{name}: {}", stderr(&o));
         chart(&run.join("plots"), "loss");
     }
+}
+
+/// The charts of a run with every field, in the order `zrun plot` draws them.
+const CHARTS: [&str; 5] = ["loss", "loss_tokens", "throughput", "memory", "breakdown"];
+
+/// `zrun args` in a process that may write no file beyond `max_file` bytes (RLIMIT_FSIZE):
+/// a longer write fails with EFBIG, as one on a full disk fails with ENOSPC.
+fn zrun_file_limit(args: &[&str], max_file: u64) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_zrun"));
+    cmd.args(args)
+        .current_dir(root())
+        .env("RUST_BACKTRACE", "0")
+        .stdin(Stdio::null());
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            // A write past the limit then fails instead of killing the process.
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            let lim = libc::rlimit {
+                rlim_cur: max_file,
+                rlim_max: max_file,
+            };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.output().unwrap()
+}
+
+/// Asserts `dir` holds exactly the ten charts, each complete (a PNG up to its IEND chunk, an
+/// SVG up to `</svg>`): no truncated chart, no temporary left behind.
+fn whole_charts(dir: &Path) {
+    let files = files_in(dir);
+    let names: Vec<&str> = files.iter().map(|(n, _)| n.as_str()).collect();
+    let mut want: Vec<String> = CHARTS
+        .iter()
+        .flat_map(|c| [format!("{c}.png"), format!("{c}.svg")])
+        .collect();
+    want.sort();
+    assert_eq!(names, want, "only the charts, no temporaries");
+    const IEND: &[u8] = b"\0\0\0\0IEND\xae\x42\x60\x82";
+    for (name, bytes) in &files {
+        let whole = if name.ends_with(".png") {
+            bytes.starts_with(b"\x89PNG\r\n\x1a\n") && bytes.ends_with(IEND)
+        } else {
+            bytes.starts_with(b"<svg") && bytes.trim_ascii_end().ends_with(b"</svg>")
+        };
+        assert!(whole, "{name} is truncated ({} bytes)", bytes.len());
+    }
+}
+
+/// A second plot whose writes fail partway (past a file-size limit, as on a full disk) leaves
+/// the first plot's charts as they were, every one whole, and no temporary; the error is one
+/// line naming the chart and what to do. So does a directory where a chart goes.
+#[test]
+fn a_failed_write_leaves_every_chart_whole_and_as_it_was() {
+    let dir = scratch("plot-fail");
+    let (old, new, out, probe) = (
+        dir.join("old"),
+        dir.join("new"),
+        dir.join("out"),
+        dir.join("probe"),
+    );
+    write_run(&old, FULL, 1.0);
+    write_run(&new, FULL, 2.0);
+    let [old, new, out_s, probe] = [old, new, out.clone(), probe].map(|p| p.display().to_string());
+    let o = zrun(&["plot", &old, "-o", &out_s]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    whole_charts(&out);
+    let before = files_in(&out);
+
+    // The new run's charts, to choose a limit under the largest and above the rest: the
+    // charts before the largest are written, then its write fails.
+    let o = zrun(&["plot", &new, "-o", &probe]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let (largest, bytes) = files_in(Path::new(&probe))
+        .into_iter()
+        .max_by_key(|(_, b)| b.len())
+        .unwrap();
+    let o = zrun_file_limit(&["plot", &new, "-o", &out_s], bytes.len() as u64 - 1);
+    whole_charts(&out);
+    assert!(files_in(&out) == before, "the first plot's charts are kept");
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    let path = out.join(&largest).display().to_string();
+    assert!(
+        err.contains(&format!("cannot write {path}: ")) && err.contains("ulimit -f"),
+        "{err}"
+    );
+    assert!(!stdout(&o).contains("wrote"), "{}", stdout(&o));
+
+    // A directory where the last chart goes: refused before any chart is replaced.
+    let last = out.join("breakdown.svg");
+    std::fs::remove_file(&last).unwrap();
+    std::fs::create_dir(&last).unwrap();
+    let o = zrun(&["plot", &new, "-o", &out_s]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(
+        err.contains(&format!(
+            "cannot write {}: it is a directory",
+            last.display()
+        )),
+        "{err}"
+    );
+    std::fs::remove_dir(&last).unwrap();
+    let kept: Vec<_> = before
+        .into_iter()
+        .filter(|(n, _)| n != "breakdown.svg")
+        .collect();
+    assert!(
+        files_in(&out) == kept,
+        "no chart replaced, no temporary left"
+    );
+}
+
+/// The default output, RUN_DIR/plots, that cannot be made (a file in the way; a read-only run
+/// directory when not root) is one line naming it and -o.
+#[test]
+fn an_output_directory_that_cannot_be_made_names_o() {
+    let dir = scratch("plot-noout");
+    let run = dir.join("run");
+    write_run(&run, FULL, 1.0);
+    std::fs::write(run.join("plots"), "not a directory").unwrap();
+    let o = zrun(&["plot", run.to_str().unwrap()]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    let want = format!(
+        "cannot create the output directory {}: ",
+        run.join("plots").display()
+    );
+    assert!(err.contains(&want) && err.contains("give -o DIR"), "{err}");
+
+    // A read-only run directory (root writes there anyway: then there is nothing to see).
+    std::fs::remove_file(run.join("plots")).unwrap();
+    let perm = |mode| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&run, std::fs::Permissions::from_mode(mode)).unwrap();
+    };
+    perm(0o555);
+    let probe = run.join("probe");
+    if std::fs::create_dir(&probe).is_ok() {
+        std::fs::remove_dir(&probe).unwrap();
+    } else {
+        let o = zrun(&["plot", run.to_str().unwrap()]);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains("Permission denied") && err.contains("give -o DIR"),
+            "{err}"
+        );
+    }
+    perm(0o755);
 }

@@ -8,22 +8,26 @@
 //! left out with a note on stderr; one line per file written goes to stdout.
 //!
 //! Drawing: `data` reads the files, a builder per chart turns runs into a figure (series
-//! ready to draw, notes), and the figure draws itself on either backend (`Figure::draw`).
+//! ready to draw, notes), and the figure draws itself on either backend (`Figure::draw`),
+//! in memory (`png` encodes the bitmap). `save` then writes the files all or none: an
+//! output name holds the previous complete chart or the new one, never a truncated file.
 
 mod breakdown;
 mod data;
 mod font;
 mod lines;
 mod memory;
+mod png;
+mod save;
 mod style;
 
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
+use plotters::backend::RGBPixel;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use crate::launch::BadInput;
 use style::Drawn;
 
 /// `zrun plot`'s arguments.
@@ -62,55 +66,73 @@ pub fn run(args: &PlotArgs) -> anyhow::Result<u8> {
         (None, _) => PathBuf::from("plots"),
     };
     font::register()?;
-    std::fs::create_dir_all(&out).map_err(|e| {
-        BadInput(format!(
-            "cannot create the output directory {}: {e}",
-            out.display()
-        ))
-    })?;
+    save::create_dir(&out)?;
 
     let all = &mut notes;
-    emit(lines::loss(&runs, all), all, &out)?;
-    emit(lines::loss_tokens(&runs, all), all, &out)?;
-    emit(lines::throughput(&runs, all), all, &out)?;
-    emit(memory::memory(&runs, all), all, &out)?;
-    emit(breakdown::breakdown(&runs, all), all, &out)?;
+    let mut files = Vec::new();
+    draw(lines::loss(&runs, all), all, &out, &mut files)?;
+    draw(lines::loss_tokens(&runs, all), all, &out, &mut files)?;
+    draw(lines::throughput(&runs, all), all, &out, &mut files)?;
+    draw(memory::memory(&runs, all), all, &out, &mut files)?;
+    draw(breakdown::breakdown(&runs, all), all, &out, &mut files)?;
+    save::all(&files)?;
+    for (p, _) in &files {
+        println!("wrote {}", p.display());
+    }
     Ok(0)
 }
 
-/// Prints the notes so far, then writes `fig` (when there is one), a line per file.
-fn emit<F: Figure>(fig: Option<F>, notes: &mut Vec<String>, out: &Path) -> anyhow::Result<()> {
+/// Prints the notes so far, then draws `fig` (when there is one) as `out/NAME.png` and
+/// `out/NAME.svg`, in memory: their paths and bytes go to `files`.
+fn draw<F: Figure>(
+    fig: Option<F>,
+    notes: &mut Vec<String>,
+    out: &Path,
+    files: &mut Vec<(PathBuf, Vec<u8>)>,
+) -> anyhow::Result<()> {
     for n in notes.drain(..) {
         eprintln!("zrun plot: note: {n}");
     }
-    if let Some(f) = fig {
-        for p in write(&f, out)? {
-            println!("wrote {}", p.display());
-        }
-    }
+    let Some(fig) = fig else {
+        return Ok(());
+    };
+    let fail = |ext: &str| format!("cannot draw {}.{ext}", fig.name());
+    files.push((
+        out.join(format!("{}.png", fig.name())),
+        png_bytes(&fig).with_context(|| fail("png"))?,
+    ));
+    files.push((
+        out.join(format!("{}.svg", fig.name())),
+        svg_bytes(&fig).with_context(|| fail("svg"))?,
+    ));
     Ok(())
 }
 
-/// Writes `fig` as `out/NAME.png` and `out/NAME.svg`.
-fn write<F: Figure>(fig: &F, out: &Path) -> anyhow::Result<[PathBuf; 2]> {
-    let png = out.join(format!("{}.png", fig.name()));
-    let svg = out.join(format!("{}.svg", fig.name()));
-    let fail = |p: &Path| format!("cannot write {}", p.display());
+/// `fig` drawn on an RGB bitmap, as a PNG file's bytes.
+fn png_bytes<F: Figure>(fig: &F) -> anyhow::Result<Vec<u8>> {
+    let (w, h) = fig.size();
+    let mut rgb = vec![0u8; 3 * w as usize * h as usize];
     {
-        let root = BitMapBackend::new(&png, fig.size()).into_drawing_area();
+        let root = BitMapBackend::<RGBPixel>::with_buffer_and_format(&mut rgb, (w, h))
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .into_drawing_area();
         paint(fig, &root)
             .and_then(|()| root.present())
-            .map_err(|e| anyhow::anyhow!("{e}"))
-            .with_context(|| fail(&png))?;
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
     }
+    Ok(png::encode(&rgb, (w, h)))
+}
+
+/// `fig` as an SVG file's bytes.
+fn svg_bytes<F: Figure>(fig: &F) -> anyhow::Result<Vec<u8>> {
+    let mut text = String::new();
     {
-        let root = SVGBackend::new(&svg, fig.size()).into_drawing_area();
+        let root = SVGBackend::with_string(&mut text, fig.size()).into_drawing_area();
         paint(fig, &root)
             .and_then(|()| root.present())
-            .map_err(|e| anyhow::anyhow!("{e}"))
-            .with_context(|| fail(&svg))?;
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
     }
-    Ok([png, svg])
+    Ok(text.into_bytes())
 }
 
 /// Clears the canvas to white and draws `fig` on it.
