@@ -12,8 +12,11 @@
 # rank 0 hosts the rendezvous store on MASTER_ADDR:MASTER_PORT, 127.0.0.1:29500 when mpirun
 # gives neither. The MPI backend (`--set dist.backend=mpi`: collectives through MPI itself, no
 # store) needs a zrun built with `cargo build --release -p zrun --features mpi` (OpenMPI's
-# headers and libclang at build time); in other builds it stops with "backend mpi is not
-# compiled into this build; rebuild with `--features mpi`".
+# headers and libclang at build time); other builds exit 2 with
+#   zrun: error: dist.backend = "mpi" but this zrun was built without MPI; rebuild with
+#   `cargo build --release --features mpi` (needs OpenMPI, see make setup), or set
+#   dist.backend = "tcp" (or "auto")
+# (one line; `zrun --dry-run configs/tiny-cpu.toml --set dist.backend=mpi` prints it).
 #
 # Environment (optional): ZRUN (default `zrun` on PATH, else this checkout's
 # target/release/zrun), CONFIG (default examples/train.toml), NP (ranks, default 2),
