@@ -7,11 +7,16 @@
 zrun_torch_ext::end_tests_without_destructors!();
 
 mod common;
+/// Stopping a zrun run at a chosen point of its work (shared with tests/prepare.rs).
+#[path = "prepare/interrupt.rs"]
+mod interrupt;
 
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::{scratch, stderr, stdout, zrun, Scratch};
+use interrupt::{interrupt_early, Seen};
 use serde_json::{json, Value};
 use tch::Tensor;
 
@@ -522,4 +527,232 @@ fn a_manifest_without_its_own_hash_is_read_with_a_warning() {
     let saved = run.join("ckpt/step-00000003/manifest.json");
     let v: Value = serde_json::from_str(&std::fs::read_to_string(saved).unwrap()).unwrap();
     assert!(v["format_version"].as_u64() >= Some(2) && v["manifest_hash"].is_string());
+}
+
+/// Entries of `dir` whose names end with `suffix` (none when `dir` is missing).
+fn count_ending(dir: &Path, suffix: &str) -> usize {
+    std::fs::read_dir(dir).map_or(0, |d| {
+        d.filter(|e| {
+            e.as_ref()
+                .is_ok_and(|e| e.file_name().to_string_lossy().ends_with(suffix))
+        })
+        .count()
+    })
+}
+
+/// The lines of stderr that say something.
+fn said(o: &std::process::Output) -> Vec<String> {
+    stderr(o)
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(String::from)
+        .collect()
+}
+
+#[test]
+fn an_interrupted_export_or_consolidation_removes_its_partial_output() {
+    let dir = scratch("hf-interrupted");
+    let train = dir.join("train");
+    let bigger = ["model.n_layer=4".to_string(), "model.d_model=256".into()];
+    let o = train_tiny(&train, 1, &bigger);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let c = train.join("ckpt/step-00000001").display().to_string();
+    let export = |out: &Path| {
+        let o = out.display().to_string();
+        let a = [
+            "export",
+            &c,
+            "--hf",
+            &o,
+            "--dtype",
+            "bf16",
+            "--max-shard-size",
+            "200KB",
+        ];
+        a.map(String::from)
+    };
+    // A whole export: how many weights files it has.
+    let whole = dir.join("whole");
+    let o = zrun(&export(&whole).each_ref().map(String::as_str));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let shards = count_ending(&whole, ".safetensors");
+    assert!(shards >= 10, "{shards} weights files");
+    let out = dir.join("export");
+    let look = |pid: u32| {
+        let written = count_ending(&dir.join(format!("export.tmp-{pid}")), ".safetensors.tmp");
+        match written {
+            _ if out.exists() => Seen::Late,
+            0 => Seen::NotYet,
+            n if n <= shards / 2 => Seen::Early,
+            _ => Seen::Late,
+        }
+    };
+    let args = export(&out);
+    let args = args.each_ref().map(String::as_str);
+    for (sig, name) in [
+        (libc::SIGINT, "SIGINT"),
+        (libc::SIGTERM, "SIGTERM"),
+        (libc::SIGHUP, "SIGHUP"),
+    ] {
+        let (o, pid) = interrupt_early(&args, sig, look);
+        assert_eq!(o.status.code(), Some(128 + sig), "{}", stderr(&o));
+        let tmp = dir.join(format!("export.tmp-{pid}"));
+        let want = format!(
+            "zrun: export interrupted by {name}; removed the partial output {}",
+            tmp.display()
+        );
+        assert_eq!(said(&o), [want]);
+        assert!(entries_like(&dir, "export").is_empty(), "nothing is left");
+    }
+    // Killed: nothing can clean up then, but the next export removes what was left, saying so.
+    let (o, pid) = interrupt_early(&args, libc::SIGKILL, look);
+    assert_eq!(o.status.signal(), Some(libc::SIGKILL));
+    let left = dir.join(format!("export.tmp-{pid}"));
+    assert!(left.is_dir());
+    let o = zrun(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let note = format!(
+        "zrun: note: removed {}, left by an export (process {pid}) that no longer runs",
+        left.display()
+    );
+    assert_eq!(said(&o), [note]);
+    assert_eq!(entries_like(&dir, "export"), ["export"]);
+
+    // consolidate: the file is written at its end (bf16, smaller than the write buffer), so
+    // an empty FILE.tmp means the work is ahead.
+    let file = dir.join("model.safetensors");
+    let f = file.display().to_string();
+    let args = ["consolidate", &c, "-o", &f, "--dtype", "bf16"];
+    let look = |_| match std::fs::metadata(dir.join("model.safetensors.tmp")) {
+        _ if file.exists() => Seen::Late,
+        Err(_) => Seen::NotYet,
+        Ok(m) if m.len() == 0 => Seen::Early,
+        Ok(_) => Seen::Late,
+    };
+    let (o, _) = interrupt_early(&args, libc::SIGINT, look);
+    assert_eq!(o.status.code(), Some(130), "{}", stderr(&o));
+    let want =
+        format!("zrun: consolidate interrupted by SIGINT; removed the partial output {f}.tmp");
+    assert_eq!(said(&o), [want]);
+    assert!(entries_like(&dir, "model.safetensors").is_empty());
+}
+
+/// `zrun args` in a process that may write no file beyond `max_file` bytes (RLIMIT_FSIZE,
+/// `ulimit -f`): a longer write fails with EFBIG, as one on a full disk fails with ENOSPC.
+/// SIGXFSZ keeps its default action (ending the process) unless zrun itself ignores it.
+fn zrun_file_limit(args: &[&str], max_file: u64) -> std::process::Output {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_zrun"));
+    cmd.args(args)
+        .current_dir(root())
+        .env("RUST_BACKTRACE", "0");
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            let lim = libc::rlimit {
+                rlim_cur: max_file,
+                rlim_max: max_file,
+            };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.output().unwrap()
+}
+
+#[test]
+fn a_failed_write_of_an_export_or_consolidation_names_its_flag() {
+    let (_dir, ckpt) = tiny_checkpoint("hf-full");
+    let base = ckpt.parent().unwrap().to_path_buf();
+    let c = ckpt.display().to_string();
+    // Exit code 1, one line naming the flag and the file, with the limit's advice and none of
+    // checkpoint.dir's or log.dir's; nothing left.
+    let failed = |o: &std::process::Output, flag: &str, file: &str| {
+        let lines = said(o);
+        assert_eq!(o.status.code(), Some(1), "{lines:?}");
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        let l = &lines[0];
+        assert!(l.starts_with(&format!("zrun: error: {flag} ")), "{l}");
+        assert!(l.contains(file) && l.contains("ulimit -f"), "{l}");
+        assert!(l.contains(&format!("give {flag} a path")), "{l}");
+        assert!(
+            !l.contains("checkpoint.dir") && !l.contains("log.dir"),
+            "{l}"
+        );
+    };
+    let out = base.join("export").display().to_string();
+    let o = zrun_file_limit(&["export", &c, "--hf", &out], 64 << 10);
+    failed(&o, "--hf", "/model.safetensors.tmp: File too large");
+    // The tokenizer is the file too large (the weights in shards that fit).
+    let tokenizer = base.join("tokenizer.json");
+    let padded = format!(
+        "{}{}",
+        String::from_utf8_lossy(WORDS),
+        " ".repeat(300 << 10)
+    );
+    std::fs::write(&tokenizer, padded).unwrap();
+    edit_manifest(&ckpt, |v| {
+        v["model"]["tokenizer"] = json!(tokenizer.display().to_string());
+    });
+    let small = ["export", &c, "--hf", &out, "--max-shard-size", "64KB"];
+    let o = zrun_file_limit(&small, 256 << 10);
+    failed(&o, "--hf", "/tokenizer.json: File too large");
+    assert_eq!(entries_like(&base, "export"), Vec::<String>::new());
+    let f = base.join("model.safetensors").display().to_string();
+    let o = zrun_file_limit(&["consolidate", &c, "-o", &f], 64 << 10);
+    failed(&o, "-o", "model.safetensors.tmp: File too large");
+    assert!(entries_like(&base, "model.safetensors").is_empty());
+}
+
+/// A word-level tokenizer: "hello" is token 0, anything else 1.
+const WORDS: &[u8] = br#"{"version": "1.0", "added_tokens": [], "normalizer": null,
+    "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null, "decoder": null,
+    "truncation": null, "padding": null,
+    "model": {"type": "WordLevel", "vocab": {"hello": 0, "[UNK]": 1}, "unk_token": "[UNK]"}}"#;
+
+#[test]
+fn consolidate_replaces_only_a_safetensors_file() {
+    let (_dir, ckpt) = tiny_checkpoint("hf-replace");
+    let base = ckpt.parent().unwrap().to_path_buf();
+    let c = ckpt.display().to_string();
+    // Any other file is left as it was: a config is not turned into weights by a typo.
+    let victim = common::write(&base, "victim.json", b"{\"lr\": 3e-4}\n");
+    let line = one_error_line(&zrun(&["consolidate", &c, "-o", &victim]));
+    assert!(
+        line.contains(&victim)
+            && line.contains("is a file of 13 bytes, not a safetensors file")
+            && line.contains("remove it or give another path"),
+        "{line}"
+    );
+    assert_eq!(std::fs::read(&victim).unwrap(), b"{\"lr\": 3e-4}\n");
+    assert!(entries_like(&base, "victim.json.").is_empty());
+    // An earlier consolidation is replaced (docs/config.md), also over the empty FILE.tmp a
+    // consolidation killed before its first write leaves; a FILE.tmp of anything else is not.
+    let file = base.join("model.safetensors");
+    let f = file.display().to_string();
+    for _ in 0..2 {
+        std::fs::write(base.join("model.safetensors.tmp"), b"").unwrap();
+        let o = zrun(&["consolidate", &c, "-o", &f, "--dtype", "bf16"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert_eq!(
+            entries_like(&base, "model.safetensors"),
+            ["model.safetensors"]
+        );
+    }
+    let bf16 = std::fs::read(&file).unwrap();
+    std::fs::write(base.join("model.safetensors.tmp"), b"notes").unwrap();
+    let line = one_error_line(&zrun(&["consolidate", &c, "-o", &f]));
+    assert!(
+        line.contains(
+            "model.safetensors.tmp exists and is a file of 5 bytes, not the partial file"
+        ),
+        "{line}"
+    );
+    assert_eq!(std::fs::read(&file).unwrap(), bf16);
+    assert_eq!(
+        std::fs::read(base.join("model.safetensors.tmp")).unwrap(),
+        b"notes"
+    );
 }

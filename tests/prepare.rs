@@ -9,6 +9,8 @@ zrun_torch_ext::end_tests_without_destructors!();
 mod common;
 #[path = "prepare/failures.rs"]
 mod failures;
+#[path = "prepare/interrupt.rs"]
+mod interrupt;
 #[path = "prepare/python.rs"]
 mod python;
 

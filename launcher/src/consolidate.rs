@@ -4,12 +4,16 @@
 //! rank file is read and every rank file is verified before `FILE.tmp` is renamed to `FILE`;
 //! a damaged or inconsistent checkpoint is one line, exit code 2, and leaves `FILE` as it was.
 //! So is a `FILE` that cannot be one: inside the checkpoint directory (it would overwrite the
-//! checkpoint), an existing directory, or in a directory that does not exist.
+//! checkpoint), an existing directory, an existing file that is not a safetensors file (an
+//! earlier consolidation's is replaced, as documented), or in a directory that does not exist.
+//! SIGINT, SIGTERM or SIGHUP removes `FILE.tmp` and exits 128+N with one line (export.rs has
+//! the signal handling); a write that fails (a full disk) names `-o` and what to do.
 
 use std::path::PathBuf;
 
 use zrun_ckpt::OutDtype;
 
+use crate::export::{catch_signals, interrupted, output_error, stopped};
 use crate::launch::BadInput;
 
 /// Flags of `zrun consolidate`.
@@ -36,7 +40,12 @@ pub fn run(args: &ConsolidateArgs) -> anyhow::Result<u8> {
             dir = newest;
         }
     }
+    let tmp = zrun_ckpt::consolidate_tmp(&args.output);
     let failed = |e: zrun_ckpt::Error| match e {
+        // A write of the output itself: the flag and what to do, not checkpoint.dir's advice.
+        zrun_ckpt::Error::Io { op, path, source } if path == tmp || path == args.output => {
+            output_error("-o", &args.output, op, &path, &source)
+        }
         zrun_ckpt::Error::Io { .. } | zrun_ckpt::Error::Invalid(_) => anyhow::Error::new(e),
         other => anyhow::Error::new(BadInput(other.to_string())),
     };
@@ -44,7 +53,15 @@ pub fn run(args: &ConsolidateArgs) -> anyhow::Result<u8> {
     let ckpt = zrun_ckpt::Checkpoint::open(&dir).map_err(failed)?;
     zrun_train::hf::check_checkpoint_views(&ckpt).map_err(|e| BadInput(e.to_string()))?;
     drop(ckpt);
-    let c = zrun_ckpt::consolidate(&dir, &args.output, dtype).map_err(failed)?;
+    catch_signals()?;
+    let stop = || interrupted().is_some();
+    let done = zrun_ckpt::consolidate_until(&dir, &args.output, dtype, &stop).map_err(failed)?;
+    let Some(c) = done else {
+        return Ok(stopped(
+            "consolidate",
+            &format!("the partial output {}", tmp.display()),
+        ));
+    };
     println!(
         "wrote {}: {} tensors, {} parameters, {:.1} MiB ({}), from {} (step {})",
         c.path.display(),

@@ -1,10 +1,12 @@
-//! `zrun prepare` failing late: a disk that runs out of room while the index is written
-//! leaves no partial output (the directory it made is removed, a previous output stays whole).
+//! `zrun prepare` failing late: a disk that runs out of room while the index is written, or a
+//! signal while shards are written, leaves no partial output (the directory it made is
+//! removed, a previous output stays whole).
 
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Output, Stdio};
 
 use crate::common::*;
+use crate::interrupt::{interrupt_early, Seen};
 
 /// A word-level tokenizer: "hello" is token 0, anything else 1; no end-of-text token.
 const WORDS: &[u8] = br#"{"version": "1.0", "added_tokens": [], "normalizer": null,
@@ -129,4 +131,69 @@ fn a_run_on_token_shards_refuses_a_tokenizer_they_were_not_made_with() {
         &[&run(&bin, &other, 2)],
         &["other.json", "3 tokens, more than model.vocab_size 2"],
     );
+}
+
+#[test]
+fn an_interrupted_prepare_removes_what_it_wrote_and_exits_128_plus_the_signal() {
+    let d = scratch("prepare-interrupted");
+    let tok = write(&d, "tokenizer.json", WORDS);
+    // 4M tokens in 40 shards: a second or so of work.
+    let text = write(&d, "words.txt", "hello world ".repeat(2_000_000).as_bytes());
+    let out = d.join("out");
+    let out_s = out.display().to_string();
+    let args = [
+        "prepare",
+        "--tokenizer",
+        &tok,
+        &text,
+        "-o",
+        &out_s,
+        "--shard-tokens",
+        "100K",
+        "--val-fraction",
+        "0",
+    ];
+    // Shards being written, most of them still ahead (a previous output's index.json aside).
+    let look = |previous: bool| {
+        let out = out.clone();
+        move |_| {
+            let names: Vec<String> = std::fs::read_dir(&out).map_or(Vec::new(), |d| {
+                d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .collect()
+            });
+            let index = |n: &&String| *n == "index.json.tmp" || !previous && *n == "index.json";
+            let written = names.iter().filter(|n| n.ends_with(".bin.tmp")).count();
+            match written {
+                _ if names.iter().any(|n| index(&n)) => Seen::Late,
+                0 => Seen::NotYet,
+                1..=15 => Seen::Early,
+                _ => Seen::Late,
+            }
+        }
+    };
+    let said = |o: &Output| -> Vec<String> {
+        stderr(o)
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(String::from)
+            .collect()
+    };
+    let (o, _) = interrupt_early(&args, libc::SIGINT, look(false));
+    assert_eq!(o.status.code(), Some(130), "{}", stderr(&o));
+    let want = format!("zrun: prepare interrupted by SIGINT; removed the partial output {out_s}");
+    assert_eq!(said(&o), [want]);
+    assert!(!out.exists(), "the directory this run made is removed");
+    // Over a previous output: that output is as it was, without a .tmp file.
+    let o = zrun(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let before = files_in(&out);
+    assert_eq!(before.len(), 41, "index.json and 40 shards");
+    let (o, _) = interrupt_early(&args, libc::SIGTERM, look(true));
+    assert_eq!(o.status.code(), Some(143), "{}", stderr(&o));
+    let want = format!(
+        "zrun: prepare interrupted by SIGTERM; removed the partial output (its .tmp shards) from \
+         {out_s}, which holds what it held before"
+    );
+    assert_eq!(said(&o), [want]);
+    assert_eq!(files_in(&out), before);
 }

@@ -30,7 +30,7 @@ mod write;
 
 use std::path::{Path, PathBuf};
 
-pub use consolidate::{consolidate, Consolidated, OutDtype};
+pub use consolidate::{consolidate, consolidate_tmp, consolidate_until, Consolidated, OutDtype};
 pub use dir::{
     complete, open_regular, refuse_inside, remove_leftovers, step_dir, tmp_dir, Opened, MANIFEST,
 };

@@ -7,8 +7,8 @@ use std::path::Path;
 
 use common::{save, units, value, write_ranks};
 use zrun_ckpt::{
-    commit, consolidate, prune, rank_file_name, tmp_dir, Checkpoint, Dtype, Error, OutDtype, Part,
-    UnitEntry, FORMAT_VERSION,
+    commit, consolidate, consolidate_tmp, consolidate_until, prune, rank_file_name, tmp_dir,
+    Checkpoint, Dtype, Error, OutDtype, Part, UnitEntry, FORMAT_VERSION,
 };
 
 #[test]
@@ -84,6 +84,50 @@ fn consolidation_names_every_parameter_with_its_full_values() {
     assert_eq!(h.dtype(), safetensors::Dtype::BF16);
     let first = half::bf16::from_le_bytes([h.data()[2], h.data()[3]]).to_f32();
     assert_eq!(first, value(1, Part::Master, 1));
+}
+
+#[test]
+fn a_consolidation_asked_to_stop_or_given_another_file_leaves_it_as_it_was() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = save(root.path(), 4, 3, Dtype::F32);
+    let out = root.path().join("model.safetensors");
+    let tmp = consolidate_tmp(&out);
+    assert_eq!(tmp, root.path().join("model.safetensors.tmp"));
+    // Asked at each point in turn (3 tensors, 3 rank files, before the rename): stopped there,
+    // nothing written; never asked to stop, it writes the file.
+    for at in 1..=8 {
+        let asked = std::cell::Cell::new(0);
+        let stop = || {
+            asked.set(asked.get() + 1);
+            asked.get() == at
+        };
+        let done = consolidate_until(&dir, &out, OutDtype::F32, &stop).unwrap();
+        assert_eq!(done.is_none(), at <= 7, "asked {at}");
+        assert_eq!(out.exists(), at > 7, "asked {at}");
+        assert!(!tmp.exists(), "asked {at}");
+    }
+    // An earlier consolidation is replaced; any other file, or a FILE.tmp that is not an
+    // earlier consolidation's partial file, is refused and left as it was.
+    let first = std::fs::read(&out).unwrap();
+    consolidate(&dir, &out, OutDtype::Bf16).unwrap();
+    assert_ne!(std::fs::read(&out).unwrap(), first);
+    let notes = root.path().join("notes.txt");
+    std::fs::write(&notes, b"keep me").unwrap();
+    let e = consolidate(&dir, &notes, OutDtype::F32).unwrap_err();
+    assert!(e.is_bad_input(), "{e}");
+    assert!(
+        e.to_string()
+            .contains("is a file of 7 bytes, not a safetensors file"),
+        "{e}"
+    );
+    assert_eq!(std::fs::read(&notes).unwrap(), b"keep me");
+    std::fs::write(&tmp, b"mine").unwrap();
+    let e = consolidate(&dir, &out, OutDtype::F32).unwrap_err();
+    assert!(
+        e.to_string().contains("model.safetensors.tmp exists"),
+        "{e}"
+    );
+    assert_eq!(std::fs::read(&tmp).unwrap(), b"mine");
 }
 
 /// The error of opening rank `rank`'s file of the checkpoint in `dir`.

@@ -2,7 +2,9 @@
 //! (plain, `.gz`, `.zst`) and Parquet files encoded by a Hugging Face tokenizer on every core
 //! into token shards (`DIR/train-NNNNN.bin`, `DIR/val-NNNNN.bin`, llm.c's header; uint16
 //! tokens when the vocabulary has at most 65536 of them, uint32 otherwise) and
-//! `DIR/index.json`, ready for `data.source = "tokens"` with `data.path = DIR`.
+//! `DIR/index.json`, ready for `data.source = "tokens"` with `data.path = DIR`. SIGINT, SIGTERM
+//! or SIGHUP removes what the run wrote (and `DIR`, when it made it), leaves a previous output
+//! as it was, and exits 128+N with one line (export.rs has the signal handling).
 
 mod progress;
 
@@ -11,6 +13,7 @@ use std::time::Instant;
 
 use zrun_train::data::{Eos, PrepareOptions, ShardIndex};
 
+use crate::export::{catch_signals, interrupted, stopped};
 use crate::launch::{output, BadInput, Level};
 
 /// Flags of `zrun prepare`.
@@ -98,11 +101,24 @@ pub fn run(args: &PrepareArgs) -> anyhow::Result<u8> {
     opts.shard_tokens = args.shard_tokens;
     opts.limit_docs = args.limit_docs;
     opts.skip_bad = args.skip_bad;
+    catch_signals()?;
+    let existed = args.output.exists();
     let start = Instant::now();
     let mut shown = progress::Shown::start();
-    let result = zrun_train::data::prepare(&opts, &mut |p| shown.update(p));
+    let stop = || interrupted().is_some();
+    let result = zrun_train::data::prepare(&opts, &mut |p| shown.update(p), &stop);
     shown.finish();
-    let p = result.map_err(|e| BadInput(e.to_string()))?;
+    let Some(p) = result.map_err(|e| BadInput(e.to_string()))? else {
+        let removed = if existed {
+            format!(
+                "the partial output (its .tmp shards) from {}, which holds what it held before",
+                args.output.display()
+            )
+        } else {
+            format!("the partial output {}", args.output.display())
+        };
+        return Ok(stopped("prepare", &removed));
+    };
     let secs = start.elapsed().as_secs_f64();
     if let Some((n, first)) = &p.textless {
         output::say(

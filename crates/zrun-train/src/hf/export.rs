@@ -7,7 +7,9 @@
 //! views must be the parameters of the model its `hf_config` describes, and every rank file's
 //! hash is verified after reading and before anything read is used or becomes visible. An
 //! export is written into `OUT.tmp-<pid>` beside `OUT` and renamed to `OUT` only when complete
-//! and verified; on any error the temporary directory is removed and no `OUT` appears.
+//! and verified; on any error, or when asked to stop ([`export_until`]), the temporary
+//! directory is removed and no `OUT` appears. One a killed export left is removed by the next
+//! export into `OUT` ([`remove_killed_exports`]).
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -149,8 +151,9 @@ fn transposed(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     out
 }
 
-/// `OUT.tmp-<pid>` beside `out`: where an export is written before it is renamed to `out`.
-fn tmp_beside(out: &Path) -> Result<PathBuf, Error> {
+/// `OUT.tmp-<pid>` beside `out`: where this process writes an export before it is renamed to
+/// `out`.
+pub fn export_tmp(out: &Path) -> Result<PathBuf, Error> {
     let name = out.file_name().ok_or_else(|| {
         bad(
             out,
@@ -160,6 +163,97 @@ fn tmp_beside(out: &Path) -> Result<PathBuf, Error> {
     let mut tmp = name.to_owned();
     tmp.push(format!(".tmp-{}", std::process::id()));
     Ok(out.with_file_name(tmp))
+}
+
+/// Names an export writes, each also with `.tmp` while it is written.
+const EXPORT_FILES: [&str; 5] = [
+    "config.json",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+];
+
+/// Removes the `OUT.tmp-<pid>` directories beside `out` that exports killed before they could
+/// clean up left (SIGKILL, a crash): those whose process `pid` no longer runs on this machine
+/// and that hold only files an export writes. Returns each directory removed with its pid. A
+/// directory that cannot be removed is left as it is: it does not stop this export.
+pub fn remove_killed_exports(out: &Path) -> Vec<(PathBuf, i32)> {
+    let Some(prefix) = out
+        .file_name()
+        .and_then(|n| n.to_str())
+        .map(|n| format!("{n}.tmp-"))
+    else {
+        return Vec::new();
+    };
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return Vec::new();
+    };
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(&prefix))
+            .filter(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|d| d.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let path = entry.path();
+        let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+        if pid <= 0 || process_runs(pid) || !is_dir || !only_export_files(&path) {
+            continue;
+        }
+        if std::fs::remove_dir_all(&path).is_ok() {
+            removed.push((path, pid));
+        }
+    }
+    removed.sort();
+    removed
+}
+
+/// True while a process `pid` runs on this machine (one of another user's included; not one
+/// that has ended and waits to be reaped, a zombie).
+fn process_runs(pid: i32) -> bool {
+    // SAFETY: signal 0 only asks whether the process exists; nothing is sent.
+    let rc = unsafe { libc::kill(pid, 0) };
+    let exists = rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+    // /proc/PID/stat: "PID (COMM) STATE ...", COMM possibly holding spaces and parentheses.
+    let zombie = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| {
+                s.rsplit_once(')')
+                    .map(|(_, rest)| rest.trim_start().starts_with('Z'))
+            })
+            .unwrap_or(false)
+    };
+    exists && !zombie()
+}
+
+/// True when every entry of `dir` is a regular file named as an export's files are (the
+/// weights, `config.json`, the tokenizer files, each maybe with `.tmp`).
+fn only_export_files(dir: &Path) -> bool {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return false;
+    };
+    entries.into_iter().all(|e| {
+        let Ok(e) = e else {
+            return false;
+        };
+        let name = e.file_name();
+        let Some(name) = name.to_str() else {
+            return false;
+        };
+        let base = name.strip_suffix(".tmp").unwrap_or(name);
+        let weights = base.starts_with("model") && base.ends_with(".safetensors");
+        e.file_type().is_ok_and(|t| t.is_file()) && (weights || EXPORT_FILES.contains(&base))
+    })
 }
 
 /// Writes the checkpoint `dir` as a Hugging Face model directory `out`: `config.json`, the
@@ -179,6 +273,20 @@ pub fn export(
     dtype: OutDtype,
     max_shard_bytes: u64,
 ) -> Result<Exported, Error> {
+    export_until(dir, out, dtype, max_shard_bytes, &|| false)?
+        .ok_or_else(|| Error::Unsupported("an export stopped unasked".into()))
+}
+
+/// [`export`], asking `stop` between tensors and between rank files, and once more before the
+/// rename: when it answers true, the temporary directory ([`export_tmp`]) is removed, no
+/// `out` appears and the answer is `None` (a command interrupted by a signal cleans up so).
+pub fn export_until(
+    dir: &Path,
+    out: &Path,
+    dtype: OutDtype,
+    max_shard_bytes: u64,
+    stop: &dyn Fn() -> bool,
+) -> Result<Option<Exported>, Error> {
     let ckpt = Checkpoint::open(dir)?;
     let empty = match std::fs::read_dir(out) {
         Ok(mut entries) => entries.next().is_none(),
@@ -190,14 +298,17 @@ pub fn export(
             "already exists; an export never writes over one: remove it or give another --hf directory".into(),
         ));
     }
-    let tmp = tmp_beside(out)?;
+    let tmp = export_tmp(out)?;
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| Error::Io {
             path: tmp.clone(),
             source: e,
         })?;
     }
-    let done = write_export(&ckpt, &tmp, dtype, max_shard_bytes).and_then(|e| {
+    let done = write_export(&ckpt, &tmp, dtype, max_shard_bytes, stop).and_then(|e| {
+        let Some(e) = e.filter(|_| !stop()) else {
+            return Ok(None);
+        };
         std::fs::rename(&tmp, out).map_err(|source| Error::Io {
             path: out.to_path_buf(),
             source,
@@ -205,16 +316,20 @@ pub fn export(
         if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
             let _ = std::fs::File::open(parent).and_then(|f| f.sync_all());
         }
-        Ok(e)
+        Ok(Some(e))
     });
     match done {
-        Ok(mut e) => {
+        Ok(Some(mut e)) => {
             for f in &mut e.files {
                 if let Some(name) = f.file_name() {
                     *f = out.join(name);
                 }
             }
-            Ok(e)
+            Ok(Some(e))
+        }
+        Ok(None) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            Ok(None)
         }
         Err(err) => {
             let _ = std::fs::remove_dir_all(&tmp);
@@ -235,13 +350,15 @@ pub fn check_checkpoint_views(ckpt: &Checkpoint) -> Result<(), Error> {
     check_views(ckpt, model.as_ref())
 }
 
-/// The export of `ckpt` into the directory `tmp`, verified.
+/// The export of `ckpt` into the directory `tmp`, verified; `None` as soon as `stop` answers
+/// true (the writer's temporary files removed).
 fn write_export(
     ckpt: &Checkpoint,
     tmp: &Path,
     dtype: OutDtype,
     max_shard_bytes: u64,
-) -> Result<Exported, Error> {
+    stop: &dyn Fn() -> bool,
+) -> Result<Option<Exported>, Error> {
     let dir = &ckpt.dir;
     let arch = checkpoint_arch(ckpt)?;
     let model = arch.build()?;
@@ -284,6 +401,9 @@ fn write_export(
     let (mut buf, mut params, mut tensors) = (Vec::<f32>::new(), 0u64, 0usize);
     for (i, u) in units.iter().enumerate() {
         for v in &u.views {
+            if stop() {
+                return Ok(None);
+            }
             buf.clear();
             buf.resize(v.numel as usize, 0.0);
             reader.read(i, Part::Master, v.offset, &mut buf)?;
@@ -299,7 +419,12 @@ fn write_export(
         }
     }
     // Every rank file against its hash, read or not, before the weights count as written.
-    reader.verify_all()?;
+    for rank in 0..ckpt.manifest.world_size {
+        if stop() {
+            return Ok(None);
+        }
+        reader.open(rank)?.verify()?;
+    }
     let files = writer.finish()?;
     let mut config = arch.to_hf_config();
     config["torch_dtype"] = serde_json::json!(match dtype {
@@ -320,14 +445,14 @@ fn write_export(
     };
     // Said once the export is made: a refused one prints its error alone.
     ckpt.warn_if_unsealed();
-    Ok(Exported {
+    Ok(Some(Exported {
         files,
         tensors,
         params,
         tokenizer,
         tokenizer_skipped,
         step: ckpt.manifest.step,
-    })
+    }))
 }
 
 /// Writes `bytes` to `dir/name`, fsynced.

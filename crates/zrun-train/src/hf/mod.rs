@@ -12,7 +12,10 @@ use crate::Error;
 
 mod export;
 
-pub use export::{check_checkpoint_views, checkpoint_arch, export, load_full, Exported, Loaded};
+pub use export::{
+    check_checkpoint_views, checkpoint_arch, export, export_tmp, export_until, load_full,
+    remove_killed_exports, Exported, Loaded,
+};
 
 /// Where one parameter comes from: the file's tensor name and whether it is stored
 /// transposed (GPT-2's Conv1D).

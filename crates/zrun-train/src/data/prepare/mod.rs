@@ -13,7 +13,8 @@
 //! why the tokens almost always equal the whole document's). The output is the same for any
 //! thread count. Shards hold exactly `shard_tokens` tokens but the last of each split; they are
 //! written as `NAME.tmp`, and only a run that read every input moves them into place and writes
-//! the index, last (outdir.rs); a failed run removes its temporary files.
+//! the index, last (outdir.rs); a failed run removes its temporary files, and so does one told
+//! to stop (a signal to `zrun prepare`), which the encoder asks after every batch.
 
 mod batches;
 mod error;
@@ -131,11 +132,14 @@ pub struct Prepared {
 }
 
 /// Encodes `opts.inputs` into token shards in `opts.out_dir`; `progress` is called after
-/// every batch.
+/// every batch. `stop` is asked after every batch and once more before the output is put in
+/// place: when it answers true, the run ends there with `None`, its temporary files removed
+/// (and the directory, when this run made it), a previous output in the directory as it was.
 pub fn prepare(
     opts: &PrepareOptions,
     progress: &mut dyn FnMut(&Progress),
-) -> Result<Prepared, PrepareError> {
+    stop: &dyn Fn() -> bool,
+) -> Result<Option<Prepared>, PrepareError> {
     check(opts)?;
     let (inputs, unread) = inputs::expand(&opts.inputs)?;
     let mut tok = Tokenizer::load(&opts.tokenizer, "--tokenizer")?;
@@ -150,7 +154,10 @@ pub fn prepare(
         })?;
     let dtype = TokenDtype::for_vocab(tok.vocab_size());
     let mut out = OutDir::open(&opts.out_dir)?;
-    let (train, val, counts) = pipeline(opts, &tok, &inputs, out.path(), dtype, progress)?;
+    let (train, val, counts) = pipeline(opts, &tok, &inputs, out.path(), dtype, progress, stop)?;
+    if counts.stopped || stop() {
+        return Ok(None);
+    }
     if let Some((n, first)) = &counts.textless {
         if *n == counts.with_text {
             return Err(PrepareError::Unencodable {
@@ -194,8 +201,11 @@ pub fn prepare(
         train,
         val,
     };
+    if stop() {
+        return Ok(None);
+    }
     let index_path = out.commit(&index)?;
-    Ok(Prepared {
+    Ok(Some(Prepared {
         index_path,
         index,
         documents: counts.documents,
@@ -205,7 +215,7 @@ pub fn prepare(
         unread: unread.first.map(|f| (unread.count, f)),
         dtype,
         separator: tok.separator(),
-    })
+    }))
 }
 
 fn check(opts: &PrepareOptions) -> Result<(), PrepareError> {
@@ -273,6 +283,8 @@ struct Counts {
     skipped: u64,
     /// Inputs read, from the first (all but with `--limit-docs`).
     inputs_read: usize,
+    /// The encoder stopped when asked to, before the inputs' end.
+    stopped: bool,
 }
 
 /// Runs the three stages (module docs); returns the two splits' writers, unfinished.
@@ -283,6 +295,7 @@ fn pipeline(
     dir: &Path,
     dtype: TokenDtype,
     progress: &mut dyn FnMut(&Progress),
+    stop: &dyn Fn() -> bool,
 ) -> Result<(SplitWriter, SplitWriter, Counts), PrepareError> {
     let bytes_read = Arc::new(AtomicU64::new(0));
     let (batch_tx, batch_rx) = sync_channel(2);
@@ -304,7 +317,7 @@ fn pipeline(
         });
         let writer = s.spawn(move || write_all(ids_rx, train, val));
         let total = inputs.iter().map(|i| i.bytes).sum();
-        let encoded = encode_all(batch_rx, ids_tx, tok, inputs, total, progress);
+        let encoded = encode_all(batch_rx, ids_tx, tok, inputs, total, progress, stop);
         let ((documents, skipped), inputs_read) = reader
             .join()
             .unwrap_or_else(|p| std::panic::resume_unwind(p));
@@ -324,6 +337,7 @@ fn pipeline(
                 textless: e.textless,
                 skipped,
                 inputs_read,
+                stopped: e.stopped,
             },
         ))
     })
@@ -375,6 +389,8 @@ struct EncodedCounts {
     with_text: u64,
     /// Of them, those encoded to no more tokens than an empty document, and the first's place.
     textless: Option<(u64, String)>,
+    /// `stop` answered true: the encoder left before the last batch.
+    stopped: bool,
 }
 
 /// The document being encoded: tokens so far, whether it holds text, where it starts.
@@ -384,7 +400,8 @@ struct Doc {
     start: Option<Meta>,
 }
 
-/// The encoder, on the calling thread (rayon's pool does the work).
+/// The encoder, on the calling thread (rayon's pool does the work). It leaves when `stop`
+/// answers true after a batch; the reader and the writer then end as their channels close.
 fn encode_all(
     batches: Receiver<Result<Batch, PrepareError>>,
     out: SyncSender<Encoded>,
@@ -392,6 +409,7 @@ fn encode_all(
     inputs: &[Input],
     bytes_total: u64,
     progress: &mut dyn FnMut(&Progress),
+    stop: &dyn Fn() -> bool,
 ) -> Result<EncodedCounts, PrepareError> {
     let mut p = Progress {
         bytes_total,
@@ -457,6 +475,10 @@ fn encode_all(
             break; // the writer failed: its error is the one reported
         }
         progress(&p);
+        if stop() {
+            c.stopped = true;
+            break;
+        }
     }
     Ok(c)
 }

@@ -4,9 +4,12 @@
 //! The directory may be new, empty, or hold only what `zrun prepare` writes: `index.json`,
 //! `train-NNNNN.bin`, `val-NNNNN.bin`, the older layout's `train.bin` and `val.bin`, and any of
 //! those with `.tmp` (a killed run's). Anything else is refused before any work, so no user
-//! file is ever deleted. At the end of a successful run, [`OutDir::commit`] removes the old
-//! index first (so no index ever names a mix of old and new shards), then the old shards,
-//! renames the new ones from `NAME.tmp` into place and writes the new index last.
+//! file is ever deleted. At the end of a successful run, [`OutDir::commit`] puts the new
+//! output in place in an order where a process killed at any point leaves a directory that
+//! training either reads whole (the previous output, until the new index is renamed into
+//! place; this run's from then on) or refuses, naming a shard and saying to prepare again
+//! (training checks every shard's size and hash against the index, and refuses shard files
+//! the index does not list): see [`OutDir::steps`].
 
 use std::path::{Path, PathBuf};
 
@@ -99,28 +102,94 @@ impl OutDir {
     /// `index.json.tmp`) before anything of the previous output goes: a disk that runs out of
     /// room fails there, with the previous output whole and this run's files removed.
     pub(super) fn commit(&mut self, index: &ShardIndex) -> Result<PathBuf, PrepareError> {
-        let index_path = self.dir.join(INDEX_FILE);
         let staged = index.write_staged(&self.dir)?;
         // Whatever happens now, the directory holds this run's or a previous run's files:
         // removes and renames need no room.
         self.committed = true;
-        let mut old = std::mem::take(&mut self.old);
-        old.sort_by_key(|p| p != &index_path);
-        for p in &old {
-            std::fs::remove_file(p).map_err(write_error(p, "remove the old"))?;
+        for step in self.steps(index, &staged) {
+            step.run()?;
         }
-        for s in index.train.iter().chain(&index.val) {
-            let to = self.dir.join(&s.file);
-            std::fs::rename(self.dir.join(tmp_name(&s.file)), &to)
-                .map_err(write_error(&to, "rename into place"))?;
+        Ok(self.dir.join(INDEX_FILE))
+    }
+
+    /// The steps that put the shards of `index` (written as `NAME.tmp`) and the staged index
+    /// in place of the previous output, in this order:
+    ///
+    /// 1. the previous shards that `index` does not list are removed, then this run's shards
+    ///    are renamed into place (over the previous ones of the same name); meanwhile the
+    ///    previous index, still in place, names a shard that is missing or whose size or
+    ///    hash differs, and training refuses the directory naming it;
+    /// 2. the directory is synced and the staged index renamed to `index.json`: the one step
+    ///    at which this run's output appears, whole (no unlisted shard is left);
+    /// 3. the older layout's `train.bin` and `val.bin` are removed (a directory with an
+    ///    `index.json` is read by it, so until then they were the previous output, usable).
+    ///
+    /// The previous `index.json` is never removed, only replaced by the rename, so the
+    /// directory is never without one while a shard directory is being replaced.
+    pub(super) fn steps(&mut self, index: &ShardIndex, staged: &Path) -> Vec<Step> {
+        let index_path = self.dir.join(INDEX_FILE);
+        let new: Vec<PathBuf> = index
+            .train
+            .iter()
+            .chain(&index.val)
+            .map(|s| self.dir.join(&s.file))
+            .collect();
+        let replaced: std::collections::HashSet<&PathBuf> = new.iter().collect();
+        let old = std::mem::take(&mut self.old);
+        let is_shard = |p: &PathBuf| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(is_shard_file)
+        };
+        let mut steps: Vec<Step> = old
+            .iter()
+            .filter(|p| is_shard(p) && !replaced.contains(p))
+            .map(|p| Step::Remove(p.clone()))
+            .collect();
+        for to in &new {
+            let name = to.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            steps.push(Step::Rename(self.dir.join(tmp_name(name)), to.clone()));
         }
-        std::fs::rename(&staged, &index_path)
-            .map_err(write_error(&index_path, "rename into place"))?;
+        steps.push(Step::Sync(self.dir.clone()));
+        steps.push(Step::Rename(staged.to_path_buf(), index_path.clone()));
+        steps.extend(
+            old.into_iter()
+                .filter(|p| !is_shard(p) && p != &index_path)
+                .map(Step::Remove),
+        );
         // The renames and the index reach the disk together with the directory's entries.
-        if let Ok(d) = std::fs::File::open(&self.dir) {
-            let _ = d.sync_all();
+        steps.push(Step::Sync(self.dir.clone()));
+        steps
+    }
+}
+
+/// One file-system step of [`OutDir::commit`].
+#[derive(Clone, Debug, PartialEq)]
+pub(super) enum Step {
+    /// Remove a file of the previous output.
+    Remove(PathBuf),
+    /// Rename a finished file (`from`) into place (`to`).
+    Rename(PathBuf, PathBuf),
+    /// fsync the directory, so the steps before it reach the disk before those after it (a
+    /// failure only costs that ordering, and is not reported).
+    Sync(PathBuf),
+}
+
+impl Step {
+    /// Takes the step.
+    pub(super) fn run(&self) -> Result<(), PrepareError> {
+        match self {
+            Step::Remove(p) => std::fs::remove_file(p).map_err(write_error(p, "remove the old"))?,
+            Step::Rename(from, to) => {
+                std::fs::rename(from, to).map_err(write_error(to, "rename into place"))?
+            }
+            Step::Sync(dir) => {
+                if let Ok(d) = std::fs::File::open(dir) {
+                    let _ = d.sync_all();
+                }
+            }
         }
-        Ok(index_path)
+        Ok(())
     }
 }
 

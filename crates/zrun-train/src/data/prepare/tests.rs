@@ -31,7 +31,7 @@ fn split(dir: &Path, shards: &[super::super::index::ShardRecord]) -> Vec<u32> {
 }
 
 fn run(opts: &PrepareOptions) -> Result<Prepared, PrepareError> {
-    prepare(opts, &mut |_| {})
+    prepare(opts, &mut |_| {}, &|| false).map(|p| p.expect("not asked to stop"))
 }
 
 #[test]
@@ -340,4 +340,159 @@ fn what_an_input_directory_holds_besides_inputs_is_counted() {
     let p = run(&opts).unwrap();
     assert_eq!(p.documents, 1);
     assert_eq!(p.unread, Some((3, corpus.join("README.md"))));
+}
+
+/// What training makes of `dir` as data.path: its train and eval tokens, or its error.
+fn opened(dir: &Path) -> Result<Vec<u32>, String> {
+    use crate::data::{DataOptions, DataSource, Dataset, Split};
+    let opts = DataOptions {
+        source: DataSource::Tokens {
+            path: dir.to_path_buf(),
+            tokenizer: None,
+        },
+        seq_len: 1,
+        vocab_size: 8,
+        seed: 0,
+        eval_fraction: 0.25,
+    };
+    let ds = Dataset::open(&opts).map_err(|e| e.to_string())?;
+    let mut tokens = Vec::new();
+    for split in [Split::Train, Split::Eval] {
+        let n = ds.len(split).ok_or("no such split")?;
+        let (x, _) = ds
+            .samples(split, &(0..n).collect::<Vec<u64>>())
+            .map_err(|e| e.to_string())?;
+        tokens.extend(Vec::<i64>::try_from(x.flatten(0, -1)).unwrap());
+    }
+    Ok(tokens.into_iter().map(|t| t as u32).collect())
+}
+
+#[test]
+fn a_commit_killed_at_any_step_leaves_one_whole_output_or_a_refused_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = dir.path().join("tokenizer.json");
+    std::fs::write(&tok, word_level(&["a", "b"], &[])).unwrap();
+    let prepared = |name: &str, text: &str| {
+        let input = dir.path().join(format!("{name}.txt"));
+        std::fs::write(&input, text).unwrap();
+        let mut opts = PrepareOptions::new(tok.clone(), vec![input], dir.path().join(name));
+        opts.val_fraction = 0.0;
+        opts.shard_tokens = 4;
+        run(&opts).unwrap().index
+    };
+    // The previous output, three shards of a (0), and this run's, two shards of b (1).
+    prepared("old", &"a ".repeat(12));
+    let new = prepared("new", &"b ".repeat(8));
+    let (old_tokens, new_tokens) = (
+        opened(&dir.path().join("old")),
+        opened(&dir.path().join("new")),
+    );
+    assert!(old_tokens.as_ref().is_ok_and(|t| t.iter().all(|&t| t == 0)));
+    assert!(new_tokens.as_ref().is_ok_and(|t| t.iter().all(|&t| t == 1)));
+    let old_index = std::fs::read(dir.path().join("old").join(INDEX_FILE)).unwrap();
+    // Over a shard directory and over the older layout (train.bin alone).
+    for older in [false, true] {
+        for k in 0.. {
+            let d = dir.path().join(format!("case-{older}-{k}"));
+            std::fs::create_dir(&d).unwrap();
+            if older {
+                let from = dir.path().join("old/train-00000.bin");
+                std::fs::copy(from, d.join("train.bin")).unwrap();
+            } else {
+                for e in std::fs::read_dir(dir.path().join("old")).unwrap() {
+                    let e = e.unwrap();
+                    std::fs::copy(e.path(), d.join(e.file_name())).unwrap();
+                }
+            }
+            let before = opened(&d);
+            let mut out = OutDir::open(&d).unwrap();
+            for s in &new.train {
+                let from = dir.path().join("new").join(&s.file);
+                std::fs::copy(from, d.join(writer::tmp_name(&s.file))).unwrap();
+            }
+            let staged = new.write_staged(&d).unwrap();
+            let steps = out.steps(&new, &staged);
+            if k > steps.len() {
+                break;
+            }
+            // Killed after k steps.
+            for s in &steps[..k] {
+                s.run().unwrap();
+            }
+            let at = format!("older {older}, killed after {k} of {} steps", steps.len());
+            let index = std::fs::read(d.join(INDEX_FILE)).ok();
+            match opened(&d) {
+                Ok(tokens) if tokens == new_tokens.clone().unwrap() => {}
+                Ok(tokens) => {
+                    assert_eq!(Ok(tokens), before, "{at}: the previous output");
+                    assert!(index.is_none() || index == Some(old_index.clone()), "{at}");
+                }
+                Err(e) => {
+                    assert!(!older, "{at}: the older layout stays readable: {e}");
+                    assert!(e.contains("prepare it again"), "{at}: {e}");
+                }
+            }
+            // The index is never gone; a previous output stays readable until the new one is.
+            assert!(older || index.is_some(), "{at}: no index.json");
+            if k == 0 || older && index.is_none() {
+                assert_eq!(opened(&d), before, "{at}");
+            }
+            if k == steps.len() {
+                assert_eq!(opened(&d), new_tokens, "{at}");
+                let mut names: Vec<String> = std::fs::read_dir(&d)
+                    .unwrap()
+                    .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .collect();
+                names.sort();
+                assert_eq!(names, [INDEX_FILE, "train-00000.bin", "train-00001.bin"]);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_run_asked_to_stop_leaves_the_directory_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = dir.path().join("tokenizer.json");
+    std::fs::write(&tok, word_level(&["a"], &[])).unwrap();
+    let input = dir.path().join("a.txt");
+    std::fs::write(&input, "a ".repeat(64)).unwrap();
+    let out = dir.path().join("out");
+    let mut opts = PrepareOptions::new(tok, vec![input], out.clone());
+    opts.val_fraction = 0.0;
+    opts.shard_tokens = 4;
+    opts.piece_bytes = 16;
+    // Asked after the first batch, or only before the output is put in place.
+    let asked = std::cell::Cell::new(0);
+    for stop_at in [1, 2] {
+        asked.set(0);
+        let stop = || {
+            asked.set(asked.get() + 1);
+            asked.get() >= stop_at
+        };
+        let p = prepare(&opts, &mut |_| {}, &stop).unwrap();
+        assert!(p.is_none());
+        assert!(!out.exists(), "the directory this run made is removed");
+    }
+    // Over a previous output: that output as it was, file for file.
+    run(&opts).unwrap();
+    let files = || {
+        let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap())
+            .map(|e| {
+                (
+                    e.file_name().to_string_lossy().into(),
+                    std::fs::read(e.path()).unwrap(),
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let before = files();
+    opts.shard_tokens = 8;
+    let p = prepare(&opts, &mut |_| {}, &|| true).unwrap();
+    assert!(p.is_none());
+    assert_eq!(files(), before);
 }
