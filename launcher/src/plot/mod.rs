@@ -17,7 +17,6 @@ mod data;
 mod font;
 mod lines;
 mod memory;
-mod png;
 mod save;
 mod style;
 
@@ -120,7 +119,14 @@ fn png_bytes<F: Figure>(fig: &F) -> anyhow::Result<Vec<u8>> {
             .and_then(|()| root.present())
             .map_err(|e| anyhow::anyhow!("{e}"))?;
     }
-    Ok(png::encode(&rgb, (w, h)))
+    let mut bytes = Vec::new();
+    let mut encoder = png::Encoder::new(&mut bytes, w, h);
+    encoder.set_color(png::ColorType::Rgb);
+    encoder.set_depth(png::BitDepth::Eight);
+    let mut writer = encoder.write_header()?;
+    writer.write_image_data(&rgb)?;
+    writer.finish()?;
+    Ok(bytes)
 }
 
 /// `fig` as an SVG file's bytes.
