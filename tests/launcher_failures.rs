@@ -187,3 +187,46 @@ fn a_program_that_cannot_be_run_is_bad_input() {
         &[&dir, "cannot be run", "give an executable file"],
     );
 }
+
+/// Two ranks started without zrun's launcher (torchrun's variables) with another learning
+/// rate on one of them: both stop before training, exit 2, each naming the key and its own
+/// value (they trained on, each with its own setting, and exited 0).
+#[test]
+fn ranks_given_different_configs_are_refused_before_training() {
+    let d = scratch("differ");
+    let port = free_port().to_string();
+    let start = |rank: &str, extra: &[&str]| {
+        let dir = format!("log.dir=\"{}\"", d.join(rank).display());
+        let mut a = vec![
+            "configs/tiny-cpu.toml",
+            "--set",
+            "train.steps=4",
+            "--set",
+            &dir,
+        ];
+        a.extend(extra);
+        let env = [
+            ("RANK", rank),
+            ("LOCAL_RANK", rank),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", port.as_str()),
+        ];
+        zrun_child(&a, &env)
+    };
+    let ranks = [start("0", &[]), start("1", &["--set", "train.lr=0.5"])];
+    for (r, c) in ranks.into_iter().enumerate() {
+        let o = c.wait_with_output().unwrap();
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "rank {r}: {err}");
+        let line = err.lines().last().unwrap_or_default();
+        let value = if r == 0 { "0.003" } else { "0.5" };
+        assert!(
+            line.contains("different configs")
+                && line.contains(&format!("train.lr = {value} here")),
+            "rank {r}: {err}"
+        );
+        assert!(!d.join(r.to_string()).join("metrics.jsonl").exists());
+    }
+}

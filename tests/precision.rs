@@ -83,3 +83,41 @@ fn gradients_reduced_in_bf16_train_as_fp32_reduction_does() {
         );
     }
 }
+
+/// A run that diverges stops loudly in every precision, naming the step: fp16 too, where an
+/// overflow at the lowest loss scale (1) leaves nothing to retry (it skipped every step on a
+/// NaN model and exited 0).
+#[test]
+fn a_diverged_run_stops_naming_the_step_in_every_precision() {
+    for p in ["fp32", "fp16"] {
+        let d = scratch(&format!("precision-diverge-{p}"));
+        let out = zrun(&[
+            "configs/tiny-cpu.toml",
+            "--set",
+            "train.steps=30",
+            "--set",
+            "train.warmup_steps=0",
+            "--set",
+            "train.micro_batch=2",
+            "--set",
+            "train.lr=1e6",
+            "--set",
+            "train.eval_every=0",
+            "--set",
+            &format!("zero.precision=\"{p}\""),
+            "--set",
+            &format!("log.dir=\"{}\"", d.display()),
+        ]);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{p}: {err}");
+        let line = err
+            .lines()
+            .find(|l| l.contains("zrun: error: step "))
+            .unwrap_or_else(|| panic!("{p}: {err}"));
+        assert!(
+            line.contains("is not finite") && line.contains("lower train.lr"),
+            "{p}: {err}"
+        );
+        assert!(!d.join("summary.json").exists(), "{p}");
+    }
+}

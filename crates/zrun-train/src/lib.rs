@@ -3,6 +3,7 @@
 //! A worker process loads a [`config::Config`], builds a [`trainer::Run`] (model, data,
 //! engine) and trains it, writing `metrics.jsonl` and `summary.json` into `log.dir`.
 
+pub mod agree;
 pub mod checkpoint;
 pub mod config;
 pub mod data;

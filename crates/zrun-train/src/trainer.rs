@@ -148,6 +148,9 @@ impl Run {
                 tracing::info!("CUDA caching allocator: {set}");
             }
         }
+        // The first collective: every rank trains the same settings on the same layout.
+        let settings = crate::agree::settings(cfg, rank.local_world_size, group);
+        crate::agree::check(comm.as_ref(), device, &settings)?;
         // libtorch's default generators (CPU, and CUDA on a GPU) from train.seed and the rank:
         // a checkpoint saves their state, which is then a function of the config too.
         tch::manual_seed(cfg.train.seed.wrapping_add(rank.rank as u64) as i64);
@@ -557,6 +560,15 @@ impl Run {
                 self.write_profile(step + 1)?;
             }
             let overflow_skip = !stats.applied && self.cfg.zero.precision == Precision::Fp16;
+            if overflow_skip && stats.loss_scale <= 1.0 {
+                // No lower scale to try: the model itself is not finite (a NaN loss), and
+                // skipping on would end the run with exit 0 and NaN weights.
+                return Err(Error::NonFinite {
+                    step: step + 1,
+                    loss,
+                    grad_norm: stats.grad_norm,
+                });
+            }
             if overflow_skip {
                 skipped += 1;
                 tracing::warn!(
