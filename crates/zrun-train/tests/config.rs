@@ -65,6 +65,12 @@ fn malformed_configs_each_get_their_own_message() {
             &["train.steps = 0", "at least 1"],
         ),
         (
+            "tiny-eps.toml",
+            "[train]\neps = 1e-300\n",
+            &[],
+            &["train.eps = 1e-300", "smallest normal"],
+        ),
+        (
             "bad-stage.toml",
             "[zero]\nstage = 5\n",
             &[],

@@ -172,8 +172,13 @@ impl Config {
                 return bad(key, b, "must be in [0, 1)");
             }
         }
-        if !finite_pos(t.eps) {
-            return bad("train.eps", t.eps, "must be a finite number > 0");
+        // AdamW runs in fp32: an eps below its smallest normal number is 0 or denormal there.
+        if !finite_pos(t.eps) || t.eps < f64::from(f32::MIN_POSITIVE) {
+            return bad(
+                "train.eps",
+                format!("{:e}", t.eps),
+                "must be a finite number >= 1.2e-38 (fp32's smallest normal number; 1e-8 is usual)",
+            );
         }
         if !(t.grad_clip.is_finite() && t.grad_clip >= 0.0) {
             return bad(
