@@ -55,8 +55,14 @@ pub fn run(config: &Path, overrides: &[String]) -> Result<()> {
         Outcome::Finished(s) => s,
         Outcome::AlreadyDone { step, checkpoint } => {
             if topo.rank == 0 {
+                let steps = cfg.train.steps;
+                let at = if step == steps {
+                    format!("step {step} = train.steps")
+                } else {
+                    format!("step {step}, past train.steps = {steps}")
+                };
                 show(&format!(
-                    "final: nothing to train: {} is at step {step} = train.steps",
+                    "final: nothing to train: {} is at {at}",
                     checkpoint.display()
                 ));
             }
@@ -76,8 +82,12 @@ pub fn run(config: &Path, overrides: &[String]) -> Result<()> {
                 s.stragglers
             ));
         }
+        // A chain of one successor per token has a floor of 0: no percentage of it.
         let gap = floor
-            .map(|f| format!(" (floor {f:.4}, {:+.1}%)", 100.0 * (s.eval_loss - f) / f))
+            .map(|f| match f.abs() > 1e-12 {
+                true => format!(" (floor {f:.4}, {:+.1}%)", 100.0 * (s.eval_loss - f) / f),
+                false => " (floor 0)".to_string(),
+            })
             .unwrap_or_default();
         show(&format!(
             "final: eval_loss {:.4}{gap}, train loss {:.4}, {:.0} tokens/s, {:.1} s, {} rank(s), peak rss {} MiB/rank, summary in {}",
