@@ -230,3 +230,43 @@ fn ranks_given_different_configs_are_refused_before_training() {
         assert!(!d.join(r.to_string()).join("metrics.jsonl").exists());
     }
 }
+
+/// A rank started without zrun's launcher that is waiting for its peers ends at SIGTERM:
+/// there is nothing to save yet (it waited out dist.timeout_s, 600 s by default).
+#[test]
+fn a_rank_waiting_for_its_peers_ends_at_sigterm() {
+    use std::os::unix::process::ExitStatusExt;
+    let d = scratch("rdzv-term");
+    let port = free_port().to_string();
+    let dir = format!("log.dir=\"{}\"", d.display());
+    let env = [
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", port.as_str()),
+    ];
+    let args = [
+        "configs/tiny-cpu.toml",
+        "--set",
+        &dir,
+        "--set",
+        "dist.timeout_s=120",
+    ];
+    let mut c = zrun_child(&args, &env);
+    // Rank 0 hosts the store: once its port answers, the rank is waiting for rank 1.
+    let up = std::time::Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port.parse::<u16>().unwrap())).is_err() {
+        assert!(up.elapsed().as_secs() < 60, "the store never listened");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    signal(c.id() as i32, libc::SIGTERM);
+    let sent = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = c.try_wait().unwrap() {
+            break s;
+        }
+        assert!(sent.elapsed().as_secs() < 20, "still waiting after SIGTERM");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(status.signal(), Some(libc::SIGTERM), "{status:?}");
+}

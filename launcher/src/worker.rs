@@ -13,9 +13,6 @@ use zrun_train::trainer::{rank_device, Outcome, Run};
 /// Trains this process as one rank. The topology comes from the environment (zrun's and
 /// torchrun's variables, OpenMPI, PMI or Slurm); with none at all it is a world of one.
 pub fn run(config: &Path, overrides: &[String]) -> Result<()> {
-    // First: a stop signal from now on is a request to save and stop, not death.
-    zrun_train::stop::install()
-        .map_err(|e| anyhow::anyhow!("installing the stop-signal handler: {e}"))?;
     let cfg = Config::load(config, overrides)?;
     let allocator = zrun_train::memory::set_allocator()?;
     let topo = Topology::from_env().map_err(BadInput::from)?;
@@ -42,6 +39,10 @@ pub fn run(config: &Path, overrides: &[String]) -> Result<()> {
     } else {
         Arc::from(zrun_comm::init(&topo, dist.backend, timeout)?)
     };
+    // From here a stop signal is a request to save and stop, not death. Before, while the
+    // ranks meet (up to dist.timeout_s), there is nothing to save: SIGTERM ends the rank.
+    zrun_train::stop::install()
+        .map_err(|e| anyhow::anyhow!("installing the stop-signal handler: {e}"))?;
     let mut run = Run::new(&cfg, comm, &topo)?;
     let floor = run.loss_floor();
     let trained = run.train();
