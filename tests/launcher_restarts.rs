@@ -279,6 +279,85 @@ fn nodes_with_different_max_restarts_are_refused() {
     );
 }
 
+#[test]
+fn nodes_with_different_nnodes_are_refused_at_once_on_every_node() {
+    // Node 0 with --nnodes 2 once started its ranks with a world of 2 (which failed only at
+    // dist.timeout_s) while node 1 with --nnodes 3 waited --rdzv-timeout-s for a node 2.
+    for (n0, n1) in [("2", "3"), ("3", "2")] {
+        let port = free_port().to_string();
+        let id = run_id(&format!("nnodes-mismatch-{n0}"));
+        let args = |nnodes: &'static str, node: &'static str| {
+            let mut a = node_args(node, &port, &id);
+            a[1] = nnodes;
+            exec_args(&a, "true")
+        };
+        let t = std::time::Instant::now();
+        let mut j0 = Job::start(&args(n0, "0"), &[]);
+        let mut j1 = Job::start(&args(n1, "1"), &[]);
+        let (s0, s1) = (
+            j0.exit_within(Duration::from_secs(20)),
+            j1.exit_within(Duration::from_secs(20)),
+        );
+        assert_eq!(
+            (s0.code(), s1.code()),
+            (Some(2), Some(2)),
+            "{}\n{}",
+            j0.text(),
+            j1.text()
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "took {:?}",
+            t.elapsed()
+        );
+        for (job, text) in [
+            (&j0, format!("--nnodes {n0} on node 0 but {n1} on node 1")),
+            (&j1, format!("--nnodes {n1} on node 1 but {n0} on node 0")),
+        ] {
+            let e = job.stderr();
+            assert!(e.contains(&format!("zrun: error: {text}")), "{e}");
+            assert!(e.contains("give every node the same --nnodes"), "{e}");
+            assert_eq!(
+                e.lines().filter(|l| l.starts_with("zrun: error")).count(),
+                1,
+                "{e}"
+            );
+        }
+        assert!(!j0.stdout().contains("[rank"), "{}", j0.text());
+        assert_job_gone(&id);
+    }
+}
+
+#[test]
+fn a_node_beyond_node_0_s_nnodes_is_refused_on_both_nodes() {
+    let port = free_port().to_string();
+    let id = run_id("nnodes-beyond");
+    let a0 = node_args("0", &port, &id);
+    let mut a2 = node_args("2", &port, &id);
+    a2[1] = "3";
+    let mut j0 = Job::start(&exec_args(&a0, "true"), &[]);
+    let mut j2 = Job::start(&exec_args(&a2, "true"), &[]);
+    assert_eq!(
+        j2.exit_within(Duration::from_secs(20)).code(),
+        Some(2),
+        "{}",
+        j2.text()
+    );
+    assert_eq!(
+        j0.exit_within(Duration::from_secs(20)).code(),
+        Some(2),
+        "{}",
+        j0.text()
+    );
+    let want = "--nnodes 3 on node 2 but 2 on node 0";
+    assert!(
+        j2.stderr().contains(&format!("zrun: error: {want}")),
+        "{}",
+        j2.text()
+    );
+    assert!(j0.stderr().contains(want), "{}", j0.text());
+}
+
 /// A rank that traps `sig` (TERM or USR1), runs `on_signal`, and otherwise waits.
 fn trapping(sig: &str, on_signal: &str) -> String {
     format!("trap '{on_signal}' {sig}; echo ready; while :; do sleep 0.1; done")

@@ -1,18 +1,27 @@
 //! The crate's error type.
 
+use std::ops::Range;
 use std::time::Duration;
+
+/// Missing keys a [`Error::StoreTimeout`] names (the rest are counted).
+pub(crate) const NAMED_KEYS: usize = 4;
+/// Ranges a list of ranks or nodes shows before it only counts the rest ([`list_ranges`]).
+const SHOWN_RANGES: usize = 8;
 
 /// Everything that can go wrong while discovering the topology, talking to the rendezvous
 /// store or running a collective.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The rank variables in the environment are missing, malformed or contradict each other.
-    #[error("topology from the environment ({source_name}): {detail}; set RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT consistently (or start under zrun, torchrun, mpirun or srun)")]
+    #[error("topology from the environment ({source_name}): {detail}; {hint}")]
     Topology {
-        /// Which flavour of variables was being read (zrun/torchrun, OpenMPI, PMI, Slurm).
+        /// Which flavour of variables was being read (zrun/torchrun, OpenMPI, PMI/MPICH, Slurm).
         source_name: String,
         /// What is wrong, naming the variables.
         detail: String,
+        /// What to do, for the launcher whose variables these are
+        /// ([`crate::TopologySource::hint`]).
+        hint: &'static str,
     },
 
     /// The rendezvous store could not be reached.
@@ -33,13 +42,53 @@ pub enum Error {
         addr: String,
     },
 
+    /// What answers at the store's address is not a zrun rendezvous store.
+    #[error("rendezvous store at {addr}: what answers there is not a zrun store (it sent {answer:?}): another service listens on that port; pick a MASTER_PORT (zrun: --master-port) that nothing else uses")]
+    NotAStore {
+        /// `host:port` that was dialled.
+        addr: String,
+        /// The first bytes it sent, printable ASCII only.
+        answer: String,
+    },
+
+    /// The store's host name does not resolve at all (not a passing DNS failure).
+    #[error("rendezvous store at {addr}: host {host:?} does not resolve ({detail}); set MASTER_ADDR (zrun: --master-addr) to rank 0's host name or IP")]
+    StoreHost {
+        /// `host:port` of the store.
+        addr: String,
+        /// The host part.
+        host: String,
+        /// The resolver's answer.
+        detail: String,
+    },
+
     /// Keys did not appear in the store before the deadline.
-    #[error("rendezvous store at {addr}: keys {missing:?} did not appear within {timeout:?}; a rank did not start or stopped early, or dist.timeout_s is too short")]
+    #[error("rendezvous store at {addr}: {} did not appear within {}; a rank did not start or stopped early, or dist.timeout_s is too short", missing_keys(.names, .missing, .asked), seconds(.timeout))]
     StoreTimeout {
         /// `host:port` of the store.
         addr: String,
-        /// The keys still missing.
-        missing: Vec<String>,
+        /// The keys still missing, as sorted, disjoint ranges of indices into the keys waited
+        /// for.
+        missing: Vec<Range<usize>>,
+        /// The first few missing keys by name (at most 4), for the message.
+        names: Vec<String>,
+        /// How many keys were waited for.
+        asked: usize,
+        /// The deadline that passed.
+        timeout: Duration,
+    },
+
+    /// Ranks did not join this communicator through the store before the deadline.
+    #[error("rank {rank}: {} ({} of {world}) did not join within {} at the rendezvous store {addr}; they did not start or failed before connecting (see their logs), or dist.timeout_s is too short", ranks_named(.missing), count(.missing), seconds(.timeout))]
+    NotJoined {
+        /// This rank.
+        rank: usize,
+        /// `host:port` of the store.
+        addr: String,
+        /// The ranks that did not join, as sorted, disjoint ranges.
+        missing: Vec<Range<usize>>,
+        /// Ranks in the communicator.
+        world: usize,
         /// The deadline that passed.
         timeout: Duration,
     },
@@ -190,6 +239,35 @@ pub enum Error {
 }
 
 impl Error {
+    /// True when the fault is in what the user gave (the environment's rank variables, the
+    /// store's address or port): such a rank should exit with code 2, not be restarted.
+    pub fn is_bad_input(&self) -> bool {
+        matches!(
+            self,
+            Error::Topology { .. } | Error::NotAStore { .. } | Error::StoreHost { .. }
+        )
+    }
+
+    /// A [`Error::StoreTimeout`] of a wait for one key per rank (key `r` is rank `r`'s), as
+    /// the ranks that did not join, seen from `rank` of `world`; any other error as it is.
+    pub(crate) fn ranks_missing(self, rank: usize, world: usize) -> Error {
+        match self {
+            Error::StoreTimeout {
+                addr,
+                missing,
+                timeout,
+                ..
+            } => Error::NotJoined {
+                rank,
+                addr,
+                missing,
+                world,
+                timeout,
+            },
+            e => e,
+        }
+    }
+
     /// True when this error says another rank failed: its connection broke, it did not answer
     /// in time, or the communicator is unusable after such a failure. The rank reporting it
     /// is most likely not the cause, so its launcher should hear of the cause first.
@@ -198,5 +276,93 @@ impl Error {
             self,
             Error::PeerLost { .. } | Error::Timeout { .. } | Error::Poisoned { .. }
         )
+    }
+}
+
+/// How many numbers `ranges` hold.
+pub(crate) fn count(ranges: &[Range<usize>]) -> usize {
+    ranges.iter().map(|r| r.len()).sum()
+}
+
+/// `ranges` as `1-3, 5, 9-12`, the first few ranges only and then how many numbers the rest
+/// hold (`…, and 40 more`): a message stays a line however many ranks are listed.
+pub fn list_ranges(ranges: &[Range<usize>]) -> String {
+    let mut parts: Vec<String> = ranges
+        .iter()
+        .filter(|r| !r.is_empty())
+        .take(SHOWN_RANGES)
+        .map(|r| match r.len() {
+            1 => r.start.to_string(),
+            _ => format!("{}-{}", r.start, r.end - 1),
+        })
+        .collect();
+    let rest = count(ranges.get(SHOWN_RANGES..).unwrap_or_default());
+    if rest > 0 {
+        parts.push(format!("and {rest} more"));
+    }
+    parts.join(", ")
+}
+
+/// `d` in seconds for a message: `5 s`, `0.25 s`.
+fn seconds(d: &Duration) -> String {
+    format!("{} s", d.as_secs_f64())
+}
+
+/// `rank 3` or `ranks 1-999999`.
+fn ranks_named(missing: &[Range<usize>]) -> String {
+    let word = if count(missing) == 1 { "rank" } else { "ranks" };
+    format!("{word} {}", list_ranges(missing))
+}
+
+/// The missing keys of a [`Error::StoreTimeout`]: `key "a"`, or `keys "a", "b", … (7 of 9)`.
+fn missing_keys(names: &[String], missing: &[Range<usize>], asked: &usize) -> String {
+    let n = count(missing);
+    let shown: Vec<String> = names.iter().map(|k| format!("{k:?}")).collect();
+    match n {
+        1 => format!("key {}", shown.join(", ")),
+        _ if shown.len() < n => format!("keys {}, … ({n} of {asked})", shown.join(", ")),
+        _ => format!("keys {} ({n} of {asked})", shown.join(", ")),
+    }
+}
+
+#[cfg(test)]
+// Lists of one range of ranks or keys are what these tests mean.
+#[allow(clippy::single_range_in_vec_init)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_are_listed_briefly_however_many() {
+        assert_eq!(list_ranges(&[1..4, 5..6, 9..13]), "1-3, 5, 9-12");
+        let many: Vec<Range<usize>> = (0..1000).map(|i| 2 * i..2 * i + 1).collect();
+        let s = list_ranges(&many);
+        assert_eq!(s, "0, 2, 4, 6, 8, 10, 12, 14, and 992 more");
+        let e = Error::NotJoined {
+            rank: 0,
+            addr: "h:1".into(),
+            missing: vec![1..1_000_000],
+            world: 1_000_000,
+            timeout: Duration::from_secs(5),
+        };
+        let msg = e.to_string();
+        assert!(
+            msg.contains("rank 0: ranks 1-999999 (999999 of 1000000) did not join within 5 s"),
+            "{msg}"
+        );
+        let e = Error::StoreTimeout {
+            addr: "h:1".into(),
+            missing: vec![1..1_000_000],
+            names: vec!["k/1".into(), "k/2".into()],
+            asked: 1_000_000,
+            timeout: Duration::from_millis(250),
+        };
+        let msg = e.to_string();
+        assert!(
+            msg.contains(
+                "keys \"k/1\", \"k/2\", … (999999 of 1000000) did not appear within 0.25 s"
+            ),
+            "{msg}"
+        );
+        assert!(msg.len() < 400, "{msg}");
     }
 }

@@ -29,7 +29,7 @@ mod work;
 use std::time::{Duration, Instant};
 
 pub use device::gpu_index;
-pub use error::Error;
+pub use error::{list_ranges, Error};
 pub use nccl::gpu_total_bytes;
 pub use secret::{job_token, load_or_create_secret, secret_path, SECRET_FILE_ENV};
 pub use store::{StoreClient, StoreLimits, StoreServer};
@@ -251,10 +251,24 @@ pub fn init(
     }
     if topo.master_addr.is_empty() {
         return Err(Error::Topology {
-            source_name: format!("{:?}", topo.source),
+            source_name: topo.source.name().into(),
             detail: format!(
                 "backend {backend} needs the rendezvous store's host, but MASTER_ADDR is not set on this multi-host job; set MASTER_ADDR to the first host"
             ),
+            hint: topo.source.hint(),
+        });
+    }
+    // A name that does not exist fails here, on every rank, not after dist.timeout_s of
+    // retries (a resolver that does not answer yet is retried by the store's client).
+    let addr = format!("{}:{}", topo.master_addr, topo.master_port);
+    if let Err(store::Unresolved::Unknown { detail, .. }) = store::resolve(&addr) {
+        return Err(Error::Topology {
+            source_name: topo.source.name().into(),
+            detail: format!(
+                "MASTER_ADDR={:?} does not resolve ({detail}); set it to rank 0's host name or IP",
+                topo.master_addr
+            ),
+            hint: topo.source.hint(),
         });
     }
     let token = std::env::var(TOKEN_ENV).unwrap_or_default();
@@ -270,7 +284,6 @@ pub fn init(
     } else {
         None
     };
-    let addr = format!("{}:{}", topo.master_addr, topo.master_port);
     let store = StoreClient::connect(&addr, &token, timeout)?;
     match backend {
         Backend::Tcp => Ok(Box::new(tcp::TcpComm::new(
@@ -341,6 +354,68 @@ mod tests {
         assert_eq!("nccl".parse::<Backend>(), Ok(Backend::Nccl));
         let e = "gloo".parse::<Backend>().unwrap_err();
         assert!(e.contains("tcp, mpi, nccl"), "{e}");
+    }
+
+    #[test]
+    fn a_multi_host_job_without_master_addr_is_bad_input_with_its_launcher_s_hint() {
+        for (source, hint) in [
+            (TopologySource::OpenMpi, "mpirun -x"),
+            (TopologySource::Pmi, "mpiexec -genv"),
+            (TopologySource::Slurm, "srun"),
+        ] {
+            let topo = Topology {
+                rank: 0,
+                local_rank: 0,
+                world_size: 4,
+                local_world_size: 2,
+                master_addr: String::new(),
+                master_port: 29500,
+                source,
+            };
+            let e = init(&topo, Backend::Tcp, Duration::from_secs(1))
+                .err()
+                .expect("no store host");
+            let msg = e.to_string();
+            assert!(e.is_bad_input(), "{msg}");
+            assert!(
+                msg.contains(&format!("({})", source.name()))
+                    && msg.contains("MASTER_ADDR is not set")
+                    && msg.contains(hint),
+                "{msg}"
+            );
+            assert!(
+                !msg.contains("set RANK/WORLD_SIZE") && !msg.contains("OpenMpi"),
+                "{msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_master_addr_that_does_not_exist_is_refused_at_once() {
+        let topo = Topology {
+            rank: 0,
+            local_rank: 0,
+            world_size: 2,
+            local_world_size: 2,
+            master_addr: "no-such-host.invalid".into(),
+            master_port: 29500,
+            source: TopologySource::Torchrun,
+        };
+        let t = Instant::now();
+        let e = init(&topo, Backend::Tcp, Duration::from_secs(5))
+            .err()
+            .expect("no such host");
+        let msg = e.to_string();
+        // A machine without DNS may say "try again" for any name: then it is retried.
+        if msg.contains("cannot connect within") {
+            return;
+        }
+        assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+        assert!(e.is_bad_input(), "{msg}");
+        assert!(
+            msg.contains("MASTER_ADDR=\"no-such-host.invalid\" does not resolve"),
+            "{msg}"
+        );
     }
 
     #[test]

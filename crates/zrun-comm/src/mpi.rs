@@ -102,9 +102,10 @@ pub(crate) fn init(topo: &Topology, timeout: Duration) -> Result<Box<dyn Communi
         return Err(Error::Topology {
             source_name: "MPI".into(),
             detail: format!(
-                "MPI says rank {r} of {w} but the environment says rank {} of {}; start the job with mpirun alone",
+                "MPI says rank {r} of {w} but the environment says rank {} of {}",
                 topo.rank, topo.world_size
             ),
+            hint: "start the job with mpirun alone",
         });
     }
     Ok(Box::new(MpiComm {

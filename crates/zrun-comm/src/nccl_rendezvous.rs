@@ -7,8 +7,10 @@
 //! own init (which has the same deadline, see nccl.rs) to ranks that all arrived. Kept apart
 //! from nccl.rs so that it builds, and is tested, without the `cuda` feature.
 
+use std::ops::Range;
 use std::time::Duration;
 
+use crate::error::{count, list_ranges};
 use crate::{Error, StoreClient};
 
 /// Bytes of NCCL's `ncclUniqueId`.
@@ -28,21 +30,25 @@ impl Keys {
     fn arrived(&self, rank: usize) -> String {
         format!("zrun/nccl/{}/arrived/{rank}", self.gen)
     }
+}
 
-    /// The ranks whose keys are among `missing` (the id's absence means rank 0's), sorted.
-    fn ranks(&self, missing: &[String]) -> Vec<usize> {
-        let (id, prefix) = (self.id(), format!("zrun/nccl/{}/arrived/", self.gen));
-        let mut ranks: Vec<usize> = missing
-            .iter()
-            .filter_map(|k| match k.strip_prefix(&prefix) {
-                Some(r) => r.parse().ok(),
-                None => (*k == id).then_some(0),
-            })
-            .collect();
-        ranks.sort_unstable();
-        ranks.dedup();
-        ranks
+/// The ranks missing from a meeting of `world` ranks, from the missing indices of its keys
+/// (`arrived/0..world`, then the id, whose absence means rank 0's), as sorted, disjoint
+/// ranges.
+fn ranks(missing: &[Range<usize>], world: usize) -> Vec<Range<usize>> {
+    let mut out: Vec<Range<usize>> = Vec::new();
+    let id_missing = missing.iter().any(|r| r.contains(&world));
+    let clipped = missing
+        .iter()
+        .map(|r| r.start.min(world)..r.end.min(world))
+        .filter(|r| !r.is_empty());
+    for r in id_missing.then_some(0..1).into_iter().chain(clipped) {
+        match out.last_mut() {
+            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+            _ => out.push(r),
+        }
     }
+    out
 }
 
 /// Meets the other ranks of this communicator in restart round `round`: marks `rank` as arrived (rank 0 first
@@ -72,13 +78,16 @@ pub(crate) fn meet(
     match store.wait(&refs, timeout) {
         Ok(()) => {}
         Err(Error::StoreTimeout { missing, .. }) => {
-            let absent = keys.ranks(&missing);
+            let absent = ranks(&missing, world);
             return Err(Error::Backend {
                 rank,
                 backend: "nccl",
                 op: "meeting before ncclCommInitRank",
                 detail: format!(
-                    "rank(s) {absent:?} of {world} did not arrive within {timeout:?}: they did not start, failed before connecting (see their logs), or dist.timeout_s is too short"
+                    "rank(s) {} ({} of {world}) did not arrive within {} s: they did not start, failed before connecting (see their logs), or dist.timeout_s is too short",
+                    list_ranges(&absent),
+                    count(&absent),
+                    timeout.as_secs_f64()
                 ),
             });
         }
@@ -100,6 +109,8 @@ pub(crate) fn meet(
 }
 
 #[cfg(test)]
+// Lists of one range of ranks or keys are what these tests mean.
+#[allow(clippy::single_range_in_vec_init)]
 mod tests {
     use super::*;
     use crate::StoreServer;
@@ -116,14 +127,10 @@ mod tests {
 
     #[test]
     fn missing_keys_name_ranks_and_the_id_is_rank_zeros() {
-        let k = Keys { gen: "0.3".into() };
-        let missing = vec![
-            "zrun/nccl/0.3/arrived/5".to_string(),
-            "zrun/nccl/0.3/id".to_string(),
-            "zrun/nccl/0.3/arrived/2".to_string(),
-            "zrun/nccl/0.3/arrived/0".to_string(),
-        ];
-        assert_eq!(k.ranks(&missing), vec![0, 2, 5]);
+        // world of 6: keys arrived/0..6, then the id (index 6)
+        assert_eq!(ranks(&[0..1, 2..3, 5..7], 6), vec![0..1, 2..3, 5..6]);
+        assert_eq!(ranks(&[2..3, 6..7], 6), vec![0..1, 2..3]);
+        assert_eq!(ranks(&[1..7], 6), vec![0..6]);
     }
 
     #[test]
@@ -168,7 +175,7 @@ mod tests {
         for t in threads {
             let e = t.join().unwrap();
             assert!(
-                e.contains("rank(s) [0, 2] of 4 did not arrive")
+                e.contains("rank(s) 0, 2 (2 of 4) did not arrive")
                     && e.contains("backend nccl")
                     && e.contains("ncclCommInitRank"),
                 "{e}"
@@ -205,7 +212,7 @@ mod tests {
             Ok(vec![1u8; ID_BYTES])
         })
         .unwrap_err();
-        assert!(e.to_string().contains("rank(s) [1] of 2"), "{e}");
+        assert!(e.to_string().contains("rank(s) 1 (1 of 2)"), "{e}");
         // Round 1, the restarted group: both ranks meet again on the same store.
         let threads: Vec<_> = (0..2)
             .map(|r| {

@@ -2,6 +2,10 @@
 
 use crate::Error;
 
+mod slurm;
+
+use slurm::{slurm, SLURM_HINT};
+
 /// Which launcher's variables the topology came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TopologySource {
@@ -17,6 +21,46 @@ pub enum TopologySource {
     Slurm,
     /// No variables at all: a single process.
     Single,
+}
+
+/// What to do about a topology error under zrun's or torchrun's variables.
+const TORCHRUN_HINT: &str = "set RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT consistently (or start under zrun, torchrun, mpirun or srun)";
+/// What to do about a topology error under OpenMPI's variables.
+const OPENMPI_HINT: &str = "start every rank with OpenMPI's mpirun, which sets OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE; on several hosts also pass MASTER_ADDR (and MASTER_PORT) with mpirun -x";
+/// What to do about a topology error under PMI's variables.
+const PMI_HINT: &str = "start every rank with mpiexec (MPICH/Hydra), which sets PMI_RANK/PMI_SIZE and MPI_LOCALRANKID/MPI_LOCALNRANKS; on several hosts also pass MASTER_ADDR (and MASTER_PORT) with mpiexec -genv";
+
+impl TopologySource {
+    /// The launcher's name for messages: `zrun`, `torchrun`, `OpenMPI`, `PMI/MPICH`, `Slurm`,
+    /// `none`.
+    pub fn name(self) -> &'static str {
+        match self {
+            TopologySource::Zrun => "zrun",
+            TopologySource::Torchrun => "torchrun",
+            TopologySource::OpenMpi => "OpenMPI",
+            TopologySource::Pmi => "PMI/MPICH",
+            TopologySource::Slurm => "Slurm",
+            TopologySource::Single => "none",
+        }
+    }
+
+    /// What to do when this launcher's variables are missing, malformed or contradictory.
+    pub fn hint(self) -> &'static str {
+        match self {
+            TopologySource::Zrun | TopologySource::Torchrun | TopologySource::Single => {
+                TORCHRUN_HINT
+            }
+            TopologySource::OpenMpi => OPENMPI_HINT,
+            TopologySource::Pmi => PMI_HINT,
+            TopologySource::Slurm => SLURM_HINT,
+        }
+    }
+}
+
+impl std::fmt::Display for TopologySource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// This process's place in the job.
@@ -44,7 +88,10 @@ pub const DEFAULT_PORT: u16 = 29500;
 
 struct Reader<'a, F: Fn(&str) -> Option<String>> {
     get: &'a F,
+    /// The launcher's name, for messages.
     source: &'static str,
+    /// What to do, for messages.
+    hint: &'static str,
 }
 
 impl<F: Fn(&str) -> Option<String>> Reader<'_, F> {
@@ -52,6 +99,7 @@ impl<F: Fn(&str) -> Option<String>> Reader<'_, F> {
         Error::Topology {
             source_name: self.source.into(),
             detail,
+            hint: self.hint,
         }
     }
 
@@ -114,6 +162,9 @@ impl Topology {
 
     /// Reads the topology through `lookup`: zrun/torchrun variables first, then OpenMPI, PMI and
     /// Slurm. When several flavours are present they must agree on rank and world size.
+    ///
+    /// Slurm's variables are read only when no other launcher's are there: under mpirun
+    /// inside a Slurm allocation they describe the allocation's step, not this process.
     pub fn from_vars(lookup: impl Fn(&str) -> Option<String>) -> Result<Topology, Error> {
         let mut found: Vec<Topology> = Vec::new();
         if let Some(t) = torchrun(&lookup)? {
@@ -125,23 +176,20 @@ impl Topology {
         if let Some(t) = pmi(&lookup)? {
             found.push(t);
         }
-        if let Some(t) = slurm(&lookup)? {
-            found.push(t);
+        if found.is_empty() {
+            if let Some(t) = slurm(&lookup)? {
+                found.push(t);
+            }
         }
         let Some(first) = found.first().cloned() else {
             return Ok(Topology::single());
         };
         for other in &found[1..] {
-            // Under mpirun inside a Slurm allocation, SLURM_PROCID describes the allocation
-            // step, not this process: only zrun/torchrun's and MPI's variables must agree.
-            if other.source == TopologySource::Slurm && first.source != TopologySource::Slurm {
-                continue;
-            }
             if (other.rank, other.world_size) != (first.rank, first.world_size) {
                 return Err(Error::Topology {
-                    source_name: format!("{:?} and {:?}", first.source, other.source),
+                    source_name: format!("{} and {}", first.source, other.source),
                     detail: format!(
-                        "contradictory variables: {:?} says rank {} of {}, {:?} says rank {} of {}",
+                        "contradictory variables: {} says rank {} of {}, {} says rank {} of {}",
                         first.source,
                         first.rank,
                         first.world_size,
@@ -149,6 +197,7 @@ impl Topology {
                         other.rank,
                         other.world_size
                     ),
+                    hint: "unset the variables of the launchers not in use, or start every rank under one launcher",
                 });
             }
         }
@@ -202,6 +251,7 @@ fn torchrun(get: &impl Fn(&str) -> Option<String>) -> Result<Option<Topology>, E
     let r = Reader {
         get,
         source: "zrun/torchrun",
+        hint: TORCHRUN_HINT,
     };
     let Some((rank, world)) = r.pair("RANK", "WORLD_SIZE")? else {
         if let Some(k) = ["LOCAL_RANK", "LOCAL_WORLD_SIZE"]
@@ -244,7 +294,8 @@ fn torchrun(get: &impl Fn(&str) -> Option<String>) -> Result<Option<Topology>, E
 fn openmpi(get: &impl Fn(&str) -> Option<String>) -> Result<Option<Topology>, Error> {
     let r = Reader {
         get,
-        source: "OpenMPI",
+        source: TopologySource::OpenMpi.name(),
+        hint: OPENMPI_HINT,
     };
     let Some((rank, world)) = r.pair("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")? else {
         return Ok(None);
@@ -270,7 +321,8 @@ fn openmpi(get: &impl Fn(&str) -> Option<String>) -> Result<Option<Topology>, Er
 fn pmi(get: &impl Fn(&str) -> Option<String>) -> Result<Option<Topology>, Error> {
     let r = Reader {
         get,
-        source: "PMI/MPICH",
+        source: TopologySource::Pmi.name(),
+        hint: PMI_HINT,
     };
     let Some((rank, world)) = r.pair("PMI_RANK", "PMI_SIZE")? else {
         return Ok(None);
@@ -290,55 +342,6 @@ fn pmi(get: &impl Fn(&str) -> Option<String>) -> Result<Option<Topology>, Error>
             master_addr,
             master_port,
             source: TopologySource::Pmi,
-        },
-    )
-    .map(Some)
-}
-
-/// Tasks on this node from `SLURM_TASKS_PER_NODE` (e.g. `4(x2),3`: the first group's count).
-fn slurm_tasks_per_node(v: &str) -> Option<usize> {
-    let first = v.split(',').next()?;
-    first.split('(').next()?.trim().parse().ok()
-}
-
-fn slurm(get: &impl Fn(&str) -> Option<String>) -> Result<Option<Topology>, Error> {
-    let r = Reader {
-        get,
-        source: "Slurm",
-    };
-    let Some(rank) = r.num("SLURM_PROCID")? else {
-        return Ok(None);
-    };
-    let world = match r.num("SLURM_NTASKS")? {
-        Some(w) => w,
-        None => r.need("SLURM_NPROCS", "SLURM_PROCID")?,
-    };
-    let local_rank = r.need("SLURM_LOCALID", "SLURM_PROCID")?;
-    let nodes = r.num("SLURM_NNODES")?.unwrap_or(1);
-    let local_world = match r.num("SLURM_NTASKS_PER_NODE") {
-        Ok(Some(n)) => n,
-        _ => match get("SLURM_TASKS_PER_NODE") {
-            Some(v) => slurm_tasks_per_node(&v)
-                .ok_or_else(|| r.err(format!("SLURM_TASKS_PER_NODE={v:?} is not understood")))?,
-            None if nodes == 1 => world,
-            None => {
-                return Err(r.err(format!(
-                    "SLURM_NNODES={nodes} but neither SLURM_NTASKS_PER_NODE nor SLURM_TASKS_PER_NODE is set"
-                )))
-            }
-        },
-    };
-    let (master_addr, master_port) = master(&r, nodes == 1)?;
-    validate(
-        &r,
-        Topology {
-            rank,
-            local_rank,
-            world_size: world,
-            local_world_size: local_world,
-            master_addr,
-            master_port,
-            source: TopologySource::Slurm,
         },
     )
     .map(Some)
@@ -509,7 +512,7 @@ mod tests {
             ("PMI_SIZE", "2"),
         ]);
         assert!(
-            e.contains("contradictory") && e.contains("Pmi says rank 1 of 2"),
+            e.contains("contradictory") && e.contains("PMI/MPICH says rank 1 of 2"),
             "{e}"
         );
         let e = err(&[
@@ -524,5 +527,63 @@ mod tests {
             e.contains("local rank 2 is not below local world size 2"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn errors_name_the_launcher_in_use_and_give_its_hint() {
+        let e = err(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")]);
+        assert!(e.contains("(OpenMPI)") && e.contains("mpirun -x"), "{e}");
+        assert!(!e.contains("set RANK/WORLD_SIZE"), "{e}");
+        let e = err(&[("PMI_RANK", "2"), ("PMI_SIZE", "2")]);
+        assert!(
+            e.contains("(PMI/MPICH)") && e.contains("mpiexec -genv"),
+            "{e}"
+        );
+        assert!(!e.contains("set RANK/WORLD_SIZE"), "{e}");
+        let e = err(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "x")]);
+        assert!(
+            e.contains("(Slurm)") && e.contains("start every rank with srun"),
+            "{e}"
+        );
+        assert!(!e.contains("set RANK/WORLD_SIZE"), "{e}");
+        let e = err(&[("RANK", "0")]);
+        assert!(e.contains("set RANK/WORLD_SIZE"), "{e}");
+        let e = err(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("PMI_RANK", "0"),
+            ("PMI_SIZE", "2"),
+        ]);
+        assert!(
+            e.contains("OpenMPI says rank 1 of 2, PMI/MPICH says rank 0 of 2")
+                && e.contains("unset the variables of the launchers not in use"),
+            "{e}"
+        );
+        assert!(
+            !e.contains("OpenMpi") && !e.contains("set RANK/WORLD_SIZE"),
+            "{e}"
+        );
+        assert_eq!(TopologySource::OpenMpi.to_string(), "OpenMPI");
+    }
+
+    #[test]
+    fn slurm_variables_under_another_launcher_are_not_read() {
+        // mpirun inside an allocation: the batch step's Slurm variables, however odd, do not
+        // stop a rank that OpenMPI places.
+        let t = Topology::from_vars(vars(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_NNODES", "2"),
+            ("SLURM_TASKS_PER_NODE", "1(x3)"),
+        ]))
+        .unwrap();
+        assert_eq!((t.rank, t.source), (1, TopologySource::OpenMpi));
     }
 }

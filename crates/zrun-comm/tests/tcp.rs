@@ -177,7 +177,11 @@ fn a_restarted_group_connects_after_a_rank_died_before_connecting() {
                 Duration::from_secs(if round == 0 { 1 } else { 20 }),
             ) {
                 Err(e) if round == 0 => {
-                    anyhow::ensure!(e.to_string().contains("peer/1"), "{e}");
+                    anyhow::ensure!(
+                        e.to_string()
+                            .contains("rank 0: rank 1 (1 of 2) did not join"),
+                        "{e}"
+                    );
                     Ok(())
                 }
                 Err(e) => Err(e.into()),

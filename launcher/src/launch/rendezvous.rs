@@ -2,10 +2,13 @@
 //! number their ranks, learn of each other's failures, restart together and finish together.
 //!
 //! Keys (all under `zrun/launcher/`):
-//! - `claim/K` (a counter, so a node rank used twice is caught), `nproc/K` (ranks on node K),
-//!   `restarts/K` (node K's `--max-restarts`, which every node must share), `checked/K`
-//!   (node K has compared them), `beat/K` (node K's heartbeat counter, beaten across every
-//!   round).
+//! - `claim/K` (a counter, so a node rank used twice is caught), `joined` (a counter of the
+//!   nodes that claimed their rank), `shared/K` (node K's flags that every node must give
+//!   alike: `--nnodes`, `--max-restarts`, `--run-id`; set before `nproc/K`), `nproc/K` (ranks
+//!   on node K), `refused` (the first disagreement a node found, which every node then
+//!   prints; `refusals` counts who tried to write it), `checked` (a counter of the nodes that
+//!   have their verdict: node 0 keeps the store up for them), `beat/K` (node K's heartbeat
+//!   counter, beaten across every round).
 //! - Per round R (0 for the first start, `TORCHELASTIC_RESTART_COUNT`): `failures/R` (a
 //!   counter: the first node to fail in round R writes `failure/R`, the message every node
 //!   prints and the sign to stop its ranks), `exit/R/K` (node K's ranks all ended well in
@@ -103,12 +106,56 @@ fn per_node(what: &str, nnodes: usize, others: bool) -> Vec<String> {
         .collect()
 }
 
-/// The node numbers of store keys that end in `/K`, for a message.
-fn nodes_of(keys: &[String]) -> String {
-    keys.iter()
-        .map(|m| m.rsplit('/').next().unwrap_or(m))
+/// The nodes missing from a wait for the keys `what/0..nnodes` ([`per_node`] without
+/// `others`), whose indices are the node numbers: `1, 3-5`.
+fn nodes_of(missing: &[std::ops::Range<usize>]) -> String {
+    zrun_comm::list_ranges(missing)
+}
+
+/// The flags every node of a job must give alike, as (flag, value, why it must agree).
+fn shared_flags(plan: &Plan) -> [(&'static str, String, &'static str); 3] {
+    [
+        (
+            "--nnodes",
+            plan.nnodes.to_string(),
+            "every node waits for that many nodes and numbers the ranks over them",
+        ),
+        (
+            "--max-restarts",
+            plan.max_restarts.to_string(),
+            "the nodes restart together",
+        ),
+        (
+            "--run-id",
+            plan.run_id.clone(),
+            "the ranks of every node share one run id (their checkpoints record it)",
+        ),
+    ]
+}
+
+/// How [`shared_flags`] travel in the store: the values, one per line.
+fn shared_value(plan: &Plan) -> String {
+    shared_flags(plan)
+        .iter()
+        .map(|(_, v, _)| v.replace('\n', " "))
         .collect::<Vec<_>>()
-        .join(", ")
+        .join("\n")
+}
+
+/// The first of [`shared_flags`] that node `j` (whose `shared/j` is `theirs`) gives otherwise
+/// than this node, as the one-line refusal.
+fn disagreement(plan: &Plan, j: usize, theirs: &str) -> Option<String> {
+    let mut values = theirs.split('\n');
+    for (flag, mine, why) in shared_flags(plan) {
+        let other = values.next().unwrap_or("");
+        if other != mine.replace('\n', " ") {
+            return Some(format!(
+                "{flag} {mine} on node {} but {other} on node {j}: {why}; give every node the same {flag}",
+                plan.node_rank
+            ));
+        }
+    }
+    None
 }
 
 /// Starts the store on `addr:port`; a port that is taken is bad input.
@@ -156,10 +203,72 @@ fn connect(addr: &str, plan: &Plan, deadline: Instant) -> anyhow::Result<StoreCl
                     );
                 }
             }
+            // Another service on the port, or a host name that does not exist.
+            Err(e) if e.is_bad_input() => {
+                return Err(BadInput(format!("node {}: {e}", plan.node_rank)).into())
+            }
             Err(e) => {
                 return Err(e).with_context(|| format!("node {} joining the job", plan.node_rank))
             }
         }
+    }
+}
+
+/// One node's comparison of the shared flags while the nodes meet.
+struct Meeting<'a> {
+    client: &'a StoreClient,
+    plan: &'a Plan,
+    /// Nodes whose flags this node has compared with its own.
+    compared: Vec<bool>,
+}
+
+impl Meeting<'_> {
+    /// Compares the flags of every registered node not yet compared (those not in
+    /// `missing`, indices of `nproc/0..nnodes`) and looks for another node's refusal; a
+    /// disagreement found here is published for the others. Either way this node then ends
+    /// with the refusal (exit code 2); node 0 first keeps the store up (up to
+    /// [`BYE_TIMEOUT`]) until every node that joined has read it.
+    fn compare(&mut self, missing: &[std::ops::Range<usize>]) -> anyhow::Result<()> {
+        let c = self.client;
+        let mut found = None;
+        for j in 0..self.compared.len() {
+            if self.compared[j] || missing.iter().any(|r| r.contains(&j)) {
+                continue;
+            }
+            let theirs =
+                String::from_utf8_lossy(&c.get(&key(&format!("shared/{j}")))?).into_owned();
+            self.compared[j] = true;
+            if let Some(m) = disagreement(self.plan, j, &theirs) {
+                found = Some(m);
+                break;
+            }
+        }
+        let refused = key("refused");
+        if let Some(m) = &found {
+            if c.add(&key("refusals"), 1)? == 1 {
+                c.set(&refused, m.as_bytes())?;
+            }
+        }
+        let message = match found {
+            Some(m) => m,
+            None if c.wait(&[refused.as_str()], Duration::ZERO).is_ok() => {
+                let m = String::from_utf8_lossy(&c.get(&refused)?).into_owned();
+                format!("another node refused to meet: {m}")
+            }
+            None => return Ok(()),
+        };
+        let _ = c.add(&key("checked"), 1);
+        if self.plan.node_rank == 0 {
+            let until = Instant::now() + BYE_TIMEOUT;
+            while Instant::now() < until {
+                let (checked, joined) = (c.add(&key("checked"), 0), c.add(&key("joined"), 0));
+                if matches!((checked, joined), (Ok(a), Ok(b)) if a >= b) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        Err(BadInput(message).into())
     }
 }
 
@@ -186,9 +295,11 @@ impl Rendezvous {
         })
     }
 
-    /// Several nodes: node 0 hosts the store; every node registers its rank count and
-    /// `--max-restarts`, waits for the others (up to `--rdzv-timeout-s`, or until a signal),
-    /// checks that every node has the same `--max-restarts`, and starts its watcher.
+    /// Several nodes: node 0 hosts the store; every node registers its rank count and the
+    /// flags every node must share ([`shared_flags`]), waits for the others (up to
+    /// `--rdzv-timeout-s`, or until a signal) while comparing those flags with every node
+    /// that has registered, and starts its watcher. A disagreement ends the rendezvous on
+    /// every node that joined, at once, with the same one line (exit code 2).
     pub fn join(plan: &Plan) -> anyhow::Result<Rendezvous> {
         let server = if plan.node_rank == 0 {
             Some(host(plan)?)
@@ -205,25 +316,29 @@ impl Rendezvous {
             ))
             .into());
         }
+        client.add(&key("joined"), 1)?;
         // Node 0's random word tells this job from another on the same address and port
         // (their default run ids are equal): set before node 0 registers, read by the rest.
         if k == 0 {
             client.set(&key("instance"), super::plan::random_hex(8).as_bytes())?;
         }
-        client.set(
-            &key(&format!("restarts/{k}")),
-            plan.max_restarts.to_string().as_bytes(),
-        )?;
+        client.set(&key(&format!("shared/{k}")), shared_value(plan).as_bytes())?;
         client.set(
             &key(&format!("nproc/{k}")),
             plan.nproc.to_string().as_bytes(),
         )?;
+        let mut meeting = Meeting {
+            client: &client,
+            plan,
+            compared: vec![false; plan.nnodes],
+        };
         let names = per_node("nproc", plan.nnodes, false);
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         loop {
             match client.wait(&refs, TICK) {
                 Ok(()) => break,
                 Err(zrun_comm::Error::StoreTimeout { missing, .. }) => {
+                    meeting.compare(&missing)?;
                     if let Some((sig, _)) = signals::received() {
                         bail!(
                             "stopped by {} while waiting for the other nodes",
@@ -241,6 +356,9 @@ impl Rendezvous {
                 Err(e) => return Err(e).context("waiting for the other nodes"),
             }
         }
+        meeting.compare(&[])?;
+        // This node has its verdict; node 0 need not keep the store up for it.
+        client.add(&key("checked"), 1)?;
         let instance = String::from_utf8_lossy(&client.get(&key("instance"))?).into_owned();
         let mut counts = Vec::with_capacity(plan.nnodes);
         for name in &names {
@@ -250,28 +368,6 @@ impl Rendezvous {
                 .with_context(|| format!("store key {name} is not a rank count"))?;
             counts.push(n);
         }
-        let mut mismatch = None;
-        for (j, name) in per_node("restarts", plan.nnodes, false).iter().enumerate() {
-            let theirs = String::from_utf8_lossy(&client.get(name)?).into_owned();
-            if mismatch.is_none() && theirs != plan.max_restarts.to_string() {
-                mismatch = Some(format!(
-                    "--max-restarts {} on node {k} but {theirs} on node {j}: the nodes restart together; give every node the same --max-restarts",
-                    plan.max_restarts
-                ));
-            }
-        }
-        // Every node says it has checked; node 0 keeps the store up until all have, so that
-        // a refusal is every node's own, not a store closed under a node still reading.
-        let said = client.set(&key(&format!("checked/{k}")), b"1");
-        if let Some(message) = mismatch {
-            if k == 0 {
-                let names = per_node("checked", plan.nnodes, true);
-                let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-                let _ = client.wait(&refs, BYE_TIMEOUT);
-            }
-            return Err(BadInput(message).into());
-        }
-        said?;
         let layout = Layout {
             rank_offset: counts[..k].iter().sum(),
             world_size: counts.iter().sum(),
@@ -554,6 +650,48 @@ mod tests {
         );
         let others = per_node("bye/0", 3, true);
         assert_eq!(others, ["zrun/launcher/bye/0/1", "zrun/launcher/bye/0/2"]);
-        assert_eq!(nodes_of(&others), "1, 2");
+        assert_eq!(nodes_of(&[1..3, 5..6]), "1-2, 5");
+    }
+
+    fn plan(node_rank: usize, nnodes: usize, max_restarts: u32, run_id: &str) -> Plan {
+        Plan {
+            nproc: 2,
+            nnodes,
+            node_rank,
+            master_addr: "127.0.0.1".into(),
+            master_port: 29500,
+            grace: Duration::from_secs(1),
+            log_dir: None,
+            run_id: run_id.into(),
+            run_id_given: true,
+            token: "t".into(),
+            rdzv_timeout: Duration::from_secs(1),
+            max_restarts,
+        }
+    }
+
+    #[test]
+    fn shared_flags_that_differ_are_named_with_both_values_and_nodes() {
+        let theirs = shared_value(&plan(1, 3, 0, "job"));
+        assert_eq!(theirs, "3\n0\njob");
+        let mine = plan(0, 2, 0, "job");
+        assert_eq!(
+            disagreement(&mine, 1, &theirs).as_deref(),
+            Some("--nnodes 2 on node 0 but 3 on node 1: every node waits for that many nodes and numbers the ranks over them; give every node the same --nnodes")
+        );
+        let e = disagreement(&mine, 1, &shared_value(&plan(1, 2, 4, "job"))).unwrap();
+        assert!(
+            e.starts_with("--max-restarts 0 on node 0 but 4 on node 1"),
+            "{e}"
+        );
+        let e = disagreement(&mine, 1, &shared_value(&plan(1, 2, 0, "other"))).unwrap();
+        assert!(
+            e.starts_with("--run-id job on node 0 but other on node 1"),
+            "{e}"
+        );
+        assert_eq!(
+            disagreement(&mine, 1, &shared_value(&plan(1, 2, 0, "job"))),
+            None
+        );
     }
 }

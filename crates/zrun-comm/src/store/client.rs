@@ -1,12 +1,14 @@
 //! The store's client: one connection, one request at a time.
 
 use std::io::{Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::TcpStream;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::{put_bytes, read_bytes, read_str, read_u32};
-use super::{ANS_BUSY, ANS_OK, MAGIC, OP_ADD, OP_GET, OP_SET, OP_WAIT};
+use super::resolve::{resolve, Unresolved};
+use super::{put_bytes, read_bytes, read_ranges};
+use super::{ANS_BUSY, ANS_OK, ANS_REFUSED, MAGIC, OP_ADD, OP_GET, OP_SET, OP_WAIT};
+use crate::error::NAMED_KEYS;
 use crate::Error;
 
 /// A connection to the store. Methods are safe to call from several threads (one request at a
@@ -23,8 +25,10 @@ impl StoreClient {
     /// `timeout` is also the default deadline of [`StoreClient::get`].
     ///
     /// A connection the store closes before answering (it drops the oldest handshakes when
-    /// flooded) or a "full" answer is retried like a refused connect; a wrong token fails at
-    /// once with [`Error::StoreRefused`].
+    /// flooded), a "full" answer or a host name the resolver cannot look up yet is retried
+    /// like a refused connect; a wrong token fails at once with [`Error::StoreRefused`], a
+    /// service that is not a zrun store with [`Error::NotAStore`], and a host name that does
+    /// not exist with [`Error::StoreHost`].
     pub fn connect(addr: &str, token: &str, timeout: Duration) -> Result<StoreClient, Error> {
         let deadline = crate::deadline_in(timeout);
         loop {
@@ -37,6 +41,12 @@ impl StoreClient {
                     })
                 }
                 Err(Attempt::Refused) => return Err(Error::StoreRefused { addr: addr.into() }),
+                Err(Attempt::Foreign(answer)) => {
+                    return Err(Error::NotAStore {
+                        addr: addr.into(),
+                        answer,
+                    })
+                }
                 Err(Attempt::Failed(e)) => return Err(e),
                 Err(Attempt::Retry(detail)) => detail,
             };
@@ -126,17 +136,27 @@ impl StoreClient {
         .map(|_| ())
     }
 
+    /// Reads the missing keys of a timed-out `get` or `wait` of `asked` (ranges of indices,
+    /// see the module's wire format) into [`Error::StoreTimeout`].
     fn missing(
         &self,
         s: &mut TcpStream,
-        _asked: &[&str],
+        asked: &[&str],
         timeout: Duration,
     ) -> std::io::Result<Result<Vec<u8>, Error>> {
-        let n = read_u32(s)? as usize;
-        let missing = (0..n).map(|_| read_str(s)).collect::<Result<Vec<_>, _>>()?;
+        // Buffered: a list of many ranges in a few reads (nothing follows the reply).
+        let missing = read_ranges(&mut std::io::BufReader::new(&*s), asked.len())?;
+        let names = missing
+            .iter()
+            .flat_map(|r| r.clone())
+            .take(NAMED_KEYS)
+            .map(|i| asked[i].to_string())
+            .collect();
         Ok(Err(Error::StoreTimeout {
             addr: self.addr.clone(),
             missing,
+            names,
+            asked: asked.len(),
             timeout,
         }))
     }
@@ -166,22 +186,49 @@ enum Attempt {
     Retry(String),
     /// The store answered: wrong token.
     Refused,
+    /// Something answered that is not a zrun store: the first bytes it sent.
+    Foreign(String),
     /// Anything else (socket options).
     Failed(Error),
 }
 
-/// One TCP connect and handshake.
 /// `d` in whole milliseconds, as a request carries it (`u64::MAX` for a longer `d`).
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// The first bytes a service that is not a zrun store sent (`first`, then what arrives within
+/// a moment), as printable ASCII for a message.
+fn answer_of(stream: &mut TcpStream, first: u8) -> String {
+    let mut bytes = vec![first];
+    let mut more = [0u8; 31];
+    if stream
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .is_ok()
+    {
+        if let Ok(n) = stream.read(&mut more) {
+            bytes.extend_from_slice(&more[..n]);
+        }
+    }
+    bytes
+        .iter()
+        .map(|&b| match b {
+            b' '..=b'~' => b as char,
+            _ => '.',
+        })
+        .collect()
+}
+
+/// One TCP connect and handshake.
 fn attempt(addr: &str, token: &str, timeout: Duration) -> Result<TcpStream, Attempt> {
-    let sa = addr
-        .to_socket_addrs()
-        .map_err(|e| Attempt::Retry(e.to_string()))?
-        .next()
-        .ok_or_else(|| Attempt::Retry("address resolves to nothing".into()))?;
+    let sa = resolve(addr).map_err(|e| match e {
+        Unresolved::Passing(detail) => Attempt::Retry(detail),
+        Unresolved::Unknown { host, detail } => Attempt::Failed(Error::StoreHost {
+            addr: addr.into(),
+            host,
+            detail,
+        }),
+    })?;
     let mut stream = TcpStream::connect_timeout(&sa, Duration::from_secs(2))
         .map_err(|e| Attempt::Retry(e.to_string()))?;
     let failed = |e: std::io::Error| {
@@ -192,15 +239,21 @@ fn attempt(addr: &str, token: &str, timeout: Duration) -> Result<TcpStream, Atte
         })
     };
     stream.set_nodelay(true).map_err(failed)?;
-    stream
-        .set_read_timeout(Some(timeout.max(Duration::from_secs(1))))
-        .map_err(failed)?;
+    let wait = timeout.max(Duration::from_secs(1));
+    stream.set_read_timeout(Some(wait)).map_err(failed)?;
     let mut hello = MAGIC.to_vec();
     put_bytes(&mut hello, token.as_bytes());
     let dropped = |e: std::io::Error| {
-        Attempt::Retry(format!(
-            "the store closed the connection during the handshake ({e}); it may be flooded with connections"
-        ))
+        Attempt::Retry(match e.kind() {
+            // A zrun store answers or closes within its handshake limit (3 s by default).
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => format!(
+                "no answer to the handshake within {} s: the store is overloaded, or another service that does not speak zrun's protocol listens on that port (then pick another MASTER_PORT)",
+                wait.as_secs_f64()
+            ),
+            _ => format!(
+                "the store closed the connection during the handshake ({e}); it may be flooded with connections"
+            ),
+        })
     };
     stream.write_all(&hello).map_err(dropped)?;
     let mut ans = [0u8; 1];
@@ -212,7 +265,8 @@ fn attempt(addr: &str, token: &str, timeout: Duration) -> Result<TcpStream, Atte
                 "the store serves its maximum of clients (StoreLimits::max_clients); stop clients left over from other runs or raise the limit".into(),
             ))
         }
-        _ => return Err(Attempt::Refused),
+        ANS_REFUSED => return Err(Attempt::Refused),
+        first => return Err(Attempt::Foreign(answer_of(&mut stream, first))),
     }
     stream.set_read_timeout(None).map_err(failed)?;
     Ok(stream)

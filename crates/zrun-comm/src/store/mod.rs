@@ -2,20 +2,25 @@
 //!
 //! Wire format (little-endian): the client opens with `ZRST`, a u32 token length and the
 //! token; the server answers one byte (0 accepted, 1 refused, 2 full: it serves its maximum of
-//! clients), closing after 1 and 2. Requests are an op byte followed by length-prefixed
-//! strings/bytes; each gets one status byte and a payload.
+//! clients), closing after 1 and 2; a client that gets any other byte has dialled another
+//! service. Requests are an op byte followed by length-prefixed strings/bytes; each gets one
+//! status byte and a payload. A `get` or `wait` that times out answers status 1 and the keys
+//! still missing as a u32 count of ranges, then each range's first and past-the-end index
+//! into the keys asked for (u32 each): a few bytes however many keys are missing.
 //!
 //! Every message has a deadline for arriving whole ([`StoreLimits`]): the handshake a few
 //! seconds, a request (from its first byte) 30 s; the time a `wait` or `get` then spends
 //! waiting for keys is its own, asked for in the request.
 
 mod client;
+mod resolve;
 mod server;
 
 use std::io::Read;
 use std::time::Duration;
 
 pub use client::StoreClient;
+pub(crate) use resolve::{resolve, Unresolved};
 pub use server::StoreServer;
 
 const MAGIC: &[u8; 4] = b"ZRST";
@@ -101,12 +106,46 @@ fn read_str(s: &mut impl Read) -> std::io::Result<String> {
         .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "key is not UTF-8"))
 }
 
+/// Writes `ranges` of key indices as the reply of a timed-out wait.
+fn put_ranges(out: &mut Vec<u8>, ranges: &[std::ops::Range<usize>]) {
+    out.extend_from_slice(&(ranges.len() as u32).to_le_bytes());
+    for r in ranges {
+        out.extend_from_slice(&(r.start as u32).to_le_bytes());
+        out.extend_from_slice(&(r.end as u32).to_le_bytes());
+    }
+}
+
+/// Reads what [`put_ranges`] wrote, refusing ranges outside `0..asked` or out of order.
+fn read_ranges(s: &mut impl Read, asked: usize) -> std::io::Result<Vec<std::ops::Range<usize>>> {
+    let n = read_u32(s)? as usize;
+    let bad = || {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "malformed list of missing keys",
+        )
+    };
+    if n > asked {
+        return Err(bad());
+    }
+    let mut out: Vec<std::ops::Range<usize>> = Vec::with_capacity(n);
+    for _ in 0..n {
+        let (a, b) = (read_u32(s)? as usize, read_u32(s)? as usize);
+        if a >= b || b > asked || out.last().is_some_and(|p| p.end > a) {
+            return Err(bad());
+        }
+        out.push(a..b);
+    }
+    Ok(out)
+}
+
 fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
     out.extend_from_slice(&(b.len() as u32).to_le_bytes());
     out.extend_from_slice(b);
 }
 
 #[cfg(test)]
+// Lists of one range of ranks or keys are what these tests mean.
+#[allow(clippy::single_range_in_vec_init)]
 mod tests {
     use super::*;
     use crate::Error;
@@ -129,7 +168,7 @@ mod tests {
         assert_eq!(c.add("n", -2).unwrap(), 3);
         let e = c.wait(&["a", "b"], Duration::from_millis(200)).unwrap_err();
         assert!(
-            matches!(&e, Error::StoreTimeout { missing, .. } if missing == &["b".to_string()]),
+            matches!(&e, Error::StoreTimeout { missing, names, .. } if missing == &[1..2] && names == &["b".to_string()]),
             "{e}"
         );
         // a get blocks until another client sets the key

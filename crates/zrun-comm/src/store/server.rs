@@ -8,14 +8,14 @@
 //! and resumes by itself once descriptors are free.
 
 use std::collections::HashMap;
-use std::io::{ErrorKind, Read, Write};
+use std::io::{BufReader, ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::{put_bytes, read_bytes, read_str, read_u32, read_u64, StoreLimits};
+use super::{put_bytes, put_ranges, read_bytes, read_str, read_u32, read_u64, StoreLimits};
 use super::{ANS_BUSY, ANS_OK, ANS_REFUSED, MAGIC, OP_ADD, OP_GET, OP_SET, OP_WAIT};
 use crate::greet::{self, Greeting};
 use crate::Error;
@@ -238,52 +238,82 @@ fn refuse(mut s: TcpStream) {
     let _ = s.shutdown(Shutdown::Both);
 }
 
-/// A reader whose reads all end at one deadline: a message must arrive whole before it.
+/// A reader whose reads all end at one deadline (`None`: none): a message must arrive
+/// whole before it.
 struct Deadline<'a> {
     s: &'a TcpStream,
-    at: Instant,
+    at: Option<Instant>,
 }
 
 impl Read for Deadline<'_> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let left = self.at.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::Error::new(
-                ErrorKind::TimedOut,
-                "request did not arrive whole before its deadline",
-            ));
-        }
-        self.s.set_read_timeout(Some(left))?;
+        let limit = match self.at {
+            None => None,
+            Some(at) => {
+                let left = at.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(std::io::Error::new(
+                        ErrorKind::TimedOut,
+                        "request did not arrive whole before its deadline",
+                    ));
+                }
+                Some(left)
+            }
+        };
+        self.s.set_read_timeout(limit)?;
         let mut r: &TcpStream = self.s;
         r.read(buf)
     }
 }
 
+/// Bytes of a client's read buffer: a request of many keys is read in a few large reads,
+/// not two small ones per key.
+const READ_BUFFER: usize = 64 << 10;
+
 /// Serves one authenticated client until it disconnects, misbehaves or is too slow.
-fn serve(mut s: TcpStream, shared: &Shared, limits: StoreLimits) {
+fn serve(s: TcpStream, shared: &Shared, limits: StoreLimits) {
     let _ = s.set_nodelay(true);
     let _ = s.set_write_timeout(Some(limits.request));
-    if s.write_all(&[ANS_OK]).is_err() {
+    let mut out: &TcpStream = &s;
+    if out.write_all(&[ANS_OK]).is_err() {
         return;
     }
+    let mut body = BufReader::with_capacity(READ_BUFFER, Deadline { s: &s, at: None });
     loop {
         // Between requests a client may stay quiet for the whole job.
+        body.get_mut().at = None;
         let mut op = [0u8; 1];
-        if s.set_read_timeout(None).is_err() || s.read_exact(&mut op).is_err() {
+        if body.read_exact(&mut op).is_err() {
             return;
         }
-        let mut body = Deadline {
-            s: &s,
-            at: crate::deadline_in(limits.request),
-        };
+        body.get_mut().at = Some(crate::deadline_in(limits.request));
         let Ok(reply) = handle(op[0], &mut body, shared) else {
             let _ = s.shutdown(Shutdown::Both);
             return;
         };
-        if s.write_all(&reply).is_err() {
+        if out.write_all(&reply).is_err() {
             return;
         }
     }
+}
+
+/// The indices of `keys` from `first` on that are not `present`, as sorted, disjoint ranges.
+fn missing_ranges(
+    keys: &[String],
+    first: usize,
+    present: impl Fn(&String) -> bool,
+) -> Vec<std::ops::Range<usize>> {
+    let mut out: Vec<std::ops::Range<usize>> = Vec::new();
+    for (i, k) in keys.iter().enumerate().skip(first) {
+        if present(k) {
+            continue;
+        }
+        match out.last_mut() {
+            Some(r) if r.end == i => r.end = i + 1,
+            _ => out.push(i..i + 1),
+        }
+    }
+    out
 }
 
 /// Reads the rest of request `op` and computes its reply.
@@ -309,9 +339,13 @@ fn handle(op: u8, s: &mut impl Read, shared: &Shared) -> std::io::Result<Vec<u8>
             // The client's wait, whatever its size, must not overflow the clock.
             let deadline = crate::deadline_in(Duration::from_millis(read_u64(s)?));
             let mut g = lock();
+            // Keys are never removed: those before `first` were all seen set.
+            let mut first = 0;
             loop {
-                let missing: Vec<&String> = keys.iter().filter(|k| !g.contains_key(*k)).collect();
-                if missing.is_empty() {
+                while first < keys.len() && g.contains_key(&keys[first]) {
+                    first += 1;
+                }
+                if first == keys.len() {
                     out.push(0);
                     if op == OP_GET {
                         put_bytes(&mut out, &g[&keys[0]]);
@@ -321,10 +355,10 @@ fn handle(op: u8, s: &mut impl Read, shared: &Shared) -> std::io::Result<Vec<u8>
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
                     out.push(1);
-                    out.extend_from_slice(&(missing.len() as u32).to_le_bytes());
-                    for k in missing {
-                        put_bytes(&mut out, k.as_bytes());
-                    }
+                    put_ranges(
+                        &mut out,
+                        &missing_ranges(&keys, first, |k| g.contains_key(k)),
+                    );
                     break;
                 }
                 g = cv

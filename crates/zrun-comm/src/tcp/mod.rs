@@ -237,10 +237,12 @@ impl TcpComm {
         let info = format!("{me}|{}|{}", probe.describe(), cma::host_id());
         store.set(&key("peer", rank), info.as_bytes())?;
         let keys: Vec<String> = (0..world).map(|r| key("peer", r)).collect();
-        store.wait(
-            &keys.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
-            timeout,
-        )?;
+        store
+            .wait(
+                &keys.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+                timeout,
+            )
+            .map_err(|e| e.ranks_missing(rank, world))?;
         let mut addrs: Vec<SocketAddr> = Vec::with_capacity(world);
         let mut infos: Vec<String> = Vec::with_capacity(world);
         for (r, k) in keys.iter().enumerate() {
@@ -257,10 +259,12 @@ impl TcpComm {
         let mine_ok = cma::enabled() && probe.check_all(rank, &infos);
         store.set(&key("cma", rank), &[u8::from(mine_ok)])?;
         let ckeys: Vec<String> = (0..world).map(|r| key("cma", r)).collect();
-        store.wait(
-            &ckeys.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
-            timeout,
-        )?;
+        store
+            .wait(
+                &ckeys.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+                timeout,
+            )
+            .map_err(|e| e.ranks_missing(rank, world))?;
         let mut all_ok = true;
         for k in &ckeys {
             all_ok &= store.get(k)? == [1];
