@@ -270,3 +270,25 @@ fn a_rank_waiting_for_its_peers_ends_at_sigterm() {
     };
     assert_eq!(status.signal(), Some(libc::SIGTERM), "{status:?}");
 }
+
+/// mpirun's variables for ranks on two hosts without MASTER_ADDR: bad input (exit 2) with
+/// mpirun's hint, before the rank waits for anyone.
+#[test]
+fn an_mpirun_job_on_two_hosts_without_master_addr_is_bad_input() {
+    let d = scratch("mpi-no-addr");
+    let dir = format!("log.dir=\"{}\"", d.display());
+    let env = [
+        ("OMPI_COMM_WORLD_RANK", "0"),
+        ("OMPI_COMM_WORLD_SIZE", "4"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+    ];
+    let c = zrun_child(&["configs/tiny-cpu.toml", "--set", &dir], &env);
+    let o = c.wait_with_output().unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("MASTER_ADDR is not set") && err.contains("mpirun -x"),
+        "{err}"
+    );
+}

@@ -211,6 +211,8 @@ pub fn is_bad_input(e: &anyhow::Error) -> bool {
             .is_some_and(|e| e.is_bad_input())
         || e.downcast_ref::<zrun_models::Error>().is_some()
         || e.downcast_ref::<BadInput>().is_some()
+        || e.downcast_ref::<zrun_comm::Error>()
+            .is_some_and(zrun_comm::Error::is_bad_input)
 }
 
 #[cfg(test)]
