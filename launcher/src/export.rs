@@ -15,11 +15,10 @@
 //! and the line for a failed write of that output ([`output_error`]).
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI32, Ordering};
 
 use zrun_ckpt::OutDtype;
 
-use crate::launch::{output, BadInput, Level};
+use crate::launch::{output, signals, BadInput, Level};
 
 /// Flags of `zrun export`.
 #[derive(clap::Args, Debug, Clone)]
@@ -154,22 +153,13 @@ pub(crate) fn output_error(
     )
 }
 
-/// The signal that asked the command to stop (0: none yet).
-static SIGNAL: AtomicI32 = AtomicI32::new(0);
-
-extern "C" fn on_signal(sig: libc::c_int) {
-    // Only a lock-free atomic store: async-signal-safe.
-    SIGNAL.store(sig, Ordering::SeqCst);
-}
-
-/// Records SIGINT, SIGTERM and SIGHUP instead of dying of them, so a command writing its
-/// output (export, consolidate, prepare) stops at its next tensor, rank file or batch, removes
-/// what it wrote and says so ([`stopped`]); and ignores SIGXFSZ, so a file-size limit is a
-/// failed write that is reported and cleaned up like a full disk.
+/// Records SIGINT, SIGTERM, SIGHUP and SIGUSR1 (the launcher's handler) instead of dying of
+/// them, so a command writing its output (export, consolidate, prepare) stops at its next
+/// tensor, rank file or batch, removes what it wrote and says so ([`stopped`]); and ignores
+/// SIGXFSZ, so a file-size limit is a failed write that is reported and cleaned up like a
+/// full disk.
 pub(crate) fn catch_signals() -> anyhow::Result<()> {
-    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
-        zrun_train::stop::catch(sig, on_signal)?;
-    }
+    signals::install()?;
     // SAFETY: setting a signal's disposition to SIG_IGN has no memory-safety preconditions;
     // no handler for SIGXFSZ is installed anywhere.
     unsafe {
@@ -180,27 +170,21 @@ pub(crate) fn catch_signals() -> anyhow::Result<()> {
 
 /// The signal that asked the command to stop, once one has arrived.
 pub(crate) fn interrupted() -> Option<i32> {
-    match SIGNAL.load(Ordering::SeqCst) {
-        0 => None,
-        sig => Some(sig),
-    }
+    signals::received().map(|(sig, _)| sig)
 }
 
 /// Says on one line that `command` stopped at the signal it received and what it `removed`;
 /// returns the exit code, 128 + the signal's number.
 pub(crate) fn stopped(command: &str, removed: &str) -> u8 {
     let sig = interrupted().unwrap_or(libc::SIGINT);
-    let name = match sig {
-        libc::SIGINT => "SIGINT".to_string(),
-        libc::SIGTERM => "SIGTERM".to_string(),
-        libc::SIGHUP => "SIGHUP".to_string(),
-        n => format!("signal {n}"),
-    };
     output::say(
         Level::Warn,
-        &format!("{command} interrupted by {name}; removed {removed}"),
+        &format!(
+            "{command} interrupted by {}; removed {removed}",
+            signals::name(sig)
+        ),
     );
-    u8::try_from(128 + sig).unwrap_or(1)
+    signals::exit_code(sig)
 }
 
 #[cfg(test)]

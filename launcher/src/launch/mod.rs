@@ -16,7 +16,7 @@ mod plan;
 mod progress;
 mod rendezvous;
 mod round;
-mod signals;
+pub mod signals;
 pub(crate) mod spawn;
 mod supervise;
 
