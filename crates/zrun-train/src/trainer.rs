@@ -1,8 +1,8 @@
 //! The training loop of one rank: data, engine, schedule, eval, metrics.
 
 use crate::checkpoint::{Checkpointer, Position, Resumed};
-use crate::config::{Capabilities, Config, ConfigError, DataKind, DeviceKind, DistConfig};
-use crate::data::{Cursor, DataOptions, DataSource, Dataset, Loader};
+use crate::config::{Capabilities, Config, ConfigError, DeviceKind, DistConfig};
+use crate::data::{Cursor, Dataset, Loader};
 use crate::metrics::{cuda_peak_bytes, median, rss_bytes, MetricsWriter, StepMetrics, Summary};
 use crate::reduce::{gather_bytes, reduce};
 use crate::report;
@@ -187,7 +187,7 @@ impl Run {
         }
         let threads = set_threads(cfg.train.threads, rank.local_world_size);
         let model = cfg.build_model()?;
-        let dataset = Arc::new(Dataset::open(&data_options(
+        let dataset = Arc::new(Dataset::open(&crate::data::options_of(
             cfg,
             model.seq_len(),
             model.vocab_size(),
@@ -717,30 +717,6 @@ impl Run {
             })?;
         }
         Ok(Outcome::Finished(Box::new(summary)))
-    }
-}
-
-fn data_options(cfg: &Config, seq_len: i64, vocab_size: i64) -> DataOptions {
-    let d = &cfg.data;
-    let path = d.path.clone().unwrap_or_default();
-    DataOptions {
-        source: match d.source {
-            DataKind::Synthetic => DataSource::Synthetic {
-                branching: d.branching,
-            },
-            DataKind::Tokens => DataSource::Tokens {
-                path,
-                tokenizer: crate::data::tokenizer_path(d, cfg.model.init_from.as_deref()),
-            },
-            DataKind::Text => DataSource::Text {
-                path,
-                tokenizer: crate::data::tokenizer_path(d, cfg.model.init_from.as_deref()),
-            },
-        },
-        seq_len: seq_len as usize,
-        vocab_size: vocab_size as usize,
-        seed: d.seed,
-        eval_fraction: d.eval_fraction,
     }
 }
 

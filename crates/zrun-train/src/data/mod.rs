@@ -294,6 +294,35 @@ pub fn read_regular(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
     Ok(bytes)
 }
 
+/// The data options of a run of `cfg` on a model of `seq_len` and `vocab_size`.
+pub(crate) fn options_of(
+    cfg: &crate::config::Config,
+    seq_len: i64,
+    vocab_size: i64,
+) -> DataOptions {
+    let d = &cfg.data;
+    let path = d.path.clone().unwrap_or_default();
+    DataOptions {
+        source: match d.source {
+            crate::config::DataKind::Synthetic => DataSource::Synthetic {
+                branching: d.branching,
+            },
+            crate::config::DataKind::Tokens => DataSource::Tokens {
+                path,
+                tokenizer: tokenizer_path(d, cfg.model.init_from.as_deref()),
+            },
+            crate::config::DataKind::Text => DataSource::Text {
+                path,
+                tokenizer: tokenizer_path(d, cfg.model.init_from.as_deref()),
+            },
+        },
+        seq_len: seq_len as usize,
+        vocab_size: vocab_size as usize,
+        seed: d.seed,
+        eval_fraction: d.eval_fraction,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
