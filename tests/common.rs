@@ -419,3 +419,33 @@ pub fn rejects(args: &[&str], needles: &[&str]) {
         assert!(lines[0].contains(n), "{:?} lacks {n:?}", lines[0]);
     }
 }
+
+/// `zrun args` in a process that may write no file beyond `max_file` bytes (RLIMIT_FSIZE,
+/// `ulimit -f`): a longer write fails with EFBIG, as one on a full disk fails with ENOSPC.
+/// With `ignore_sigxfsz` the process starts with SIGXFSZ ignored; without, SIGXFSZ keeps its
+/// default action (ending the process) unless zrun itself ignores it.
+pub fn zrun_file_limit(args: &[&str], max_file: u64, ignore_sigxfsz: bool) -> Output {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_zrun"));
+    cmd.args(args)
+        .current_dir(root())
+        .env("RUST_BACKTRACE", "0")
+        .stdin(std::process::Stdio::null());
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if ignore_sigxfsz {
+                libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            }
+            let lim = libc::rlimit {
+                rlim_cur: max_file,
+                rlim_max: max_file,
+            };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.output().unwrap()
+}

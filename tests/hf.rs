@@ -15,7 +15,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{scratch, stderr, stdout, zrun, Scratch};
+use common::{scratch, stderr, stdout, zrun, zrun_file_limit, Scratch};
 use interrupt::{interrupt_early, Seen};
 use serde_json::{json, Value};
 use tch::Tensor;
@@ -637,31 +637,6 @@ fn an_interrupted_export_or_consolidation_removes_its_partial_output() {
     assert!(entries_like(&dir, "model.safetensors").is_empty());
 }
 
-/// `zrun args` in a process that may write no file beyond `max_file` bytes (RLIMIT_FSIZE,
-/// `ulimit -f`): a longer write fails with EFBIG, as one on a full disk fails with ENOSPC.
-/// SIGXFSZ keeps its default action (ending the process) unless zrun itself ignores it.
-fn zrun_file_limit(args: &[&str], max_file: u64) -> std::process::Output {
-    use std::os::unix::process::CommandExt;
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_zrun"));
-    cmd.args(args)
-        .current_dir(root())
-        .env("RUST_BACKTRACE", "0");
-    // SAFETY: only async-signal-safe calls between fork and exec.
-    unsafe {
-        cmd.pre_exec(move || {
-            let lim = libc::rlimit {
-                rlim_cur: max_file,
-                rlim_max: max_file,
-            };
-            if libc::setrlimit(libc::RLIMIT_FSIZE, &lim) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    cmd.output().unwrap()
-}
-
 #[test]
 fn a_failed_write_of_an_export_or_consolidation_names_its_flag() {
     let (_dir, ckpt) = tiny_checkpoint("hf-full");
@@ -683,7 +658,7 @@ fn a_failed_write_of_an_export_or_consolidation_names_its_flag() {
         );
     };
     let out = base.join("export").display().to_string();
-    let o = zrun_file_limit(&["export", &c, "--hf", &out], 64 << 10);
+    let o = zrun_file_limit(&["export", &c, "--hf", &out], 64 << 10, false);
     failed(&o, "--hf", "/model.safetensors.tmp: File too large");
     // The tokenizer is the file too large (the weights in shards that fit).
     let tokenizer = base.join("tokenizer.json");
@@ -697,11 +672,11 @@ fn a_failed_write_of_an_export_or_consolidation_names_its_flag() {
         v["model"]["tokenizer"] = json!(tokenizer.display().to_string());
     });
     let small = ["export", &c, "--hf", &out, "--max-shard-size", "64KB"];
-    let o = zrun_file_limit(&small, 256 << 10);
+    let o = zrun_file_limit(&small, 256 << 10, false);
     failed(&o, "--hf", "/tokenizer.json: File too large");
     assert_eq!(entries_like(&base, "export"), Vec::<String>::new());
     let f = base.join("model.safetensors").display().to_string();
-    let o = zrun_file_limit(&["consolidate", &c, "-o", &f], 64 << 10);
+    let o = zrun_file_limit(&["consolidate", &c, "-o", &f], 64 << 10, false);
     failed(&o, "-o", "model.safetensors.tmp: File too large");
     assert!(entries_like(&base, "model.safetensors").is_empty());
 }

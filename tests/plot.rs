@@ -4,11 +4,9 @@
 
 mod common;
 
-use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
 
-use common::{files_in, root, scratch, stderr, stdout, zrun};
+use common::{files_in, root, scratch, stderr, stdout, zrun, zrun_file_limit};
 use serde_json::json;
 
 /// What a synthetic run has.
@@ -319,32 +317,6 @@ fn losses_too_far_apart_for_a_float_still_plot() {
 /// The charts of a run with every field, in the order `zrun plot` draws them.
 const CHARTS: [&str; 5] = ["loss", "loss_tokens", "throughput", "memory", "breakdown"];
 
-/// `zrun args` in a process that may write no file beyond `max_file` bytes (RLIMIT_FSIZE):
-/// a longer write fails with EFBIG, as one on a full disk fails with ENOSPC.
-fn zrun_file_limit(args: &[&str], max_file: u64) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_zrun"));
-    cmd.args(args)
-        .current_dir(root())
-        .env("RUST_BACKTRACE", "0")
-        .stdin(Stdio::null());
-    // SAFETY: only async-signal-safe calls between fork and exec.
-    unsafe {
-        cmd.pre_exec(move || {
-            // A write past the limit then fails instead of killing the process.
-            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
-            let lim = libc::rlimit {
-                rlim_cur: max_file,
-                rlim_max: max_file,
-            };
-            if libc::setrlimit(libc::RLIMIT_FSIZE, &lim) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    cmd.output().unwrap()
-}
-
 /// Asserts `dir` holds exactly the ten charts, each complete (a PNG up to its IEND chunk, an
 /// SVG up to `</svg>`): no truncated chart, no temporary left behind.
 fn whole_charts(dir: &Path) {
@@ -395,7 +367,7 @@ fn a_failed_write_leaves_every_chart_whole_and_as_it_was() {
         .into_iter()
         .max_by_key(|(_, b)| b.len())
         .unwrap();
-    let o = zrun_file_limit(&["plot", &new, "-o", &out_s], bytes.len() as u64 - 1);
+    let o = zrun_file_limit(&["plot", &new, "-o", &out_s], bytes.len() as u64 - 1, true);
     whole_charts(&out);
     assert!(files_in(&out) == before, "the first plot's charts are kept");
     let err = stderr(&o);

@@ -2,8 +2,7 @@
 //! signal while shards are written, leaves no partial output (the directory it made is
 //! removed, a previous output stays whole).
 
-use std::os::unix::process::CommandExt;
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 
 use crate::common::*;
 use crate::interrupt::{interrupt_early, Seen};
@@ -13,32 +12,6 @@ const WORDS: &[u8] = br#"{"version": "1.0", "added_tokens": [], "normalizer": nu
     "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null, "decoder": null,
     "truncation": null, "padding": null,
     "model": {"type": "WordLevel", "vocab": {"hello": 0, "[UNK]": 1}, "unk_token": "[UNK]"}}"#;
-
-/// `zrun args` in a process that may write no file beyond `max_file` bytes (RLIMIT_FSIZE):
-/// a longer write fails with EFBIG, as one on a full disk fails with ENOSPC.
-fn zrun_file_limit(args: &[&str], max_file: u64) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_zrun"));
-    cmd.args(args)
-        .current_dir(root())
-        .env("RUST_BACKTRACE", "0")
-        .stdin(Stdio::null());
-    // SAFETY: only async-signal-safe calls between fork and exec.
-    unsafe {
-        cmd.pre_exec(move || {
-            // A write past the limit then fails instead of killing the process.
-            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
-            let lim = libc::rlimit {
-                rlim_cur: max_file,
-                rlim_max: max_file,
-            };
-            if libc::setrlimit(libc::RLIMIT_FSIZE, &lim) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    cmd.output().unwrap()
-}
 
 #[test]
 fn a_disk_full_at_the_index_leaves_no_partial_output() {
@@ -61,7 +34,7 @@ fn a_disk_full_at_the_index_leaves_no_partial_output() {
         "--val-fraction",
         "0",
     ];
-    let o = zrun_file_limit(&args, 4096);
+    let o = zrun_file_limit(&args, 4096, true);
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(2), "{err}");
     let line = err.lines().find(|l| l.contains("zrun: error:")).unwrap();
@@ -86,7 +59,7 @@ fn a_disk_full_at_the_index_leaves_no_partial_output() {
     assert!(o.status.success(), "{}", stderr(&o));
     let before = files_in(&out);
     assert_eq!(before.len(), 2, "index.json and train-00000.bin");
-    let o = zrun_file_limit(&args, 4096);
+    let o = zrun_file_limit(&args, 4096, true);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert_eq!(files_in(&out), before, "the previous output is whole");
 }

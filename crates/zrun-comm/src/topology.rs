@@ -352,7 +352,7 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    fn vars(kv: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    pub(super) fn vars(kv: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
         let m: HashMap<String, String> = kv
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -360,7 +360,7 @@ mod tests {
         move |k| m.get(k).cloned()
     }
 
-    fn err(kv: &[(&str, &str)]) -> String {
+    pub(super) fn err(kv: &[(&str, &str)]) -> String {
         Topology::from_vars(vars(kv)).unwrap_err().to_string()
     }
 

@@ -118,20 +118,8 @@ pub(super) fn slurm(get: &impl Fn(&str) -> Option<String>) -> Result<Option<Topo
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::{err, vars};
     use super::super::Topology;
-    use std::collections::HashMap;
-
-    fn vars(kv: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let m: HashMap<String, String> = kv
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        move |k| m.get(k).cloned()
-    }
-
-    fn err(kv: &[(&str, &str)]) -> String {
-        Topology::from_vars(vars(kv)).unwrap_err().to_string()
-    }
 
     /// Slurm variables of rank `rank` on node `node` of `nodes`, `tasks` its SLURM_TASKS_PER_NODE.
     fn slurm_vars(
